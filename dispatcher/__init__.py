@@ -1,0 +1,3 @@
+"""The dispatcher daemon. It imports only from `outbox`, never from its sibling daemon."""
+
+from __future__ import annotations

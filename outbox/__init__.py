@@ -1,0 +1,106 @@
+"""effect-outbox: the model proposes an action; the runtime owns the effect.
+
+An agent service registers its tools with side-effect contracts and records each
+decision in its own database transaction; the dispatcher and consumer daemons carry
+every recorded decision to exactly one confirmed effect, one definitive rejection or
+one escalation to a person.
+"""
+
+from __future__ import annotations
+
+from outbox.contracts import (
+    ApprovalPolicy,
+    OnUnknown,
+    Registry,
+    RetryPolicy,
+    SideEffect,
+    ToolContract,
+)
+from outbox.decisions import (
+    check_approval,
+    check_approval_async,
+    grant_approval,
+    grant_approval_async,
+    record_decision,
+    record_decision_async,
+)
+from outbox.errors import (
+    ConfigurationError,
+    ContractRefused,
+    DatabaseError,
+    DecisionConflict,
+    IllegalTransition,
+    InputRejected,
+    LeaseLost,
+    OperationNotFound,
+    OutboxError,
+    SchemaMissing,
+    ToolNotRegistered,
+    TransientDatabaseError,
+)
+from outbox.fingerprint import intent_fingerprint
+from outbox.models import (
+    Approval,
+    ApprovalCheck,
+    ApprovalStatus,
+    Operation,
+    OperationEvent,
+    RecordedDecision,
+)
+from outbox.outcomes import (
+    DefinitiveRejection,
+    EffectResult,
+    ExecutionContext,
+    Found,
+    NotFound,
+    NotSent,
+    OutcomeUnknown,
+    StillUnknown,
+)
+from outbox.settings import Settings
+from outbox.states import EventName, OperationState
+
+__all__ = [
+    "Approval",
+    "ApprovalCheck",
+    "ApprovalPolicy",
+    "ApprovalStatus",
+    "ConfigurationError",
+    "ContractRefused",
+    "DatabaseError",
+    "DecisionConflict",
+    "DefinitiveRejection",
+    "EffectResult",
+    "EventName",
+    "ExecutionContext",
+    "Found",
+    "IllegalTransition",
+    "InputRejected",
+    "LeaseLost",
+    "NotFound",
+    "NotSent",
+    "OnUnknown",
+    "Operation",
+    "OperationEvent",
+    "OperationNotFound",
+    "OperationState",
+    "OutboxError",
+    "OutcomeUnknown",
+    "RecordedDecision",
+    "Registry",
+    "RetryPolicy",
+    "SchemaMissing",
+    "Settings",
+    "SideEffect",
+    "StillUnknown",
+    "ToolContract",
+    "ToolNotRegistered",
+    "TransientDatabaseError",
+    "check_approval",
+    "check_approval_async",
+    "grant_approval",
+    "grant_approval_async",
+    "intent_fingerprint",
+    "record_decision",
+    "record_decision_async",
+]

@@ -1,0 +1,297 @@
+"""Tool contracts and the registry that refuses the unsafe ones (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+import random
+import re
+import types
+import typing
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, Generic, TypeVar
+
+import pydantic
+from pydantic import BaseModel
+
+from outbox.errors import ContractRefused, ToolNotRegistered
+from outbox.outcomes import EffectResult, ExecutionContext, Reconciliation
+
+InputT = TypeVar("InputT", bound=BaseModel)
+
+TOOL_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+
+
+class SideEffect(StrEnum):
+    """What repeating the call does to the world; decides what a retry may do."""
+
+    READ_ONLY = "read_only"
+    """Another call changes no business state."""
+    IDEMPOTENT_WRITE = "idempotent_write"
+    """The target guarantees one intended effect for equivalent calls."""
+    DEDUPLICATED_WRITE = "deduplicated_write"
+    """Safe to repeat only with the same idempotency key, inside the target's window."""
+    NON_REPEATABLE_WRITE = "non_repeatable_write"
+    """Never repeated unless reconciliation proves the first attempt did not commit."""
+
+
+class OnUnknown(StrEnum):
+    """What to do when an attempt's outcome is unknown."""
+
+    RECONCILE = "reconcile"
+    ESCALATE = "escalate"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how fast the runtime may try again.
+
+    Retry state (attempts, next attempt time, last error) lives in the operation row,
+    so it survives any crash; this policy only says what the limits are.
+    """
+
+    max_attempts: int = 3
+    initial_backoff: timedelta = timedelta(seconds=1)
+    max_backoff: timedelta = timedelta(minutes=5)
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    """Fraction of each delay drawn at random, so that workers do not retry in step."""
+    retryable_codes: frozenset[str] = frozenset()
+    """NotSent codes that may be retried; empty means every NotSent is retryable."""
+    reconcile_max_attempts: int = 5
+    """Inconclusive lookups allowed before the operation is escalated to a human."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_attempts < 1:
+            problems.append("max_attempts must be at least 1")
+        if self.reconcile_max_attempts < 1:
+            problems.append("reconcile_max_attempts must be at least 1")
+        if self.initial_backoff <= timedelta(0):
+            problems.append("initial_backoff must be positive")
+        if self.max_backoff < self.initial_backoff:
+            problems.append("max_backoff must not be shorter than initial_backoff")
+        if self.multiplier < 1.0:
+            problems.append("multiplier must be at least 1.0")
+        if not 0.0 <= self.jitter <= 1.0:
+            problems.append("jitter must be between 0.0 and 1.0")
+        if problems:
+            raise ContractRefused("retry policy refused: " + "; ".join(problems))
+
+    def may_retry(self, attempts_made: int, code: str) -> bool:
+        if attempts_made >= self.max_attempts:
+            return False
+        return not self.retryable_codes or code in self.retryable_codes
+
+    def backoff(self, attempts_made: int, rng: random.Random | None = None) -> timedelta:
+        """Delay before the next attempt, after ``attempts_made`` (>= 1) attempts."""
+        base = self.initial_backoff.total_seconds() * self.multiplier ** max(0, attempts_made - 1)
+        capped = min(base, self.max_backoff.total_seconds())
+        spread = capped * self.jitter
+        draw = (rng or random).uniform(-spread, spread)
+        return timedelta(seconds=max(0.0, capped + draw))
+
+
+@dataclass(frozen=True)
+class ApprovalPolicy:
+    """Whether a person must approve an operation before its effect is attempted."""
+
+    required: bool = False
+    when: Callable[[Any], bool] | None = None
+    """Predicate on the validated input; approval is required when it returns True."""
+    explanation: str = "no approval required"
+
+    @classmethod
+    def never(cls) -> ApprovalPolicy:
+        return cls()
+
+    @classmethod
+    def always(cls) -> ApprovalPolicy:
+        return cls(required=True, explanation="every operation needs an approval")
+
+    @classmethod
+    def above(cls, field_name: str, threshold: float) -> ApprovalPolicy:
+        """Approval required when ``input.<field_name> > threshold``."""
+
+        def exceeds(model: Any) -> bool:
+            return bool(getattr(model, field_name) > threshold)
+
+        return cls(
+            required=True,
+            when=exceeds,
+            explanation=f"approval required when {field_name} > {threshold}",
+        )
+
+    def applies_to(self, validated_input: BaseModel) -> bool:
+        if not self.required:
+            return False
+        return self.when is None or self.when(validated_input)
+
+
+Execute = Callable[[InputT, ExecutionContext], Awaitable[EffectResult]]
+Reconcile = Callable[[InputT, ExecutionContext], Awaitable[Reconciliation]]
+
+
+@dataclass(frozen=True)
+class ToolContract(Generic[InputT]):
+    """A side-effecting tool and the rules the runtime enforces around it."""
+
+    name: str
+    version: int
+    input_model: type[InputT]
+    side_effect: SideEffect
+    execute: Execute[InputT]
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    reconcile: Reconcile[InputT] | None = None
+    approval: ApprovalPolicy = field(default_factory=ApprovalPolicy.never)
+    dedupe_window: timedelta | None = None
+    """For deduplicated writes: how long the target keeps idempotency keys."""
+    on_unknown: OnUnknown = OnUnknown.RECONCILE
+    deadline: timedelta = timedelta(seconds=30)
+    """The runtime cancels a call that runs longer; the lease outlives it by a margin."""
+    description: str = ""
+    """The intended business effect, in a sentence, for the contract card."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.version)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name!r} v{self.version}"
+
+    def mcp_annotations(self) -> dict[str, bool]:
+        """MCP tool annotations derived from this contract (exported, never imported)."""
+        read_only = self.side_effect is SideEffect.READ_ONLY
+        return {
+            "readOnlyHint": read_only,
+            "destructiveHint": self.side_effect is SideEffect.NON_REPEATABLE_WRITE,
+            "idempotentHint": read_only or self.side_effect is SideEffect.IDEMPOTENT_WRITE,
+        }
+
+
+class Registry:
+    """The tools a process knows, by name and version.
+
+    ``register`` refuses contracts that cannot be made safe, with a message that names
+    the problem and the fix; nothing about a refused contract is kept.
+    """
+
+    def __init__(self) -> None:
+        self._contracts: dict[tuple[str, int], ToolContract[Any]] = {}
+
+    def register(self, contract: ToolContract[InputT]) -> ToolContract[InputT]:
+        problems = contract_problems(contract)
+        if contract.key in self._contracts:
+            problems.append(f"tool {contract.label} is already registered")
+        if problems:
+            raise ContractRefused(
+                f"tool {contract.label} refused: " + "; ".join(problems), problems=problems
+            )
+        self._contracts[contract.key] = contract
+        return contract
+
+    def get(self, name: str, version: int | None = None) -> ToolContract[Any]:
+        """The contract for ``name`` at ``version``, or its latest version if None."""
+        if version is None:
+            versions = [v for (n, v) in self._contracts if n == name]
+            if versions:
+                return self._contracts[(name, max(versions))]
+        elif (name, version) in self._contracts:
+            return self._contracts[(name, version)]
+        wanted = f"{name!r}" + ("" if version is None else f" v{version}")
+        raise ToolNotRegistered(
+            f"tool {wanted} is not registered; registered: {self.describe() or 'none'}"
+        )
+
+    def describe(self) -> str:
+        return ", ".join(c.label for c in self)
+
+    def __iter__(self) -> Iterator[ToolContract[Any]]:
+        return iter(sorted(self._contracts.values(), key=lambda c: c.key))
+
+    def __len__(self) -> int:
+        return len(self._contracts)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._contracts
+
+
+def contract_problems(contract: ToolContract[Any]) -> list[str]:
+    """Everything that makes a contract unsafe to run, in words that say the fix."""
+    problems: list[str] = []
+    if not isinstance(contract.name, str) or not TOOL_NAME.match(contract.name):
+        problems.append(
+            f"name must match {TOOL_NAME.pattern} (it becomes a routing key and a metric label)"
+        )
+    if not isinstance(contract.version, int) or contract.version < 1:
+        problems.append("version must be an integer >= 1; a changed contract is a new version")
+    if not (isinstance(contract.input_model, type) and issubclass(contract.input_model, BaseModel)):
+        problems.append("input_model must be a pydantic BaseModel subclass")
+    else:
+        problems.extend(
+            f"input field {path} is a secret ({kind}); credentials belong to the tool's "
+            "runtime configuration, never to the recorded intent"
+            for path, kind in secret_fields(contract.input_model)
+        )
+    if not isinstance(contract.side_effect, SideEffect):
+        problems.append(f"side_effect must be one of {[s.value for s in SideEffect]}")
+    if not callable(contract.execute):
+        problems.append("execute must be callable")
+    if contract.reconcile is not None and not callable(contract.reconcile):
+        problems.append("reconcile must be callable")
+    if (
+        contract.side_effect is SideEffect.NON_REPEATABLE_WRITE
+        and contract.reconcile is None
+        and contract.on_unknown is not OnUnknown.ESCALATE
+    ):
+        problems.append(
+            "a non_repeatable_write needs reconcile= (a lookup that finds the effect) or an "
+            "explicit on_unknown=OnUnknown.ESCALATE (a person checks every unknown outcome)"
+        )
+    if contract.side_effect is SideEffect.DEDUPLICATED_WRITE:
+        if contract.dedupe_window is None or contract.dedupe_window <= timedelta(0):
+            problems.append(
+                "a deduplicated_write needs dedupe_window= (how long the target keeps "
+                "idempotency keys, e.g. timedelta(hours=24) for Stripe)"
+            )
+    elif contract.dedupe_window is not None:
+        problems.append("dedupe_window applies only to a deduplicated_write")
+    if contract.deadline <= timedelta(0):
+        problems.append("deadline must be positive")
+    return problems
+
+
+_SECRET_TYPES: tuple[type, ...] = (pydantic.SecretStr, pydantic.SecretBytes, pydantic.Secret)
+
+
+def secret_fields(model: type[BaseModel]) -> list[tuple[str, str]]:
+    """(dotted path, type name) of every secret-typed field, nested models included."""
+    found: list[tuple[str, str]] = []
+    _collect_secret_fields(model, model.__name__, found, set())
+    return found
+
+
+def _collect_secret_fields(
+    model: type[BaseModel], prefix: str, found: list[tuple[str, str]], seen: set[type]
+) -> None:
+    if model in seen:
+        return
+    seen.add(model)
+    for name, info in model.model_fields.items():
+        path = f"{prefix}.{name}"
+        for annotation in _flatten(info.annotation):
+            origin = typing.get_origin(annotation) or annotation
+            if isinstance(origin, type) and issubclass(origin, _SECRET_TYPES):
+                found.append((path, origin.__name__))
+            elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                _collect_secret_fields(annotation, path, found, seen)
+
+
+def _flatten(annotation: Any) -> Iterator[Any]:
+    """The annotation and every type nested in it (Optional, list[...], dict[...], ...)."""
+    yield annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is not None:
+        for argument in typing.get_args(annotation):
+            yield from _flatten(argument)

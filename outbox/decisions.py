@@ -1,0 +1,217 @@
+"""Recording an agent's decision: the entry point an agent service calls.
+
+Validation, canonicalization and fingerprinting happen here, before anything touches
+the database; bad input raises :class:`InputRejected` and writes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+import pydantic
+from pydantic import BaseModel
+
+from outbox import store
+from outbox.contracts import Registry, ToolContract
+from outbox.errors import InputRejected
+from outbox.fingerprint import canonical_json, intent_fingerprint
+from outbox.models import Approval, ApprovalCheck, ApprovalDecision, RecordedDecision
+from outbox.store import AsyncConnection, AsyncStore, NewDecision, Store, SyncConnection
+
+MAX_INPUT_BYTES = 256 * 1024
+MAX_ID_LENGTH = 200
+_TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def prepare_decision(
+    registry: Registry,
+    tool: str,
+    tool_input: Mapping[str, Any] | BaseModel,
+    *,
+    run_id: str,
+    decision_key: str | None = None,
+    tool_version: int | None = None,
+    traceparent: str | None = None,
+) -> NewDecision:
+    """Validate and fingerprint a decision without touching the database."""
+    contract = registry.get(tool, tool_version)
+    _check_identifier("run_id", run_id)
+    if decision_key is not None:
+        _check_identifier("decision_key", decision_key)
+    headers: dict[str, str] = {}
+    if traceparent is not None:
+        if not _TRACEPARENT.match(traceparent):
+            raise InputRejected(
+                "traceparent is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)",
+                problems=["traceparent"],
+            )
+        headers["traceparent"] = traceparent
+    validated = validate_input(contract, tool_input)
+    input_json = validated.model_dump(mode="json")
+    canonical = canonical_json(input_json)
+    if len(canonical) > MAX_INPUT_BYTES:
+        raise InputRejected(
+            f"input for tool {contract.label} is {len(canonical)} bytes in canonical JSON; "
+            f"the limit is {MAX_INPUT_BYTES}. Store large payloads elsewhere and pass a reference",
+            problems=["input too large"],
+        )
+    if b"\\u0000" in canonical:
+        raise InputRejected(
+            f"input for tool {contract.label} holds a NUL character, which Postgres cannot store",
+            problems=["NUL character"],
+        )
+    return NewDecision(
+        run_id=run_id,
+        decision_key=decision_key,
+        tool_name=contract.name,
+        tool_version=contract.version,
+        side_effect=str(contract.side_effect),
+        input=input_json,
+        input_fingerprint=intent_fingerprint(contract.name, contract.version, input_json),
+        requires_approval=contract.approval.applies_to(validated),
+        headers=headers,
+    )
+
+
+def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | BaseModel) -> Any:
+    """The contract's input model, validated; refuses input that does not survive a
+    round trip through JSON, since the consumer will rebuild it from the stored JSON."""
+    raw = tool_input.model_dump(mode="json") if isinstance(tool_input, BaseModel) else tool_input
+    try:
+        validated = contract.input_model.model_validate(raw)
+        stored = validated.model_dump(mode="json")
+        rebuilt = contract.input_model.model_validate(stored)
+    except pydantic.ValidationError as exc:
+        problems = [
+            f"{'.'.join(map(str, error['loc'])) or '(input)'}: {error['msg']}"
+            for error in exc.errors(include_input=False, include_url=False)
+        ]
+        raise InputRejected(
+            f"input for tool {contract.label} is invalid: {'; '.join(problems)}",
+            problems=problems,
+        ) from None
+    if rebuilt.model_dump(mode="json") != stored:
+        raise InputRejected(
+            f"input model of tool {contract.label} does not survive a JSON round trip; the "
+            "consumer would execute something other than what was recorded",
+            problems=["not JSON round-trippable"],
+        )
+    return validated
+
+
+def _check_identifier(name: str, value: str) -> None:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_LENGTH:
+        raise InputRejected(
+            f"{name} must be a string of 1 to {MAX_ID_LENGTH} characters", problems=[name]
+        )
+    if "\x00" in value:
+        raise InputRejected(f"{name} holds a NUL character", problems=[name])
+
+
+def record_decision(
+    connection: SyncConnection,
+    registry: Registry,
+    tool: str,
+    tool_input: Mapping[str, Any] | BaseModel,
+    *,
+    run_id: str,
+    decision_key: str | None = None,
+    tool_version: int | None = None,
+    traceparent: str | None = None,
+) -> RecordedDecision:
+    """Record an agent decision in the caller's transaction.
+
+    Writes the operation (``prepared``), its outbox row and its ``operation.prepared``
+    event in one statement; they become visible together when the caller commits, and
+    vanish together if it rolls back. With a ``decision_key`` the call is idempotent per
+    ``(run_id, decision_key)``: the same intent returns the existing operation
+    (``created=False``), a different intent raises :class:`DecisionConflict`.
+    ``tool_version`` None means the latest registered version.
+    """
+    decision = prepare_decision(
+        registry,
+        tool,
+        tool_input,
+        run_id=run_id,
+        decision_key=decision_key,
+        tool_version=tool_version,
+        traceparent=traceparent,
+    )
+    return Store(connection).run(store.record_decision(decision))
+
+
+async def record_decision_async(
+    connection: AsyncConnection,
+    registry: Registry,
+    tool: str,
+    tool_input: Mapping[str, Any] | BaseModel,
+    *,
+    run_id: str,
+    decision_key: str | None = None,
+    tool_version: int | None = None,
+    traceparent: str | None = None,
+) -> RecordedDecision:
+    """The async twin of :func:`record_decision`."""
+    decision = prepare_decision(
+        registry,
+        tool,
+        tool_input,
+        run_id=run_id,
+        decision_key=decision_key,
+        tool_version=tool_version,
+        traceparent=traceparent,
+    )
+    return await (await AsyncStore.on(connection)).run(store.record_decision(decision))
+
+
+def grant_approval(
+    connection: SyncConnection,
+    operation_id: UUID,
+    *,
+    approved_by: str,
+    ttl: timedelta,
+    intent_hash: str | None = None,
+) -> Approval:
+    """Grant approval for one operation and intent; queues the operation again."""
+    return Store(connection).run(
+        store.decide_approval(
+            operation_id,
+            decision=ApprovalDecision.GRANTED,
+            approved_by=approved_by,
+            ttl=ttl,
+            intent_hash=intent_hash,
+        )
+    )
+
+
+async def grant_approval_async(
+    connection: AsyncConnection,
+    operation_id: UUID,
+    *,
+    approved_by: str,
+    ttl: timedelta,
+    intent_hash: str | None = None,
+) -> Approval:
+    """The async twin of :func:`grant_approval`."""
+    plan = store.decide_approval(
+        operation_id,
+        decision=ApprovalDecision.GRANTED,
+        approved_by=approved_by,
+        ttl=ttl,
+        intent_hash=intent_hash,
+    )
+    return await (await AsyncStore.on(connection)).run(plan)
+
+
+def check_approval(connection: SyncConnection, operation_id: UUID) -> ApprovalCheck:
+    """Valid, missing, expired, denied or intent changed: may the effect be attempted?"""
+    return Store(connection).run(store.check_approval(operation_id))
+
+
+async def check_approval_async(connection: AsyncConnection, operation_id: UUID) -> ApprovalCheck:
+    """The async twin of :func:`check_approval`."""
+    return await (await AsyncStore.on(connection)).run(store.check_approval(operation_id))

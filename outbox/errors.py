@@ -1,0 +1,137 @@
+"""Every error effect-outbox raises descends from :class:`OutboxError`.
+
+Each class's docstring is its default message. Messages name the cause and, where
+there is one, the fix; they never carry tool inputs, secrets or user text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+
+class OutboxError(Exception):
+    """effect-outbox failed."""
+
+    driver_error: BaseException | None = None
+
+    def __init__(self, message: str | None = None, **context: Any) -> None:
+        self.message = message or (self.__doc__ or "").strip()
+        self.context = context
+        super().__init__(self.message)
+
+
+class ConfigurationError(OutboxError):
+    """The runtime is misconfigured."""
+
+
+class ContractRefused(OutboxError):
+    """This tool contract cannot be made safe and was not registered."""
+
+
+class ToolNotRegistered(OutboxError):
+    """No tool with this name and version is registered."""
+
+
+class InputRejected(OutboxError):
+    """The tool input failed validation; nothing was recorded."""
+
+    def __init__(self, message: str | None = None, *, problems: list[str] | None = None) -> None:
+        super().__init__(message, problems=problems or [])
+        self.problems = problems or []
+
+
+class DecisionConflict(OutboxError):
+    """This decision key was already recorded with a different intent; nothing was recorded."""
+
+
+class OperationNotFound(OutboxError):
+    """No operation has this id."""
+
+
+class IllegalTransition(OutboxError):
+    """The state machine forbids this transition; nothing was changed."""
+
+
+class LeaseLost(IllegalTransition):
+    """The lease token no longer matches: another worker owns this operation now."""
+
+
+class SchemaMissing(OutboxError):
+    """The outbox tables are missing in this database: run `outbox migrate`."""
+
+
+class DatabaseError(OutboxError):
+    """The database refused or failed an outbox operation."""
+
+
+class UniqueViolation(DatabaseError):
+    """A uniqueness constraint refused the write."""
+
+    def __init__(self, message: str | None = None, *, constraint: str | None = None) -> None:
+        super().__init__(message, constraint=constraint)
+        self.constraint = constraint
+
+
+class TransientDatabaseError(DatabaseError):
+    """The database failed in a way that a new transaction may not: retry the transaction."""
+
+
+_TRANSIENT_SQLSTATE_CLASSES = ("08", "40", "53", "57")
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """SQLAlchemy wraps driver errors; the driver's error is on ``.orig``."""
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, BaseException) else exc
+
+
+@contextlib.contextmanager
+def wrap_database_errors(action: str) -> Iterator[None]:
+    """Translate driver errors into outbox errors, the one place this happens.
+
+    Messages keep the SQLSTATE and constraint name, never the statement's parameters
+    or the server's DETAIL line (it quotes key values). The driver error is kept on
+    ``driver_error`` for code, and the chain is cut so a logged traceback cannot
+    print it.
+    """
+    try:
+        yield
+    except OutboxError:
+        raise
+    except Exception as exc:
+        driver_error = _unwrap(exc)
+        if not isinstance(driver_error, psycopg.Error):
+            raise
+        error = _translate(action, driver_error)
+        error.driver_error = driver_error
+        raise error from None
+
+
+def _translate(action: str, driver_error: psycopg.Error) -> OutboxError:
+    diag = driver_error.diag
+    constraint = diag.constraint_name
+    sqlstate = driver_error.sqlstate or ""
+    if isinstance(driver_error, psycopg.errors.UndefinedTable):
+        return SchemaMissing()
+    if isinstance(driver_error, psycopg.errors.UniqueViolation):
+        return UniqueViolation(
+            f"{action}: unique constraint {constraint!r} refused the write", constraint=constraint
+        )
+    if constraint in ("operations_legal_transition", "operations_terminal"):
+        return IllegalTransition(
+            f"{action}: the database refused it: {diag.message_primary or 'illegal transition'}"
+        )
+    if isinstance(driver_error, psycopg.OperationalError) or sqlstate.startswith(
+        _TRANSIENT_SQLSTATE_CLASSES
+    ):
+        return TransientDatabaseError(
+            f"{action}: transient database failure "
+            f"(SQLSTATE {sqlstate or 'none'}, {type(driver_error).__name__})"
+        )
+    detail = f"constraint {constraint!r}" if constraint else type(driver_error).__name__
+    return DatabaseError(f"{action}: database error (SQLSTATE {sqlstate or 'none'}, {detail})")

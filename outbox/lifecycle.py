@@ -1,0 +1,49 @@
+"""Lifecycle events in the log, one line per transition, in the form of DESIGN.md section 10:
+
+    operation.outcome_unknown id=op_3f2a... tool=send_refund reason=deadline_exceeded
+
+The same event is written to ``operation_events`` by the statement that makes the
+transition. The log line is emitted when that statement succeeds, inside the caller's
+transaction: a transaction that later rolls back leaves a line with no row behind it,
+which ``outbox ops show`` (the table) settles.
+
+Attributes are built by the runtime from ids, codes and counters only; tool inputs,
+secrets and user text never reach them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+
+from outbox.models import Operation, display_operation_id
+
+logger = logging.getLogger("outbox.lifecycle")
+
+_BARE = re.compile(r"^[A-Za-z0-9_.:/@+-]+$")
+
+Scalar = str | int | float | bool | None
+
+
+def logfmt_value(value: Scalar) -> str:
+    text = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if _BARE.match(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def format_event(name: str, attributes: Mapping[str, Scalar]) -> str:
+    return " ".join([name, *(f"{key}={logfmt_value(value)}" for key, value in attributes.items())])
+
+
+def emit(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> None:
+    fields: dict[str, Scalar] = {
+        "id": display_operation_id(operation.id),
+        "tool": operation.tool_name,
+    }
+    fields.update((k, v) for k, v in attributes.items() if k not in ("tool", "from", "to"))
+    logger.info(
+        format_event(name, fields),
+        extra={"action": name, "operation_id": str(operation.id), "event_attributes": fields},
+    )

@@ -1,0 +1,60 @@
+"""``outbox migrate``: create the database if it is missing, then apply ``schema.sql``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+
+from outbox import store
+from outbox.errors import ConfigurationError
+from outbox.settings import database_name, libpq_url, redact_url, with_database
+
+MAINTENANCE_DATABASE = "postgres"
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    database: str
+    created_database: bool
+    schema_version: int
+
+
+def ensure_database(url: str) -> bool:
+    """Create the URL's database when it does not exist; True if this call created it."""
+    url = libpq_url(url)
+    name = database_name(url)
+    try:
+        psycopg.connect(url, connect_timeout=10).close()
+        return False
+    except psycopg.OperationalError as first_failure:
+        try:
+            with psycopg.connect(
+                with_database(url, MAINTENANCE_DATABASE), autocommit=True, connect_timeout=10
+            ) as admin:
+                if store.database_exists(admin, name):
+                    raise _unreachable(url, first_failure) from None
+                return store.create_database(admin, name)
+        except psycopg.OperationalError:
+            raise _unreachable(url, first_failure) from None
+
+
+def _unreachable(url: str, failure: psycopg.OperationalError) -> ConfigurationError:
+    lines = str(failure).strip().splitlines()
+    reason = lines[-1] if lines else type(failure).__name__
+    return ConfigurationError(
+        f"cannot connect to {redact_url(url)}: {reason}. Is Postgres running, and is "
+        "OUTBOX_DATABASE_URL right?"
+    )
+
+
+def migrate(url: str) -> MigrationReport:
+    created = ensure_database(url)
+    try:
+        with psycopg.connect(libpq_url(url), connect_timeout=10) as connection:
+            version = store.apply_schema(connection)
+    except psycopg.OperationalError as failure:
+        raise _unreachable(libpq_url(url), failure) from None
+    return MigrationReport(
+        database=database_name(libpq_url(url)), created_database=created, schema_version=version
+    )

@@ -1,0 +1,125 @@
+"""Records that cross a boundary (database rows handed to callers, CLI JSON output)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict
+
+from outbox.contracts import SideEffect
+from outbox.fingerprint import sanitized
+from outbox.states import OperationState
+
+OPERATION_ID_PREFIX = "op_"
+
+
+def display_operation_id(operation_id: UUID) -> str:
+    """How an operation id appears in logs and the CLI: ``op_<uuid>``."""
+    return f"{OPERATION_ID_PREFIX}{operation_id}"
+
+
+def parse_operation_id(text: str) -> UUID:
+    """Accepts ``op_<uuid>`` or a bare UUID."""
+    return UUID(text.removeprefix(OPERATION_ID_PREFIX))
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class Operation(_Record):
+    """One agent decision and where its effect stands."""
+
+    id: UUID
+    run_id: str
+    decision_key: str | None
+    tool_name: str
+    tool_version: int
+    side_effect: SideEffect
+    input: dict[str, Any]
+    input_fingerprint: str
+    requires_approval: bool
+    state: OperationState
+    attempts: int
+    reconcile_attempts: int
+    lease_token: int
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    next_attempt_at: datetime
+    first_attempt_at: datetime | None
+    provider_reference: str | None
+    result: dict[str, Any] | None
+    last_error_class: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def display_id(self) -> str:
+        return display_operation_id(self.id)
+
+    @property
+    def sanitized_fingerprint(self) -> str:
+        return sanitized(self.input_fingerprint)
+
+
+class RecordedDecision(_Record):
+    """What ``record_decision`` returns: the operation, and whether this call created it."""
+
+    operation: Operation
+    created: bool
+
+
+class OperationEvent(_Record):
+    id: int
+    operation_id: UUID
+    name: str
+    attributes: dict[str, Any]
+    created_at: datetime
+
+
+class OutboxRow(_Record):
+    id: int
+    operation_id: UUID
+    routing_key: str
+    headers: dict[str, Any]
+    created_at: datetime
+    available_at: datetime
+    published_at: datetime | None
+    publish_attempts: int
+    last_error: str | None
+
+
+class ApprovalDecision(StrEnum):
+    GRANTED = "granted"
+    DENIED = "denied"
+
+
+class Approval(_Record):
+    id: UUID
+    operation_id: UUID
+    intent_hash: str
+    decision: ApprovalDecision
+    approved_by: str
+    expires_at: datetime
+    created_at: datetime
+
+
+class ApprovalStatus(StrEnum):
+    VALID = "valid"
+    MISSING = "missing"
+    EXPIRED = "expired"
+    INTENT_CHANGED = "intent_changed"
+    DENIED = "denied"
+
+
+class ApprovalCheck(_Record):
+    status: ApprovalStatus
+    reason: str
+    approval: Approval | None = None
+
+    @property
+    def is_valid(self) -> bool:
+        return self.status is ApprovalStatus.VALID

@@ -1,0 +1,119 @@
+"""One settings model for every process, read from ``OUTBOX_*`` environment variables.
+
+CLI flags override the environment; the CLI builds its flags from these fields, so a
+flag and its variable can never drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from outbox.errors import ConfigurationError
+
+ENV_PREFIX = "OUTBOX_"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    database_url: SecretStr = Field(
+        default=SecretStr("postgresql+psycopg://localhost:5432/outbox"),
+        description="Postgres URL (postgresql:// or postgresql+psycopg://)",
+    )
+    amqp_url: SecretStr = Field(
+        default=SecretStr("amqp://guest:guest@localhost:5672/"),
+        description="RabbitMQ URL",
+    )
+    notify_channel: str = Field(
+        default="outbox_pending",
+        description="Postgres NOTIFY channel that wakes dispatchers (fixed by schema.sql)",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="log level"
+    )
+    log_format: Literal["logfmt", "json"] = Field(default="logfmt", description="log line format")
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_scheme(cls, value: SecretStr) -> SecretStr:
+        scheme = urlsplit(value.get_secret_value()).scheme
+        if scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
+            raise ValueError(
+                f"database URL scheme {scheme!r} is not supported; use postgresql:// "
+                "or postgresql+psycopg:// (psycopg 3)"
+            )
+        return value
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_scheme(cls, value: SecretStr) -> SecretStr:
+        scheme = urlsplit(value.get_secret_value()).scheme
+        if scheme not in ("amqp", "amqps"):
+            raise ValueError(
+                f"AMQP URL scheme {scheme!r} is not supported; use amqp:// or amqps://"
+            )
+        return value
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return sqlalchemy_url(self.database_url.get_secret_value())
+
+    @property
+    def libpq_url(self) -> str:
+        return libpq_url(self.database_url.get_secret_value())
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit values (CLI flags) on top."""
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{ENV_PREFIX}{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        )
+        raise ConfigurationError(f"invalid settings: {problems}") from None
+
+
+def sqlalchemy_url(url: str) -> str:
+    """The URL with the psycopg 3 driver named, as SQLAlchemy wants it."""
+    parts = urlsplit(url)
+    if parts.scheme in ("postgresql", "postgres"):
+        parts = parts._replace(scheme="postgresql+psycopg")
+    return urlunsplit(parts)
+
+
+def libpq_url(url: str) -> str:
+    """The URL without a SQLAlchemy driver suffix, as psycopg and libpq want it."""
+    parts = urlsplit(url)
+    if parts.scheme in ("postgresql+psycopg", "postgres"):
+        parts = parts._replace(scheme="postgresql")
+    return urlunsplit(parts)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, fit for a log line or an error message."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def database_name(url: str) -> str:
+    name = urlsplit(url).path.lstrip("/")
+    if not name:
+        raise ConfigurationError("the database URL names no database (add /outbox to it)")
+    return name
+
+
+def with_database(url: str, name: str) -> str:
+    """The same server URL pointing at another database."""
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))

@@ -1,0 +1,56 @@
+"""The SQL effect-outbox runs, loaded by name from ``queries.sql``, and the DDL.
+
+A query starts with ``-- name: <name>`` followed by a one-line ``-- <description>``;
+its text runs to the next header. Parsed once, at import.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+_HEADER = re.compile(r"^-- name: *(?P<name>[a-z_][a-z0-9_]*) *$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Query:
+    name: str
+    description: str
+    sql: str
+
+
+class QueryFileError(ValueError):
+    pass
+
+
+def parse_queries(text: str) -> dict[str, Query]:
+    headers = list(_HEADER.finditer(text))
+    queries: dict[str, Query] = {}
+    for index, header in enumerate(headers):
+        name = header["name"]
+        end = headers[index + 1].start() if index + 1 < len(headers) else len(text)
+        body = text[header.end() : end].strip("\n")
+        first_line, _, rest = body.partition("\n")
+        if not first_line.startswith("-- ") or not first_line[3:].strip():
+            raise QueryFileError(f"query {name!r} needs a one-line '-- description' under its name")
+        sql = rest.strip().rstrip(";").strip()
+        if not sql:
+            raise QueryFileError(f"query {name!r} has no SQL")
+        if name in queries:
+            raise QueryFileError(f"query {name!r} is defined twice")
+        queries[name] = Query(name=name, description=first_line[3:].strip(), sql=sql)
+    return queries
+
+
+def schema_sql() -> str:
+    """The DDL: the copy packaged in a wheel, else ``schema.sql`` at the repository root."""
+    packaged = resources.files("outbox").joinpath("schema.sql")
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    checkout = Path(__file__).resolve().parents[2] / "schema.sql"
+    return checkout.read_text(encoding="utf-8")
+
+
+QUERIES = parse_queries(resources.files(__name__).joinpath("queries.sql").read_text("utf-8"))

@@ -1,0 +1,128 @@
+-- Every statement effect-outbox runs, by name. Parsed once by outbox.sql; only
+-- outbox.store executes them. Parameters use psycopg's %(name)s style.
+
+-- name: insert_decision
+-- Write the operation (prepared), its outbox row and its operation.prepared event in one statement; no row back when (run_id, decision_key) is taken.
+WITH operation AS (
+    INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version, side_effect,
+                            input, input_fingerprint, requires_approval)
+    VALUES (%(id)s, %(run_id)s, %(decision_key)s, %(tool_name)s, %(tool_version)s,
+            %(side_effect)s, %(input)s, %(input_fingerprint)s, %(requires_approval)s)
+    ON CONFLICT (run_id, decision_key) DO NOTHING
+    RETURNING *
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key, headers)
+    SELECT id, tool_name || '.v' || tool_version, %(headers)s FROM operation
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, 'operation.prepared', %(event_attributes)s FROM operation
+)
+SELECT * FROM operation
+
+-- name: get_operation
+-- One operation by id.
+SELECT * FROM operations WHERE id = %(id)s
+
+-- name: get_operation_by_decision_key
+-- The operation an agent already recorded under (run_id, decision_key).
+SELECT * FROM operations WHERE run_id = %(run_id)s AND decision_key = %(decision_key)s
+
+-- name: claim_operation
+-- prepared -> in_flight for one worker: bump attempts and the fencing token, set the lease, append operation.attempted.
+WITH claimed AS (
+    UPDATE operations
+    SET state = 'in_flight',
+        attempts = attempts + 1,
+        lease_token = lease_token + 1,
+        lease_owner = %(owner)s,
+        lease_expires_at = now() + %(lease)s::interval,
+        first_attempt_at = COALESCE(first_attempt_at, now())
+    WHERE id = %(id)s AND state = 'prepared'
+    RETURNING *
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, 'operation.attempted',
+           jsonb_build_object('attempt', attempts, 'lease_token', lease_token, 'worker', lease_owner)
+    FROM claimed
+)
+SELECT * FROM claimed
+
+-- name: transition_operation
+-- Guarded move source -> target (state and, when given, fencing token must match); appends the event and, when asked, a fresh outbox row.
+WITH moved AS (
+    UPDATE operations
+    SET state = %(target)s,
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        provider_reference = COALESCE(%(provider_reference)s, provider_reference),
+        result = COALESCE(%(result)s, result),
+        last_error_class = COALESCE(%(error_class)s, last_error_class),
+        next_attempt_at = COALESCE(now() + %(delay)s::interval, next_attempt_at),
+        reconcile_attempts = reconcile_attempts + %(reconcile_increment)s::integer
+    WHERE id = %(id)s
+      AND state = %(source)s
+      AND (%(lease_token)s::bigint IS NULL OR lease_token = %(lease_token)s::bigint)
+    RETURNING *
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, %(event_name)s, %(event_attributes)s FROM moved
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key, available_at)
+    SELECT id, tool_name || '.v' || tool_version, next_attempt_at FROM moved
+    WHERE %(requeue)s
+)
+SELECT * FROM moved
+
+-- name: list_events
+-- The lifecycle events of one operation, oldest first.
+SELECT id, operation_id, name, attributes, created_at
+FROM operation_events
+WHERE operation_id = %(operation_id)s
+ORDER BY id
+
+-- name: list_outbox_rows
+-- The outbox rows of one operation, oldest first.
+SELECT id, operation_id, routing_key, headers, created_at, available_at, published_at,
+       publish_attempts, last_error
+FROM outbox
+WHERE operation_id = %(operation_id)s
+ORDER BY id
+
+-- name: insert_approval
+-- Record a person's grant or denial bound to the operation's intent; a grant for a waiting operation also queues a fresh outbox row.
+WITH decided AS (
+    INSERT INTO approvals (id, operation_id, intent_hash, decision, approved_by, expires_at)
+    SELECT %(id)s, id, COALESCE(%(intent_hash)s, input_fingerprint), %(decision)s,
+           %(approved_by)s, now() + %(ttl)s::interval
+    FROM operations
+    WHERE id = %(operation_id)s
+    RETURNING *
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT operation_id,
+           CASE decision WHEN 'granted' THEN 'operation.approval_granted'
+                         ELSE 'operation.approval_denied' END,
+           jsonb_build_object('approval_id', id, 'by', approved_by,
+                              'intent', left(intent_hash, 12), 'expires_at', expires_at)
+    FROM decided
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key)
+    SELECT o.id, o.tool_name || '.v' || o.tool_version
+    FROM decided d JOIN operations o ON o.id = d.operation_id
+    WHERE d.decision = 'granted' AND o.state = 'prepared'
+)
+SELECT * FROM decided
+
+-- name: latest_approval
+-- The operation's fingerprint, the database's clock and its most recent approval decision, if any.
+SELECT o.input_fingerprint AS operation_fingerprint,
+       now() AS checked_at,
+       a.id, a.operation_id, a.intent_hash, a.decision, a.approved_by, a.expires_at, a.created_at
+FROM operations o
+LEFT JOIN LATERAL (
+    SELECT * FROM approvals
+    WHERE operation_id = o.id
+    ORDER BY created_at DESC
+    LIMIT 1
+) a ON true
+WHERE o.id = %(operation_id)s

@@ -1,0 +1,72 @@
+"""The operation state machine (DESIGN.md section 5).
+
+``schema.sql`` enforces the same edges with a trigger; a unit test keeps the two in
+step, so a change to one without the other fails the suite.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class OperationState(StrEnum):
+    PREPARED = "prepared"
+    IN_FLIGHT = "in_flight"
+    COMMITTED = "committed"
+    REJECTED = "rejected"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    ESCALATED = "escalated"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({OperationState.COMMITTED, OperationState.REJECTED})
+
+_S = OperationState
+
+LEGAL_TRANSITIONS: frozenset[tuple[OperationState, OperationState]] = frozenset(
+    {
+        (_S.PREPARED, _S.IN_FLIGHT),
+        (_S.IN_FLIGHT, _S.COMMITTED),
+        (_S.IN_FLIGHT, _S.REJECTED),
+        (_S.IN_FLIGHT, _S.PREPARED),
+        (_S.IN_FLIGHT, _S.OUTCOME_UNKNOWN),
+        (_S.OUTCOME_UNKNOWN, _S.COMMITTED),
+        (_S.OUTCOME_UNKNOWN, _S.PREPARED),
+        (_S.OUTCOME_UNKNOWN, _S.ESCALATED),
+        (_S.ESCALATED, _S.COMMITTED),
+        (_S.ESCALATED, _S.REJECTED),
+        (_S.ESCALATED, _S.PREPARED),
+    }
+)
+
+# Leaving these states means some process may have talked to the provider on the
+# operation's behalf, so the write must prove it still holds the lease it claimed.
+FENCED_SOURCES = frozenset({_S.IN_FLIGHT})
+
+
+def is_legal(source: OperationState, target: OperationState) -> bool:
+    return (source, target) in LEGAL_TRANSITIONS
+
+
+def legal_targets(source: OperationState) -> list[OperationState]:
+    return sorted((t for s, t in LEGAL_TRANSITIONS if s == source), key=list(_S).index)
+
+
+class EventName(StrEnum):
+    """Lifecycle event names, as they appear in the event table and the log."""
+
+    PREPARED = "operation.prepared"
+    ATTEMPTED = "operation.attempted"
+    COMMITTED = "operation.committed"
+    REJECTED = "operation.rejected"
+    RETRY_SCHEDULED = "operation.retry_scheduled"
+    OUTCOME_UNKNOWN = "operation.outcome_unknown"
+    RECONCILED = "operation.reconciled"
+    ESCALATED = "operation.escalated"
+    RESOLVED = "operation.resolved"
+    APPROVAL_GRANTED = "operation.approval_granted"
+    APPROVAL_DENIED = "operation.approval_denied"
+    APPROVAL_REQUIRED = "operation.approval_required"

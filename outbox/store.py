@@ -1,0 +1,540 @@
+"""The store: the only code that executes SQL.
+
+Each named operation is written once, as a *plan*: a generator that yields
+``(query name, parameters)`` steps and receives each step's rows. A sync runner and
+an async runner drive the same plan over whatever connection the caller holds:
+
+- SQLAlchemy 2 ``Connection`` or ``Session``, or plain ``psycopg.Connection``;
+- SQLAlchemy ``AsyncConnection`` or ``AsyncSession``, or ``psycopg.AsyncConnection``.
+
+Plans run inside the caller's transaction and never commit: the caller's commit is
+what makes an operation, its outbox row and its event exist, together or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar
+from uuid import UUID, uuid4
+
+import psycopg
+import psycopg.errors
+import psycopg.rows
+import psycopg.sql
+from psycopg.pq import TransactionStatus
+from psycopg.types.json import Jsonb
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
+from sqlalchemy.orm import Session as SASession
+
+from outbox import lifecycle
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseError,
+    DecisionConflict,
+    IllegalTransition,
+    LeaseLost,
+    OperationNotFound,
+    TransientDatabaseError,
+    wrap_database_errors,
+)
+from outbox.models import (
+    Approval,
+    ApprovalCheck,
+    ApprovalDecision,
+    ApprovalStatus,
+    Operation,
+    OperationEvent,
+    OutboxRow,
+    RecordedDecision,
+)
+from outbox.sql import QUERIES, schema_sql
+from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
+
+Row = dict[str, Any]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Step:
+    query: str
+    params: Mapping[str, Any]
+
+
+Plan = Generator[Step, list[Row], T]
+
+SyncConnection = SAConnection | SASession | psycopg.Connection[Any]
+AsyncConnection = SAAsyncConnection | SAAsyncSession | psycopg.AsyncConnection[Any]
+
+
+# --- executors: one per connection flavour, all speaking psycopg underneath ----------
+
+
+class _SyncExecutor(Protocol):
+    def fetch(self, step: Step) -> list[Row]: ...
+
+
+class _AsyncExecutor(Protocol):
+    async def fetch(self, step: Step) -> list[Row]: ...
+
+
+def _check_driver_connection(driver: object) -> None:
+    if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
+        raise ConfigurationError(
+            f"effect-outbox needs the psycopg 3 driver, got {type(driver).__module__}."
+            f"{type(driver).__name__}; use a postgresql+psycopg:// URL"
+        )
+    if driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE:
+        raise ConfigurationError(
+            "the connection is in autocommit mode outside a transaction: the operation, its "
+            "outbox row and its event would not commit together. Open a transaction first "
+            "(engine.begin(), session.begin(), or psycopg's conn.transaction())"
+        )
+
+
+class _SQLAlchemyExecutor:
+    def __init__(self, connection: SAConnection) -> None:
+        _check_driver_connection(connection.connection.driver_connection)
+        self._connection = connection
+
+    def fetch(self, step: Step) -> list[Row]:
+        result = self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
+        return [dict(row) for row in result.mappings()] if result.returns_rows else []
+
+
+class _PsycopgExecutor:
+    def __init__(self, connection: psycopg.Connection[Any]) -> None:
+        _check_driver_connection(connection)
+        self._connection = connection
+
+    def fetch(self, step: Step) -> list[Row]:
+        with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
+            cursor.execute(QUERIES[step.query].sql, step.params)
+            return cursor.fetchall() if cursor.description else []
+
+
+class _SQLAlchemyAsyncExecutor:
+    def __init__(self, connection: SAAsyncConnection) -> None:
+        self._connection = connection
+        self._checked = False
+
+    async def fetch(self, step: Step) -> list[Row]:
+        if not self._checked:
+            raw = await self._connection.get_raw_connection()
+            _check_driver_connection(raw.driver_connection)
+            self._checked = True
+        result = await self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
+        return [dict(row) for row in result.mappings()] if result.returns_rows else []
+
+
+class _PsycopgAsyncExecutor:
+    def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        _check_driver_connection(connection)
+        self._connection = connection
+
+    async def fetch(self, step: Step) -> list[Row]:
+        async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
+            await cursor.execute(QUERIES[step.query].sql, step.params)
+            return await cursor.fetchall() if cursor.description else []
+
+
+def _sync_executor(connection: SyncConnection) -> _SyncExecutor:
+    if isinstance(connection, SASession):
+        return _SQLAlchemyExecutor(connection.connection())
+    if isinstance(connection, SAConnection):
+        return _SQLAlchemyExecutor(connection)
+    if isinstance(connection, psycopg.Connection):
+        return _PsycopgExecutor(connection)
+    raise ConfigurationError(_unsupported(connection, "a sync"))
+
+
+async def _async_executor(connection: AsyncConnection) -> _AsyncExecutor:
+    if isinstance(connection, SAAsyncSession):
+        return _SQLAlchemyAsyncExecutor(await connection.connection())
+    if isinstance(connection, SAAsyncConnection):
+        return _SQLAlchemyAsyncExecutor(connection)
+    if isinstance(connection, psycopg.AsyncConnection):
+        return _PsycopgAsyncExecutor(connection)
+    raise ConfigurationError(_unsupported(connection, "an async"))
+
+
+def _unsupported(connection: object, flavour: str) -> str:
+    return (
+        f"{type(connection).__name__} is not {flavour} connection effect-outbox can use; pass "
+        "a SQLAlchemy Connection/Session (AsyncConnection/AsyncSession for async) or a "
+        "psycopg (Async)Connection"
+    )
+
+
+# --- runners ------------------------------------------------------------------------
+
+
+class Store:
+    """Runs plans on a sync connection, inside the caller's transaction."""
+
+    def __init__(self, connection: SyncConnection) -> None:
+        self._executor = _sync_executor(connection)
+
+    def run(self, plan: Plan[T]) -> T:
+        rows: list[Row] | None = None
+        try:
+            while True:
+                step = plan.send(rows) if rows is not None else next(plan)
+                with wrap_database_errors(step.query):
+                    rows = self._executor.fetch(step)
+        except StopIteration as finished:
+            return finished.value  # type: ignore[no-any-return]
+
+
+class AsyncStore:
+    """Runs plans on an async connection, inside the caller's transaction."""
+
+    def __init__(self, executor: _AsyncExecutor) -> None:
+        self._executor = executor
+
+    @classmethod
+    async def on(cls, connection: AsyncConnection) -> AsyncStore:
+        return cls(await _async_executor(connection))
+
+    async def run(self, plan: Plan[T]) -> T:
+        rows: list[Row] | None = None
+        try:
+            while True:
+                step = plan.send(rows) if rows is not None else next(plan)
+                with wrap_database_errors(step.query):
+                    rows = await self._executor.fetch(step)
+        except StopIteration as finished:
+            return finished.value  # type: ignore[no-any-return]
+
+
+# --- plans: the named operations ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewDecision:
+    """A validated, fingerprinted decision, ready to be written."""
+
+    run_id: str
+    decision_key: str | None
+    tool_name: str
+    tool_version: int
+    side_effect: str
+    input: dict[str, Any]
+    input_fingerprint: str
+    requires_approval: bool
+    headers: dict[str, str]
+
+
+def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
+    """Insert operation + outbox row + prepared event, or return the one already there."""
+    attributes: dict[str, lifecycle.Scalar] = {
+        "tool": decision.tool_name,
+        "tool_version": decision.tool_version,
+        "fingerprint": decision.input_fingerprint[:12],
+        "run_id": decision.run_id,
+    }
+    # A key-holder that rolls back between our insert and our read frees the key again;
+    # then our decision is still unrecorded and the insert is tried once more.
+    for _ in range(3):
+        rows = yield Step(
+            "insert_decision",
+            {
+                "id": uuid4(),
+                "run_id": decision.run_id,
+                "decision_key": decision.decision_key,
+                "tool_name": decision.tool_name,
+                "tool_version": decision.tool_version,
+                "side_effect": decision.side_effect,
+                "input": Jsonb(decision.input),
+                "input_fingerprint": decision.input_fingerprint,
+                "requires_approval": decision.requires_approval,
+                "headers": Jsonb(decision.headers),
+                "event_attributes": Jsonb(attributes),
+            },
+        )
+        if rows:
+            operation = Operation.model_validate(rows[0])
+            lifecycle.emit(EventName.PREPARED, operation, attributes)
+            return RecordedDecision(operation=operation, created=True)
+        rows = yield Step(
+            "get_operation_by_decision_key",
+            {"run_id": decision.run_id, "decision_key": decision.decision_key},
+        )
+        if rows:
+            existing = Operation.model_validate(rows[0])
+            _refuse_changed_intent(existing, decision)
+            return RecordedDecision(operation=existing, created=False)
+    raise TransientDatabaseError(
+        "the decision key kept changing hands between insert and read; retry the transaction"
+    )
+
+
+def _refuse_changed_intent(existing: Operation, decision: NewDecision) -> None:
+    if (
+        existing.input_fingerprint == decision.input_fingerprint
+        and existing.tool_name == decision.tool_name
+        and existing.tool_version == decision.tool_version
+    ):
+        return
+    raise DecisionConflict(
+        f"decision key already recorded in this run for {existing.display_id} "
+        f"(tool {existing.tool_name!r} v{existing.tool_version}, fingerprint "
+        f"{existing.sanitized_fingerprint}); the new intent has fingerprint "
+        f"{decision.input_fingerprint[:12]}. Use a new decision key for a new decision",
+        operation_id=existing.id,
+    )
+
+
+def find_operation(operation_id: UUID) -> Plan[Operation | None]:
+    rows = yield Step("get_operation", {"id": operation_id})
+    return Operation.model_validate(rows[0]) if rows else None
+
+
+def get_operation(operation_id: UUID) -> Plan[Operation]:
+    operation = yield from find_operation(operation_id)
+    if operation is None:
+        raise OperationNotFound(f"no operation with id {operation_id}")
+    return operation
+
+
+def claim(operation_id: UUID, *, owner: str, lease: timedelta) -> Plan[Operation | None]:
+    """prepared -> in_flight with a new fencing token; None if another claim won.
+
+    Commit this before calling the provider: the claim is what makes a second worker
+    (or a redelivered message) see the operation as taken.
+    """
+    if lease <= timedelta(0):
+        raise ValueError("lease must be positive")
+    rows = yield Step("claim_operation", {"id": operation_id, "owner": owner, "lease": lease})
+    if not rows:
+        return None
+    operation = Operation.model_validate(rows[0])
+    lifecycle.emit(
+        EventName.ATTEMPTED,
+        operation,
+        {"attempt": operation.attempts, "lease_token": operation.lease_token},
+    )
+    return operation
+
+
+_DEFAULT_EVENTS = {
+    OperationState.COMMITTED: EventName.COMMITTED,
+    OperationState.REJECTED: EventName.REJECTED,
+    OperationState.PREPARED: EventName.RETRY_SCHEDULED,
+    OperationState.OUTCOME_UNKNOWN: EventName.OUTCOME_UNKNOWN,
+    OperationState.ESCALATED: EventName.ESCALATED,
+}
+
+
+def transition(
+    operation_id: UUID,
+    *,
+    source: OperationState,
+    target: OperationState,
+    lease_token: int | None = None,
+    event: EventName | None = None,
+    attributes: Mapping[str, str | int | float | bool | None] | None = None,
+    provider_reference: str | None = None,
+    result: Mapping[str, Any] | None = None,
+    error_class: str | None = None,
+    delay: timedelta | None = None,
+    reconcile_attempt: bool = False,
+    requeue: bool | None = None,
+) -> Plan[Operation]:
+    """Move one operation ``source -> target`` if, and only if, it is still in ``source``
+    and (for fenced sources) still under ``lease_token``.
+
+    Appends the lifecycle event in the same statement. Moving to ``prepared`` queues a
+    fresh outbox row available after ``delay`` unless ``requeue=False`` (an operation
+    that waits for an approval is queued by the grant instead). Raises
+    :class:`IllegalTransition` for an edge the state machine forbids,
+    :class:`LeaseLost` when the token is stale, and changes nothing in either case.
+    """
+    if target is OperationState.IN_FLIGHT:
+        raise IllegalTransition("use claim() to move an operation in_flight")
+    if not is_legal(source, target):
+        raise IllegalTransition(
+            f"{source} -> {target} is not a legal transition; from {source} an operation "
+            f"may go to: {', '.join(legal_targets(source)) or 'nowhere (terminal)'}"
+        )
+    if source in FENCED_SOURCES and lease_token is None:
+        raise IllegalTransition(
+            f"leaving {source} needs the lease token of the claim that put it there"
+        )
+    event_name = event or _DEFAULT_EVENTS[target]
+    event_attributes = {"from": str(source), "to": str(target), **(attributes or {})}
+    if provider_reference is not None:
+        event_attributes["provider_reference"] = provider_reference
+    if error_class is not None:
+        event_attributes.setdefault("reason", error_class)
+    rows = yield Step(
+        "transition_operation",
+        {
+            "id": operation_id,
+            "source": str(source),
+            "target": str(target),
+            "lease_token": lease_token,
+            "provider_reference": provider_reference,
+            "result": Jsonb(dict(result)) if result is not None else None,
+            "error_class": error_class,
+            "delay": delay,
+            "reconcile_increment": 1 if reconcile_attempt else 0,
+            "event_name": str(event_name),
+            "event_attributes": Jsonb(event_attributes),
+            "requeue": target is OperationState.PREPARED if requeue is None else requeue,
+        },
+    )
+    if rows:
+        operation = Operation.model_validate(rows[0])
+        lifecycle.emit(event_name, operation, event_attributes)
+        return operation
+    current = yield from get_operation(operation_id)
+    if current.state is not source:
+        raise IllegalTransition(
+            f"{current.display_id} is {current.state}, not {source}: another process moved "
+            "it first; nothing was changed"
+        )
+    raise LeaseLost(
+        f"{current.display_id} is now under lease token {current.lease_token}, not "
+        f"{lease_token}: another worker took it over; nothing was changed"
+    )
+
+
+def events(operation_id: UUID) -> Plan[list[OperationEvent]]:
+    rows = yield Step("list_events", {"operation_id": operation_id})
+    return [OperationEvent.model_validate(row) for row in rows]
+
+
+def outbox_rows(operation_id: UUID) -> Plan[list[OutboxRow]]:
+    rows = yield Step("list_outbox_rows", {"operation_id": operation_id})
+    return [OutboxRow.model_validate(row) for row in rows]
+
+
+def decide_approval(
+    operation_id: UUID,
+    *,
+    decision: ApprovalDecision,
+    approved_by: str,
+    ttl: timedelta,
+    intent_hash: str | None = None,
+) -> Plan[Approval]:
+    """Record a grant or denial bound to the operation's intent.
+
+    ``intent_hash`` is the fingerprint the person was shown; None binds the grant to
+    the operation's own fingerprint. A grant for a prepared operation also queues a
+    fresh outbox row, in the same statement.
+    """
+    if not approved_by.strip():
+        raise ValueError("approved_by must name the person who decided")
+    if ttl <= timedelta(0):
+        raise ValueError("an approval needs a positive time to live")
+    rows = yield Step(
+        "insert_approval",
+        {
+            "id": uuid4(),
+            "operation_id": operation_id,
+            "intent_hash": intent_hash,
+            "decision": str(decision),
+            "approved_by": approved_by,
+            "ttl": ttl,
+        },
+    )
+    if not rows:
+        raise OperationNotFound(f"no operation with id {operation_id}")
+    approval = Approval.model_validate(rows[0])
+    operation = yield from get_operation(operation_id)
+    name = (
+        EventName.APPROVAL_GRANTED
+        if decision is ApprovalDecision.GRANTED
+        else EventName.APPROVAL_DENIED
+    )
+    lifecycle.emit(name, operation, {"approval_id": str(approval.id), "by": approved_by})
+    return approval
+
+
+def check_approval(operation_id: UUID) -> Plan[ApprovalCheck]:
+    """Is there a grant this operation's effect may be attempted under, right now?"""
+    rows = yield Step("latest_approval", {"operation_id": operation_id})
+    if not rows:
+        raise OperationNotFound(f"no operation with id {operation_id}")
+    row = rows[0]
+    if row["id"] is None:
+        return ApprovalCheck(
+            status=ApprovalStatus.MISSING, reason="no approval was granted for this operation"
+        )
+    approval = Approval.model_validate(row)
+    if approval.decision is ApprovalDecision.DENIED:
+        status, reason = ApprovalStatus.DENIED, f"denied by {approval.approved_by}"
+    elif approval.expires_at <= row["checked_at"]:
+        status, reason = ApprovalStatus.EXPIRED, f"the grant expired at {approval.expires_at}"
+    elif approval.intent_hash != row["operation_fingerprint"]:
+        status, reason = (
+            ApprovalStatus.INTENT_CHANGED,
+            f"the grant approved intent {approval.intent_hash[:12]}, the operation's intent is "
+            f"{row['operation_fingerprint'][:12]}",
+        )
+    else:
+        status, reason = ApprovalStatus.VALID, f"granted by {approval.approved_by}"
+    return ApprovalCheck(status=status, reason=reason, approval=approval)
+
+
+# --- schema: DDL and databases, on plain psycopg connections -----------------------
+
+# pg_advisory_xact_lock key shared by every migrating process ("outbox" in ASCII).
+_MIGRATION_LOCK = 0x6F7574626F78
+
+
+def apply_schema(connection: psycopg.Connection[Any]) -> int:
+    """Apply ``schema.sql`` in the connection's transaction; returns the schema version.
+
+    Concurrent callers queue on an advisory lock, so two migrations never interleave.
+    """
+    with wrap_database_errors("apply_schema"):
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        connection.execute(schema_sql().encode())
+        return schema_version(connection) or 0
+
+
+def schema_version(connection: psycopg.Connection[Any]) -> int | None:
+    """The highest applied schema version, or None when the schema is absent."""
+    with wrap_database_errors("schema_version"):
+        exists = connection.execute("SELECT to_regclass('outbox_schema_version')").fetchone()
+        if exists is None or exists[0] is None:
+            return None
+        row = connection.execute("SELECT max(version) FROM outbox_schema_version").fetchone()
+        return None if row is None else row[0]
+
+
+def create_database(
+    connection: psycopg.Connection[Any], name: str, *, template: str | None = None
+) -> bool:
+    """CREATE DATABASE on an autocommit connection; False if it already existed."""
+    statement = psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name))
+    if template is not None:
+        statement += psycopg.sql.SQL(" TEMPLATE {}").format(psycopg.sql.Identifier(template))
+    try:
+        with wrap_database_errors("create_database"):
+            connection.execute(statement)
+    except DatabaseError as error:
+        if isinstance(error.driver_error, psycopg.errors.DuplicateDatabase):
+            return False
+        raise
+    return True
+
+
+def drop_database(connection: psycopg.Connection[Any], name: str) -> None:
+    """DROP DATABASE IF EXISTS ... WITH (FORCE), on an autocommit connection."""
+    statement = psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+        psycopg.sql.Identifier(name)
+    )
+    with wrap_database_errors("drop_database"):
+        connection.execute(statement)
+
+
+def database_exists(connection: psycopg.Connection[Any], name: str) -> bool:
+    with wrap_database_errors("database_exists"):
+        row = connection.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+        return row.fetchone() is not None
