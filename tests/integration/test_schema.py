@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from db_helpers import execute_admin
+
+from outbox import Registry, record_decision, store
+from outbox.sql import schema_sql
+
+SCHEMA_OBJECTS = """
+SELECT (SELECT count(*) FROM pg_tables WHERE schemaname = 'public'),
+       (SELECT count(*) FROM pg_indexes WHERE schemaname = 'public'),
+       (SELECT count(*) FROM pg_trigger WHERE NOT tgisinternal),
+       (SELECT count(*) FROM outbox_schema_version)
+"""
+
+
+def test_applying_the_schema_again_is_harmless(
+    database_url: str, engine: sa.Engine, registry: Registry
+) -> None:
+    with engine.begin() as connection:
+        record_decision(
+            connection, registry, "send_refund", {"payment_id": "p", "amount_cents": 1}, run_id="r"
+        )
+    before = execute_admin(database_url, SCHEMA_OBJECTS)
+
+    for _ in range(2):
+        with psycopg.connect(database_url) as connection:
+            assert store.apply_schema(connection) == 1
+
+    assert execute_admin(database_url, SCHEMA_OBJECTS) == before
+    assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(1,)]
+
+
+def test_schema_version_is_none_on_an_empty_database(empty_database_url: str) -> None:
+    with psycopg.connect(empty_database_url) as connection:
+        assert store.schema_version(connection) is None
+        assert store.apply_schema(connection) == 1
+        assert store.schema_version(connection) == 1
+
+
+def test_operation_events_are_append_only(
+    database_url: str, engine: sa.Engine, registry: Registry
+) -> None:
+    with engine.begin() as connection:
+        record_decision(
+            connection, registry, "send_refund", {"payment_id": "p", "amount_cents": 1}, run_id="r"
+        )
+
+    for statement in (
+        "UPDATE operation_events SET name = 'operation.committed'",
+        "DELETE FROM operation_events",
+    ):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="append-only"):
+            execute_admin(database_url, statement)
+    assert execute_admin(database_url, "SELECT name FROM operation_events") == [
+        ("operation.prepared",)
+    ]
+
+
+def test_a_committed_outbox_row_notifies_a_listener(
+    database_url: str, engine: sa.Engine, registry: Registry
+) -> None:
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute("LISTEN outbox_pending")
+        with engine.begin() as connection:
+            record_decision(
+                connection,
+                registry,
+                "send_refund",
+                {"payment_id": "p", "amount_cents": 1},
+                run_id="r",
+            )
+        notifications = list(listener.notifies(timeout=10, stop_after=1))
+
+    assert [n.channel for n in notifications] == ["outbox_pending"]
+
+
+def test_a_rolled_back_outbox_row_notifies_nobody(
+    database_url: str, engine: sa.Engine, registry: Registry
+) -> None:
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute("LISTEN outbox_pending")
+        with engine.connect() as connection:
+            record_decision(
+                connection,
+                registry,
+                "send_refund",
+                {"payment_id": "p", "amount_cents": 1},
+                run_id="r",
+            )
+            connection.rollback()
+        # A marker notification after the rollback bounds the wait without a sleep:
+        # anything the rolled-back insert sent would arrive before it.
+        execute_admin(database_url, "NOTIFY outbox_pending, 'marker'")
+        notifications = list(listener.notifies(timeout=10, stop_after=1))
+
+    assert [n.payload for n in notifications] == ["marker"]
+
+
+def test_the_schema_text_is_the_repository_file() -> None:
+    from pathlib import Path
+
+    root_schema = Path(__file__).resolve().parents[2] / "schema.sql"
+    assert schema_sql() == root_schema.read_text(encoding="utf-8")

@@ -1,0 +1,326 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+from uuid import UUID, uuid4
+
+import psycopg
+import pytest
+from db_helpers import execute_admin
+
+from outbox import (
+    IllegalTransition,
+    LeaseLost,
+    Operation,
+    OperationNotFound,
+    OperationState,
+    Registry,
+    record_decision,
+)
+from outbox import store as outbox_store
+from outbox.states import LEGAL_TRANSITIONS
+from outbox.store import Plan, Store
+
+S = OperationState
+LEASE = timedelta(seconds=60)
+ALL_PAIRS = [(source, target) for source in S for target in S if source is not target]
+ILLEGAL_PAIRS = [pair for pair in ALL_PAIRS if pair not in LEGAL_TRANSITIONS]
+
+# How to bring a fresh operation to each state along legal edges only.
+PATH_TO = {
+    S.PREPARED: [],
+    S.IN_FLIGHT: [S.IN_FLIGHT],
+    S.COMMITTED: [S.IN_FLIGHT, S.COMMITTED],
+    S.REJECTED: [S.IN_FLIGHT, S.REJECTED],
+    S.OUTCOME_UNKNOWN: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN],
+    S.ESCALATED: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED],
+}
+
+
+class Ops:
+    """Runs store plans, each in its own committed transaction."""
+
+    def __init__(self, database_url: str, registry: Registry) -> None:
+        self.database_url = database_url
+        self.registry = registry
+
+    def run(self, plan: Plan[Any]) -> Any:
+        with psycopg.connect(self.database_url) as connection:
+            return Store(connection).run(plan)
+
+    def new(self) -> Operation:
+        with psycopg.connect(self.database_url) as connection:
+            recorded = record_decision(
+                connection,
+                self.registry,
+                "send_refund",
+                {"payment_id": "pay_1", "amount_cents": 100},
+                run_id="run",
+            )
+        return recorded.operation
+
+    def get(self, operation_id: UUID) -> Operation:
+        operation: Operation = self.run(outbox_store.get_operation(operation_id))
+        return operation
+
+    def event_names(self, operation_id: UUID) -> list[str]:
+        return [e.name for e in self.run(outbox_store.events(operation_id))]
+
+    def move(self, operation: Operation, target: OperationState) -> Operation:
+        if target is S.IN_FLIGHT:
+            claimed: Operation | None = self.run(
+                outbox_store.claim(operation.id, owner="worker-a", lease=LEASE)
+            )
+            assert claimed is not None
+            return claimed
+        moved: Operation = self.run(
+            outbox_store.transition(
+                operation.id,
+                source=operation.state,
+                target=target,
+                lease_token=operation.lease_token,
+            )
+        )
+        return moved
+
+    def at(self, state: OperationState) -> Operation:
+        operation = self.new()
+        for step in PATH_TO[state]:
+            operation = self.move(operation, step)
+        assert operation.state is state
+        return operation
+
+
+@pytest.fixture
+def ops(database_url: str, registry: Registry) -> Ops:
+    return Ops(database_url, registry)
+
+
+def test_sixteen_concurrent_claimers_exactly_one_wins(ops: Ops) -> None:
+    operation = ops.new()
+    claimers = 16
+    barrier = threading.Barrier(claimers)
+    outcomes: list[Operation | None] = []
+    failures: list[BaseException] = []
+
+    def claim(worker: int) -> None:
+        try:
+            with psycopg.connect(ops.database_url) as connection:
+                barrier.wait(timeout=10)
+                outcomes.append(
+                    Store(connection).run(
+                        outbox_store.claim(operation.id, owner=f"worker-{worker}", lease=LEASE)
+                    )
+                )
+        except BaseException as failure:  # re-raised below, in the test thread
+            failures.append(failure)
+
+    threads = [threading.Thread(target=claim, args=(n,)) for n in range(claimers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    assert failures == []
+    winners = [o for o in outcomes if o is not None]
+    assert len(outcomes) == claimers
+    assert len(winners) == 1
+    stored = ops.get(operation.id)
+    assert (stored.state, stored.attempts, stored.lease_token) == (S.IN_FLIGHT, 1, 1)
+    assert stored.lease_owner == winners[0].lease_owner
+    assert ops.event_names(operation.id) == ["operation.prepared", "operation.attempted"]
+
+
+def test_claim_sets_a_lease_and_a_new_fencing_token_each_time(ops: Ops) -> None:
+    operation = ops.at(S.IN_FLIGHT)
+    assert operation.lease_expires_at is not None
+    assert operation.lease_expires_at > operation.updated_at + LEASE - timedelta(seconds=1)
+    back = ops.move(operation, S.PREPARED)
+    again = ops.move(back, S.IN_FLIGHT)
+
+    assert (operation.lease_token, again.lease_token) == (1, 2)
+    assert again.attempts == 2
+    assert back.lease_owner is None
+    assert back.lease_expires_at is None
+
+
+@pytest.mark.parametrize(("source", "target"), sorted(LEGAL_TRANSITIONS))
+def test_every_legal_transition_works_and_appends_its_event(
+    ops: Ops, source: OperationState, target: OperationState
+) -> None:
+    operation = ops.at(source)
+    events_before = ops.event_names(operation.id)
+
+    moved = ops.move(operation, target)
+
+    assert moved.state is target
+    assert ops.get(operation.id).state is target
+    events_after = ops.event_names(operation.id)
+    assert len(events_after) == len(events_before) + 1
+    expected = {
+        S.IN_FLIGHT: "operation.attempted",
+        S.COMMITTED: "operation.committed",
+        S.REJECTED: "operation.rejected",
+        S.PREPARED: "operation.retry_scheduled",
+        S.OUTCOME_UNKNOWN: "operation.outcome_unknown",
+        S.ESCALATED: "operation.escalated",
+    }[target]
+    assert events_after[-1] == expected
+
+
+@pytest.mark.parametrize(("source", "target"), ILLEGAL_PAIRS)
+def test_every_illegal_transition_is_refused_and_changes_nothing(
+    ops: Ops, source: OperationState, target: OperationState
+) -> None:
+    operation = ops.at(source)
+    events_before = ops.event_names(operation.id)
+
+    if target is S.IN_FLIGHT:
+        # claim is the only road to in_flight, and it only leaves prepared
+        assert ops.run(outbox_store.claim(operation.id, owner="w", lease=LEASE)) is None
+    else:
+        with pytest.raises(IllegalTransition, match=f"{source} -> {target} is not a legal"):
+            ops.run(
+                outbox_store.transition(
+                    operation.id, source=source, target=target, lease_token=operation.lease_token
+                )
+            )
+
+    assert ops.get(operation.id) == operation
+    assert ops.event_names(operation.id) == events_before
+
+
+@pytest.mark.parametrize(("source", "target"), ILLEGAL_PAIRS)
+def test_the_database_itself_refuses_every_illegal_edge(
+    ops: Ops, database_url: str, source: OperationState, target: OperationState
+) -> None:
+    operation = ops.at(source)
+    lease = "lease_owner = 'w', lease_expires_at = now() + interval '1 minute'"
+    no_lease = "lease_owner = NULL, lease_expires_at = NULL"
+    with pytest.raises(psycopg.errors.CheckViolation) as raised:
+        execute_admin(
+            database_url,
+            f"UPDATE operations SET state = %s, {lease if target is S.IN_FLIGHT else no_lease} "
+            "WHERE id = %s",
+            (str(target), operation.id),
+        )
+
+    assert raised.value.diag.constraint_name in (
+        "operations_legal_transition",
+        "operations_terminal",
+    )
+    assert ops.get(operation.id).state is source
+
+
+def test_a_stale_lease_token_is_refused(ops: Ops) -> None:
+    first_claim = ops.at(S.IN_FLIGHT)
+    # The first worker pauses; its lease is handed on and the operation is claimed again.
+    ops.move(first_claim, S.PREPARED)
+    second_claim = ops.move(ops.get(first_claim.id), S.IN_FLIGHT)
+    events_before = ops.event_names(first_claim.id)
+
+    with pytest.raises(LeaseLost, match="another worker") as raised:
+        ops.run(
+            outbox_store.transition(
+                first_claim.id,
+                source=S.IN_FLIGHT,
+                target=S.COMMITTED,
+                lease_token=first_claim.lease_token,
+                provider_reference="re_zombie",
+            )
+        )
+
+    assert str(second_claim.lease_token) in str(raised.value)
+    assert ops.get(first_claim.id) == second_claim
+    assert ops.event_names(first_claim.id) == events_before
+
+
+def test_leaving_in_flight_without_a_lease_token_is_refused(ops: Ops) -> None:
+    operation = ops.at(S.IN_FLIGHT)
+    with pytest.raises(IllegalTransition, match="lease token"):
+        ops.run(outbox_store.transition(operation.id, source=S.IN_FLIGHT, target=S.COMMITTED))
+    assert ops.get(operation.id).state is S.IN_FLIGHT
+
+
+def test_a_transition_from_a_state_the_operation_left_is_refused(ops: Ops) -> None:
+    operation = ops.at(S.OUTCOME_UNKNOWN)
+    ops.move(operation, S.COMMITTED)
+
+    with pytest.raises(IllegalTransition, match="is committed, not outcome_unknown"):
+        ops.run(outbox_store.transition(operation.id, source=S.OUTCOME_UNKNOWN, target=S.ESCALATED))
+
+
+def test_unknown_operation_is_reported_as_not_found(ops: Ops) -> None:
+    missing = uuid4()
+    calls: list[Callable[[], object]] = [
+        lambda: ops.run(outbox_store.get_operation(missing)),
+        lambda: ops.run(
+            outbox_store.transition(missing, source=S.OUTCOME_UNKNOWN, target=S.ESCALATED)
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(OperationNotFound, match=str(missing)):
+            call()
+    assert ops.run(outbox_store.claim(missing, owner="w", lease=LEASE)) is None
+
+
+def test_commit_records_provider_reference_result_and_clears_the_lease(ops: Ops) -> None:
+    operation = ops.at(S.IN_FLIGHT)
+    committed = ops.run(
+        outbox_store.transition(
+            operation.id,
+            source=S.IN_FLIGHT,
+            target=S.COMMITTED,
+            lease_token=operation.lease_token,
+            provider_reference="re_123",
+            result={"status": "succeeded"},
+        )
+    )
+    events = ops.run(outbox_store.events(operation.id))
+
+    assert (committed.provider_reference, committed.result) == ("re_123", {"status": "succeeded"})
+    assert (committed.lease_owner, committed.lease_expires_at) == (None, None)
+    assert events[-1].attributes == {
+        "from": "in_flight",
+        "to": "committed",
+        "provider_reference": "re_123",
+    }
+
+
+def test_returning_to_prepared_queues_a_new_outbox_row_after_the_backoff(ops: Ops) -> None:
+    operation = ops.at(S.IN_FLIGHT)
+    retried = ops.run(
+        outbox_store.transition(
+            operation.id,
+            source=S.IN_FLIGHT,
+            target=S.PREPARED,
+            lease_token=operation.lease_token,
+            error_class="connection_refused",
+            delay=timedelta(seconds=30),
+        )
+    )
+    rows = ops.run(outbox_store.outbox_rows(operation.id))
+
+    assert len(rows) == 2
+    assert rows[-1].available_at == retried.next_attempt_at
+    assert retried.next_attempt_at >= retried.updated_at + timedelta(seconds=30)
+    assert retried.last_error_class == "connection_refused"
+    assert (
+        ops.run(outbox_store.events(operation.id))[-1].attributes["reason"] == "connection_refused"
+    )
+
+
+def test_waiting_for_approval_returns_to_prepared_without_a_new_outbox_row(ops: Ops) -> None:
+    operation = ops.at(S.IN_FLIGHT)
+    ops.run(
+        outbox_store.transition(
+            operation.id,
+            source=S.IN_FLIGHT,
+            target=S.PREPARED,
+            lease_token=operation.lease_token,
+            requeue=False,
+        )
+    )
+    assert len(ops.run(outbox_store.outbox_rows(operation.id))) == 1

@@ -1,0 +1,81 @@
+"""Where the tests find real Postgres and RabbitMQ.
+
+1. ``OUTBOX_TEST_DATABASE_URL`` / ``OUTBOX_TEST_AMQP_URL`` when set (CI, and any
+   machine with local services);
+2. otherwise containers started with testcontainers, when a Docker engine answers;
+3. otherwise a failure that names the variables to set. Never a silent skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+DATABASE_VARIABLE = "OUTBOX_TEST_DATABASE_URL"
+AMQP_VARIABLE = "OUTBOX_TEST_AMQP_URL"
+
+
+class ServicesUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServiceChoice:
+    url: str | None
+    use_container: bool
+
+
+def choose(variable: str, docker_answers: Callable[[], bool]) -> ServiceChoice:
+    """The URL from the environment, else a container if Docker answers, else an error."""
+    url = os.environ.get(variable, "").strip()
+    if url:
+        return ServiceChoice(url=url, use_container=False)
+    if docker_answers():
+        return ServiceChoice(url=None, use_container=True)
+    raise ServicesUnavailable(
+        f"{variable} is not set and no Docker engine answers. Point {variable} at a real "
+        "service (for this machine: OUTBOX_TEST_DATABASE_URL=postgresql://postgres@127.0.0.1:5432"
+        "/postgres and OUTBOX_TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/), or start "
+        "Docker so testcontainers can run one"
+    )
+
+
+def docker_answers() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def postgres_url() -> Iterator[str]:
+    choice = choose(DATABASE_VARIABLE, docker_answers)
+    if choice.url is not None:
+        yield choice.url
+        return
+    from testcontainers.postgres import PostgresContainer
+
+    with PostgresContainer("postgres:16-alpine", driver=None) as container:
+        yield str(container.get_connection_url())
+
+
+@contextlib.contextmanager
+def amqp_url() -> Iterator[str]:
+    choice = choose(AMQP_VARIABLE, docker_answers)
+    if choice.url is not None:
+        yield choice.url
+        return
+    from testcontainers.rabbitmq import RabbitMqContainer
+
+    with RabbitMqContainer("rabbitmq:3.13-management-alpine") as container:
+        host = container.get_container_host_ip()
+        port = container.get_exposed_port(5672)
+        yield f"amqp://guest:guest@{host}:{port}/"

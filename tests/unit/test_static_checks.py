@@ -1,0 +1,34 @@
+"""The code base stays typed (mypy --strict) and ruff clean: CI fails otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ruff", "check", "."],
+        ["ruff", "format", "--check", "."],
+        ["mypy"],
+    ],
+    ids=["ruff-check", "ruff-format", "mypy-strict"],
+)
+@pytest.mark.timeout(300)
+def test_static_check_passes(command: list[str]) -> None:
+    result = subprocess.run(
+        [str(BIN / command[0]), *command[1:]],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
