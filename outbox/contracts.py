@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import re
 import types
@@ -13,6 +15,7 @@ from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 import pydantic
+import typing_extensions
 from pydantic import BaseModel
 
 from outbox.errors import ContractRefused, ToolNotRegistered
@@ -86,8 +89,14 @@ class RetryPolicy:
 
     def backoff(self, attempts_made: int, rng: random.Random | None = None) -> timedelta:
         """Delay before the next attempt, after ``attempts_made`` (>= 1) attempts."""
-        base = self.initial_backoff.total_seconds() * self.multiplier ** max(0, attempts_made - 1)
-        capped = min(base, self.max_backoff.total_seconds())
+        initial = self.initial_backoff.total_seconds()
+        ceiling = self.max_backoff.total_seconds()
+        exponent = max(0, attempts_made - 1)
+        if self.multiplier > 1.0:
+            # Past this exponent the delay is capped anyway; stopping there keeps
+            # multiplier ** exponent from overflowing after very many attempts.
+            exponent = min(exponent, math.ceil(math.log(ceiling / initial, self.multiplier)))
+        capped = min(initial * self.multiplier**exponent, ceiling)
         spread = capped * self.jitter
         draw = (rng or random).uniform(-spread, spread)
         return timedelta(seconds=max(0.0, capped + draw))
@@ -221,7 +230,7 @@ class Registry:
 def contract_problems(contract: ToolContract[Any]) -> list[str]:
     """Everything that makes a contract unsafe to run, in words that say the fix."""
     problems: list[str] = []
-    if not isinstance(contract.name, str) or not TOOL_NAME.match(contract.name):
+    if not isinstance(contract.name, str) or not TOOL_NAME.fullmatch(contract.name):
         problems.append(
             f"name must match {TOOL_NAME.pattern} (it becomes a routing key and a metric label)"
         )
@@ -274,19 +283,33 @@ def secret_fields(model: type[BaseModel]) -> list[tuple[str, str]]:
 
 
 def _collect_secret_fields(
-    model: type[BaseModel], prefix: str, found: list[tuple[str, str]], seen: set[type]
+    container: type, prefix: str, found: list[tuple[str, str]], seen: set[type]
 ) -> None:
-    if model in seen:
+    if container in seen:
         return
-    seen.add(model)
-    for name, info in model.model_fields.items():
+    seen.add(container)
+    for name, annotation in _field_annotations(container).items():
         path = f"{prefix}.{name}"
-        for annotation in _flatten(info.annotation):
-            origin = typing.get_origin(annotation) or annotation
+        for nested in _flatten(annotation):
+            origin = typing.get_origin(nested) or nested
             if isinstance(origin, type) and issubclass(origin, _SECRET_TYPES):
                 found.append((path, origin.__name__))
-            elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                _collect_secret_fields(annotation, path, found, seen)
+            elif isinstance(nested, type) and _field_annotations(nested):
+                _collect_secret_fields(nested, path, found, seen)
+
+
+def _field_annotations(container: type) -> dict[str, Any]:
+    """Field name -> annotation for pydantic models, dataclasses and TypedDicts."""
+    if issubclass(container, BaseModel):
+        return {name: info.annotation for name, info in container.model_fields.items()}
+    if dataclasses.is_dataclass(container) or typing_extensions.is_typeddict(container):
+        try:
+            return typing.get_type_hints(container)
+        except (NameError, TypeError):
+            # Unresolvable forward references: fall back to the raw annotations, which
+            # still name secret types spelled directly.
+            return dict(getattr(container, "__annotations__", {}))
+    return {}
 
 
 def _flatten(annotation: Any) -> Iterator[Any]:

@@ -44,7 +44,7 @@ def prepare_decision(
         _check_identifier("decision_key", decision_key)
     headers: dict[str, str] = {}
     if traceparent is not None:
-        if not _TRACEPARENT.match(traceparent):
+        if not _TRACEPARENT.fullmatch(traceparent):
             raise InputRejected(
                 "traceparent is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)",
                 problems=["traceparent"],
@@ -59,7 +59,7 @@ def prepare_decision(
             f"the limit is {MAX_INPUT_BYTES}. Store large payloads elsewhere and pass a reference",
             problems=["input too large"],
         )
-    if b"\\u0000" in canonical:
+    if _holds_nul(input_json):
         raise InputRejected(
             f"input for tool {contract.label} holds a NUL character, which Postgres cannot store",
             problems=["NUL character"],
@@ -79,28 +79,55 @@ def prepare_decision(
 
 def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | BaseModel) -> Any:
     """The contract's input model, validated; refuses input that does not survive a
-    round trip through JSON, since the consumer will rebuild it from the stored JSON."""
+    round trip through JSON, since the consumer will rebuild it from the stored JSON.
+
+    Problems name the field and the rule, never the offending value.
+    """
     raw = tool_input.model_dump(mode="json") if isinstance(tool_input, BaseModel) else tool_input
     try:
         validated = contract.input_model.model_validate(raw)
         stored = validated.model_dump(mode="json")
         rebuilt = contract.input_model.model_validate(stored)
     except pydantic.ValidationError as exc:
-        problems = [
-            f"{'.'.join(map(str, error['loc'])) or '(input)'}: {error['msg']}"
-            for error in exc.errors(include_input=False, include_url=False)
-        ]
+        problems = [_describe_problem(error) for error in exc.errors(include_url=False)]
         raise InputRejected(
             f"input for tool {contract.label} is invalid: {'; '.join(problems)}",
             problems=problems,
         ) from None
-    if rebuilt.model_dump(mode="json") != stored:
+    if rebuilt != validated or rebuilt.model_dump(mode="json") != stored:
         raise InputRejected(
             f"input model of tool {contract.label} does not survive a JSON round trip; the "
             "consumer would execute something other than what was recorded",
             problems=["not JSON round-trippable"],
         )
     return validated
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(key) or _holds_nul(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    return False
+
+
+# Error types whose pydantic message can quote the input (a union tag, a custom
+# validator's text): for these only the type is shown.
+_MAY_QUOTE_INPUT = frozenset(
+    {"value_error", "assertion_error", "union_tag_invalid", "json_invalid", "json_type"}
+)
+
+
+def _describe_problem(error: Any) -> str:
+    location = ".".join(map(str, error["loc"])) or "(input)"
+    message = error["msg"]
+    bad_value = error.get("input")
+    quotes_input = isinstance(bad_value, str | int | float) and str(bad_value) in message
+    if error["type"] in _MAY_QUOTE_INPUT or quotes_input:
+        message = f"invalid value ({error['type']})"
+    return f"{location}: {message}"
 
 
 def _check_identifier(name: str, value: str) -> None:

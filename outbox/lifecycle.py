@@ -25,12 +25,25 @@ _BARE = re.compile(r"^[A-Za-z0-9_.:/@+-]+$")
 
 Scalar = str | int | float | bool | None
 
+# Quoted values stay on one line: a value must never be able to start a forged line.
+_ESCAPES = str.maketrans(
+    {
+        **{chr(code): f"\\x{code:02x}" for code in [*range(0x20), 0x7F]},
+        "\\": "\\\\",
+        '"': '\\"',
+        "\n": "\\n",
+        "\r": "\\r",
+        "\t": "\\t",
+    }
+)
+
 
 def logfmt_value(value: Scalar) -> str:
     text = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    if _BARE.match(text):
+    if _BARE.fullmatch(text):
         return text
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    escaped = text.translate(_ESCAPES)
+    return f'"{escaped}"'
 
 
 def format_event(name: str, attributes: Mapping[str, Scalar]) -> str:

@@ -33,7 +33,7 @@ _CODE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
 def _checked_code(code: str) -> str:
     # Codes become metric label values and event attributes: a closed, safe alphabet.
-    if not _CODE.match(code):
+    if not _CODE.fullmatch(code):
         raise ValueError(
             f"outcome code must match {_CODE.pattern} (it is used as a metric label); "
             "put details in logs of your own, not in the code"

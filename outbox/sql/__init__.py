@@ -26,6 +26,9 @@ class QueryFileError(ValueError):
 
 
 def parse_queries(text: str) -> dict[str, Query]:
+    for line in text.splitlines():
+        if line.startswith("-- name:") and not _HEADER.fullmatch(line):
+            raise QueryFileError(f"malformed query header {line!r}: use '-- name: snake_case'")
     headers = list(_HEADER.finditer(text))
     queries: dict[str, Query] = {}
     for index, header in enumerate(headers):

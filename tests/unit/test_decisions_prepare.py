@@ -1,0 +1,321 @@
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pytest
+from pydantic import BaseModel, Field, field_serializer
+
+from outbox.contracts import ApprovalPolicy, Registry, SideEffect, ToolContract
+from outbox.decisions import MAX_INPUT_BYTES, prepare_decision
+from outbox.errors import InputRejected, ToolNotRegistered
+from outbox.fingerprint import intent_fingerprint
+from outbox.outcomes import EffectResult, ExecutionContext
+
+CANARY = "CANARY-5b1f0e7a-never-in-messages"
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class RefundInput(BaseModel):
+    customer_id: str
+    amount: float
+    currency: str = "EUR"
+
+
+class NoteInput(BaseModel):
+    note: str
+
+
+class CardMethod(BaseModel):
+    kind: Literal["card"]
+    last4: str
+
+
+class BankMethod(BaseModel):
+    kind: Literal["bank"]
+    iban_suffix: str
+
+
+class PayoutInput(BaseModel):
+    method: Annotated[CardMethod | BankMethod, Field(discriminator="kind")]
+
+
+class ExclaimedInput(BaseModel):
+    """An input model whose dump is not what validation accepted."""
+
+    text: str
+
+    @field_serializer("text")
+    def _exclaim(self, value: str) -> str:
+        return value + "!"
+
+
+class ShoutedInput(BaseModel):
+    """Dumps differently from what was validated, but the same on every later dump."""
+
+    text: str
+
+    @field_serializer("text")
+    def _shout(self, value: str) -> str:
+        return value.upper()
+
+
+async def succeed(tool_input: BaseModel, ctx: ExecutionContext) -> EffectResult:
+    return EffectResult()
+
+
+def contract(
+    name: str,
+    input_model: type[BaseModel],
+    *,
+    version: int = 1,
+    side_effect: SideEffect = SideEffect.IDEMPOTENT_WRITE,
+    approval: ApprovalPolicy | None = None,
+) -> ToolContract[BaseModel]:
+    return ToolContract(
+        name=name,
+        version=version,
+        input_model=input_model,
+        side_effect=side_effect,
+        execute=succeed,
+        approval=approval or ApprovalPolicy.never(),
+    )
+
+
+@pytest.fixture
+def registry() -> Registry:
+    registry = Registry()
+    for tool in (
+        contract("send_refund", RefundInput),
+        contract(
+            "send_refund", RefundInput, version=2, approval=ApprovalPolicy.above("amount", 100)
+        ),
+        contract("post_note", NoteInput, side_effect=SideEffect.READ_ONLY),
+        contract("send_payout", PayoutInput),
+        contract("exclaim", ExclaimedInput, side_effect=SideEffect.READ_ONLY),
+    ):
+        registry.register(tool)
+    return registry
+
+
+def refund(amount: float = 10.0) -> dict[str, object]:
+    return {"customer_id": "cus_1", "amount": amount, "currency": "EUR"}
+
+
+def test_valid_decision_is_fingerprinted_for_the_latest_version(registry: Registry) -> None:
+    decision = prepare_decision(registry, "send_refund", refund(), run_id="run_1")
+
+    assert decision.tool_name == "send_refund"
+    assert decision.tool_version == 2
+    assert decision.side_effect == "idempotent_write"
+    assert decision.input == refund()
+    assert decision.input_fingerprint == intent_fingerprint("send_refund", 2, refund())
+    assert decision.headers == {}
+
+
+def test_invalid_input_names_the_field_but_never_echoes_the_value(registry: Registry) -> None:
+    bad = {"customer_id": "cus_1", "amount": CANARY}
+
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_refund", bad, run_id="run_1")
+
+    message = str(info.value)
+    assert "'send_refund' v2 is invalid" in message
+    assert "amount:" in message
+    assert CANARY not in message
+    assert all(CANARY not in problem for problem in info.value.problems)
+
+
+def test_missing_field_is_named(registry: Registry) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_refund", {"amount": 5}, run_id="run_1")
+
+    assert "customer_id: Field required" in str(info.value)
+
+
+def test_invalid_union_tag_is_not_echoed(registry: Registry) -> None:
+    bad = {"method": {"kind": CANARY, "last4": "4242"}}
+
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_payout", bad, run_id="run_1")
+
+    assert "method" in str(info.value)
+    assert CANARY not in str(info.value)
+
+
+def test_unknown_tool_is_refused(registry: Registry) -> None:
+    with pytest.raises(ToolNotRegistered) as info:
+        prepare_decision(registry, "wire_money", refund(), run_id="run_1")
+
+    assert "'wire_money' is not registered" in str(info.value)
+    assert "'send_refund' v2" in str(info.value)
+
+
+@pytest.mark.parametrize("run_id", ["", "r" * 201])
+def test_run_id_outside_1_to_200_characters_is_refused(registry: Registry, run_id: str) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_refund", refund(), run_id=run_id)
+
+    assert "run_id must be a string of 1 to 200 characters" in str(info.value)
+
+
+def test_run_id_and_decision_key_of_200_characters_are_accepted(registry: Registry) -> None:
+    decision = prepare_decision(
+        registry, "send_refund", refund(), run_id="r" * 200, decision_key="k" * 200
+    )
+
+    assert decision.run_id == "r" * 200
+    assert decision.decision_key == "k" * 200
+
+
+@pytest.mark.parametrize("decision_key", ["", "k" * 201])
+def test_decision_key_outside_1_to_200_characters_is_refused(
+    registry: Registry, decision_key: str
+) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(
+            registry, "send_refund", refund(), run_id="run_1", decision_key=decision_key
+        )
+
+    assert "decision_key must be a string of 1 to 200 characters" in str(info.value)
+
+
+def test_nul_in_run_id_is_refused(registry: Registry) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_refund", refund(), run_id="run\x001")
+
+    assert "run_id holds a NUL character" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "not-a-traceparent",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+        TRACEPARENT + "\n",
+    ],
+)
+def test_malformed_traceparent_is_refused(registry: Registry, traceparent: str) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_refund", refund(), run_id="run_1", traceparent=traceparent)
+
+    assert "traceparent is not a W3C trace context" in str(info.value)
+
+
+def test_valid_traceparent_travels_in_the_headers(registry: Registry) -> None:
+    decision = prepare_decision(
+        registry, "send_refund", refund(), run_id="run_1", traceparent=TRACEPARENT
+    )
+
+    assert decision.headers == {"traceparent": TRACEPARENT}
+
+
+def test_nul_character_in_input_is_refused(registry: Registry) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "post_note", {"note": "before\x00after"}, run_id="run_1")
+
+    assert "holds a NUL character" in str(info.value)
+    assert "Postgres cannot store" in str(info.value)
+
+
+def test_escaped_backslash_before_u0000_text_is_not_a_nul(registry: Registry) -> None:
+    # A backslash followed by the letters u0000 is ordinary text, not a NUL.
+    note = "C:\\u0000\\logs"
+
+    decision = prepare_decision(registry, "post_note", {"note": note}, run_id="run_1")
+
+    assert decision.input == {"note": note}
+
+
+# The canonical form of {"note": x} is {"note":"x"}: 11 bytes around an ASCII x.
+NOTE_OVERHEAD = len(b'{"note":""}')
+
+
+def test_input_at_the_size_limit_is_accepted(registry: Registry) -> None:
+    note = "a" * (MAX_INPUT_BYTES - NOTE_OVERHEAD)
+
+    decision = prepare_decision(registry, "post_note", {"note": note}, run_id="run_1")
+
+    assert decision.input == {"note": note}
+
+
+def test_input_over_the_size_limit_is_refused_with_the_fix(registry: Registry) -> None:
+    note = "a" * (MAX_INPUT_BYTES - NOTE_OVERHEAD + 1)
+
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "post_note", {"note": note}, run_id="run_1")
+
+    message = str(info.value)
+    assert f"{MAX_INPUT_BYTES + 1} bytes" in message
+    assert f"the limit is {MAX_INPUT_BYTES}" in message
+    assert "pass a reference" in message
+
+
+@pytest.mark.parametrize(
+    ("amount", "needs_approval"), [(100.0, False), (99.5, False), (100.5, True)]
+)
+def test_requires_approval_follows_the_approval_threshold(
+    registry: Registry, amount: float, needs_approval: bool
+) -> None:
+    decision = prepare_decision(registry, "send_refund", refund(amount), run_id="run_1")
+
+    assert decision.requires_approval is needs_approval
+
+
+def test_tool_without_approval_policy_never_requires_approval(registry: Registry) -> None:
+    decision = prepare_decision(
+        registry, "send_refund", refund(5000.0), run_id="run_1", tool_version=1
+    )
+
+    assert decision.tool_version == 1
+    assert decision.requires_approval is False
+
+
+def test_model_instance_and_equivalent_dict_record_the_same_intent(registry: Registry) -> None:
+    as_model = prepare_decision(
+        registry,
+        "send_refund",
+        RefundInput(customer_id="cus_1", amount=12, currency="EUR"),
+        run_id="run_1",
+    )
+    as_dict = prepare_decision(
+        registry,
+        "send_refund",
+        {"currency": "EUR", "amount": 12, "customer_id": "cus_1"},
+        run_id="run_1",
+    )
+
+    assert as_model.input_fingerprint == as_dict.input_fingerprint
+    assert as_model.input == as_dict.input
+
+
+def test_a_different_amount_is_a_different_fingerprint(registry: Registry) -> None:
+    first = prepare_decision(registry, "send_refund", refund(12.0), run_id="run_1")
+    second = prepare_decision(registry, "send_refund", refund(12.5), run_id="run_1")
+
+    assert first.input_fingerprint != second.input_fingerprint
+
+
+def test_input_model_that_does_not_round_trip_through_json_is_refused(
+    registry: Registry,
+) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "exclaim", {"text": "hello"}, run_id="run_1")
+
+    message = str(info.value)
+    assert "does not survive a JSON round trip" in message
+    assert "'exclaim' v1" in message
+
+
+def test_a_serializer_that_changes_the_value_once_is_refused_too() -> None:
+    # "hello" dumps as "HELLO", which dumps as "HELLO" again: the JSON is stable, but
+    # the consumer would run with another value than the one validated here.
+    registry = Registry()
+    registry.register(contract("shout", ShoutedInput))
+
+    with pytest.raises(InputRejected, match="does not survive a JSON round trip"):
+        prepare_decision(registry, "shout", {"text": "hello"}, run_id="run_1")
+    assert prepare_decision(registry, "shout", {"text": "HELLO"}, run_id="run_1").input == {
+        "text": "HELLO"
+    }

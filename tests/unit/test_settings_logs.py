@@ -1,0 +1,238 @@
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import pytest
+
+from outbox.errors import ConfigurationError
+from outbox.lifecycle import format_event, logfmt_value
+from outbox.logs import JsonFormatter, LogfmtFormatter
+from outbox.settings import Settings, libpq_url, load_settings, redact_url, sqlalchemy_url
+
+PASSWORD_CANARY = "pw-CANARY-93f1"
+
+
+@pytest.fixture(autouse=True)
+def clean_outbox_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Settings read OUTBOX_* variables; a developer's or CI's own values must not leak in.
+    for name in list(os.environ):
+        if name.upper().startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_point_at_local_postgres_and_rabbitmq() -> None:
+    settings = Settings()
+
+    assert settings.database_url.get_secret_value() == "postgresql+psycopg://localhost:5432/outbox"
+    assert settings.amqp_url.get_secret_value() == "amqp://guest:guest@localhost:5672/"
+    assert settings.log_format == "logfmt"
+
+
+def test_environment_overrides_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://app:secret@db.internal:6543/ops")
+    monkeypatch.setenv("OUTBOX_AMQP_URL", "amqps://app:secret@mq.internal:5671/prod")
+
+    settings = load_settings()
+
+    assert (
+        settings.database_url.get_secret_value() == "postgresql://app:secret@db.internal:6543/ops"
+    )
+    assert settings.amqp_url.get_secret_value() == "amqps://app:secret@mq.internal:5671/prod"
+
+
+def test_explicit_values_beat_the_environment_and_none_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://env-host/ops")
+    monkeypatch.setenv("OUTBOX_AMQP_URL", "amqp://env-host/")
+
+    settings = load_settings(database_url="postgresql://flag-host/ops", amqp_url=None)
+
+    assert settings.database_url.get_secret_value() == "postgresql://flag-host/ops"
+    assert settings.amqp_url.get_secret_value() == "amqp://env-host/"
+
+
+def test_unsupported_database_scheme_names_the_variable_not_the_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"mysql://app:{PASSWORD_CANARY}@db.internal/ops")
+
+    with pytest.raises(ConfigurationError) as info:
+        load_settings()
+
+    message = str(info.value)
+    assert "OUTBOX_DATABASE_URL" in message
+    assert "'mysql' is not supported" in message
+    assert "postgresql://" in message
+    assert PASSWORD_CANARY not in message
+
+
+def test_unsupported_amqp_scheme_names_the_variable_not_the_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_AMQP_URL", f"http://app:{PASSWORD_CANARY}@mq.internal/")
+
+    with pytest.raises(ConfigurationError) as info:
+        load_settings()
+
+    message = str(info.value)
+    assert "OUTBOX_AMQP_URL" in message
+    assert "amqp://" in message
+    assert PASSWORD_CANARY not in message
+
+
+def test_settings_repr_hides_credentials() -> None:
+    settings = Settings(database_url=f"postgresql://app:{PASSWORD_CANARY}@db/ops")
+
+    assert "guest:guest" not in repr(settings)
+    assert PASSWORD_CANARY not in repr(settings)
+    assert PASSWORD_CANARY not in str(settings)
+
+
+@pytest.mark.parametrize(
+    ("url", "redacted"),
+    [
+        ("postgresql://app:s3cret@db:5432/ops", "postgresql://app:***@db:5432/ops"),
+        ("amqp://guest:guest@localhost:5672/", "amqp://guest:***@localhost:5672/"),
+        ("postgresql://app:p@ss@db/ops", "postgresql://app:***@db/ops"),
+        ("postgresql://db:5432/ops", "postgresql://db:5432/ops"),
+        ("postgresql://app@db/ops", "postgresql://app@db/ops"),
+    ],
+)
+def test_redact_url_hides_only_the_password(url: str, redacted: str) -> None:
+    assert redact_url(url) == redacted
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql://app@db:5432/ops", "postgresql+psycopg://app@db:5432/ops"),
+        ("postgres://app@db:5432/ops", "postgresql+psycopg://app@db:5432/ops"),
+        ("postgresql+psycopg://app@db:5432/ops", "postgresql+psycopg://app@db:5432/ops"),
+    ],
+)
+def test_sqlalchemy_url_names_the_psycopg_driver(url: str, expected: str) -> None:
+    assert sqlalchemy_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql+psycopg://app@db:5432/ops", "postgresql://app@db:5432/ops"),
+        ("postgres://app@db:5432/ops", "postgresql://app@db:5432/ops"),
+        ("postgresql://app@db:5432/ops", "postgresql://app@db:5432/ops"),
+    ],
+)
+def test_libpq_url_drops_the_driver_suffix(url: str, expected: str) -> None:
+    assert libpq_url(url) == expected
+
+
+def test_settings_expose_both_url_forms() -> None:
+    settings = Settings(database_url="postgres://app:pw@db/ops")
+
+    assert settings.sqlalchemy_url == "postgresql+psycopg://app:pw@db/ops"
+    assert settings.libpq_url == "postgresql://app:pw@db/ops"
+
+
+def test_format_event_leaves_plain_values_bare_and_quotes_the_rest() -> None:
+    line = format_event(
+        "operation.outcome_unknown",
+        {
+            "id": "op_73",
+            "attempt": 2,
+            "retry": True,
+            "reason": "deadline exceeded",
+            "said": 'he said "no"',
+            "path": "C:\\tmp x",
+            "ref": None,
+            "empty": "",
+        },
+    )
+
+    assert line == (
+        "operation.outcome_unknown id=op_73 attempt=2 retry=true "
+        'reason="deadline exceeded" said="he said \\"no\\"" path="C:\\\\tmp x" '
+        'ref="" empty=""'
+    )
+
+
+@pytest.mark.parametrize("value", ["a=b", "two words", "tab\there", "line\nbreak"])
+def test_logfmt_value_quotes_anything_that_would_split_a_pair(value: str) -> None:
+    quoted = logfmt_value(value)
+
+    assert quoted.startswith('"')
+    assert quoted.endswith('"')
+    assert "\n" not in quoted
+
+
+@pytest.mark.parametrize("value", ["timeout\n", "first\rsecond", "ends with\r\n"])
+def test_format_event_is_one_line_whatever_the_value(value: str) -> None:
+    line = format_event("operation.rejected", {"id": "op_1", "reason": value})
+
+    assert len(line.splitlines()) == 1
+    assert "\n" not in line
+    assert "\r" not in line
+
+
+def make_record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
+    record = logging.LogRecord(
+        name="outbox.test",
+        level=logging.WARNING,
+        pathname=__file__,
+        lineno=1,
+        msg=msg,
+        args=args,
+        exc_info=None,
+    )
+    record.__dict__.update(extra)
+    return record
+
+
+def record_with_traceback() -> logging.LogRecord:
+    record = make_record("publish failed")
+    try:
+        raise RuntimeError("broker gone\nsecond line")
+    except RuntimeError:
+        record.exc_info = sys.exc_info()
+    return record
+
+
+def test_logfmt_formatter_writes_one_line_with_the_message() -> None:
+    line = LogfmtFormatter().format(make_record("claimed %s of %d\nrows", "batch one", 3))
+
+    assert "\n" not in line
+    assert " level=warning logger=outbox.test " in line
+    assert line.endswith('msg="claimed batch one of 3\\nrows"')
+
+
+def test_logfmt_formatter_keeps_a_traceback_on_the_same_line() -> None:
+    line = LogfmtFormatter().format(record_with_traceback())
+
+    assert "\n" not in line
+    assert 'msg="publish failed" exc="Traceback' in line
+    assert "RuntimeError: broker gone\\nsecond line" in line
+
+
+def test_json_formatter_writes_one_json_object_with_message_and_extras() -> None:
+    line = JsonFormatter().format(
+        make_record("claimed %s", "batch\none", action="operation.attempted", attempt=2)
+    )
+
+    assert "\n" not in line
+    payload = json.loads(line)
+    assert payload["msg"] == "claimed batch\none"
+    assert payload["level"] == "warning"
+    assert payload["logger"] == "outbox.test"
+    assert payload["action"] == "operation.attempted"
+    assert payload["attempt"] == 2
+    assert "lineno" not in payload
+
+
+def test_json_formatter_includes_the_traceback() -> None:
+    line = JsonFormatter().format(record_with_traceback())
+
+    assert "\n" not in line
+    assert "RuntimeError: broker gone" in json.loads(line)["exc"]
