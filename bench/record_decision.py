@@ -23,7 +23,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from sample_tools import build_registry
+from support.sample_tools import build_registry
 
 from outbox import Registry, record_decision, record_decision_async, store
 from outbox.settings import database_name, libpq_url, with_database

@@ -1,9 +1,8 @@
-"""``python -m dispatcher``: not built yet (issue #3); says so instead of pretending."""
+"""``python -m dispatcher``: the same as ``outbox dispatcher``."""
 
 from __future__ import annotations
 
-import sys
+from dispatcher.cli import main
 
 if __name__ == "__main__":
-    print("the dispatcher daemon is not built yet (issue #3)", file=sys.stderr)
-    sys.exit(2)
+    main()

@@ -2,22 +2,36 @@
 
 Every flag that maps to a setting is generated from :class:`Settings`, so its help
 always names its ``OUTBOX_*`` variable and the two cannot drift apart.
+
+The daemons add their own subcommands through the ``outbox.commands`` entry point
+group: the base package never imports them (DESIGN.md section 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 from pydantic import SecretStr
 
-from outbox.errors import OutboxError
+from outbox.errors import ConfigurationError, OutboxError
 from outbox.logs import configure_logging
-from outbox.migrate import migrate
+from outbox.migrate import declare_broker_topology, migrate
 from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
 
 Command = Callable[[argparse.Namespace, Settings], int]
+
+BROKER_SETTINGS = (
+    "amqp_url",
+    "exchange",
+    "queue",
+    "dead_letter_exchange",
+    "dead_letter_queue",
+    "delivery_limit",
+)
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, *names: str) -> None:
@@ -45,6 +59,13 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     if report.created_database:
         print(f"database {report.database!r} did not exist: created it")
     print(f"schema version {report.schema_version} is applied to {redact_url(url)}")
+    if args.broker:
+        topology = asyncio.run(declare_broker_topology(settings))
+        print(
+            f"broker topology declared: exchange {topology.exchange!r} -> quorum queue "
+            f"{topology.queue!r} (delivery limit {topology.delivery_limit}, dead letters to "
+            f"{topology.dead_letter_exchange!r} -> {topology.dead_letter_queue!r})"
+        )
     return 0
 
 
@@ -61,12 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Create the database if it does not exist, then apply schema.sql. "
         "Safe to run any number of times, from any number of machines at once.",
     )
-    add_setting_flags(migrate_parser, "database_url")
+    add_setting_flags(migrate_parser, "database_url", *BROKER_SETTINGS)
+    migrate_parser.add_argument(
+        "--broker",
+        action="store_true",
+        help="also declare the RabbitMQ exchanges, quorum queue and dead-letter queue",
+    )
     migrate_parser.set_defaults(handler=cmd_migrate)
+
+    for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
+        entry.load()(commands)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_command(argv: Sequence[str] | None = None) -> int:
+    """Parse, configure logging, run one subcommand; errors become a message and a code
+    (2 for configuration, 1 for anything else the runtime refused)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -74,10 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(settings.log_level, settings.log_format)
         handler: Command = args.handler
         return handler(args, settings)
+    except ConfigurationError as error:
+        print(f"outbox {args.command}: configuration error: {error}", file=sys.stderr)
+        return 2
     except OutboxError as error:
         print(f"outbox {args.command}: error: {error}", file=sys.stderr)
         return 1
 
 
+def main() -> None:
+    sys.exit(run_command())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

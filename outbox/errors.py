@@ -61,6 +61,10 @@ class LeaseLost(IllegalTransition):
     """The lease token no longer matches: another worker owns this operation now."""
 
 
+class ServiceUnavailable(OutboxError):
+    """Postgres or RabbitMQ could not be reached."""
+
+
 class SchemaMissing(OutboxError):
     """The outbox tables are missing in this database: run `outbox migrate`."""
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import aio_pika
+import aiormq.exceptions
 import psycopg
 
 from outbox import store
+from outbox.broker import Topology, amqp_url_with_heartbeat, declare_topology
 from outbox.errors import ConfigurationError
-from outbox.settings import database_name, libpq_url, redact_url, with_database
+from outbox.settings import Settings, database_name, libpq_url, redact_url, with_database
 
 MAINTENANCE_DATABASE = "postgres"
 
@@ -58,3 +61,27 @@ def migrate(url: str) -> MigrationReport:
     return MigrationReport(
         database=database_name(libpq_url(url)), created_database=created, schema_version=version
     )
+
+
+async def declare_broker_topology(settings: Settings) -> Topology:
+    """Declare the exchanges and queues (what the dispatcher also does at start)."""
+    topology = Topology.from_settings(settings)
+    url = settings.amqp_url.get_secret_value()
+    try:
+        connection = await aio_pika.connect(
+            amqp_url_with_heartbeat(url, settings.amqp_heartbeat), timeout=10
+        )
+    except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
+        raise ConfigurationError(
+            f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "
+            "running, and is OUTBOX_AMQP_URL right?"
+        ) from None
+    async with connection:
+        try:
+            await declare_topology(await connection.channel(), topology)
+        except aiormq.exceptions.ChannelPreconditionFailed as mismatch:
+            raise ConfigurationError(
+                f"the broker refused the topology: {mismatch}. A queue or exchange already "
+                "exists with other arguments; delete it or choose other names"
+            ) from None
+    return topology

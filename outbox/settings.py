@@ -6,6 +6,7 @@ flag and its variable can never drift apart.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -28,9 +29,52 @@ class Settings(BaseSettings):
         default=SecretStr("amqp://guest:guest@localhost:5672/"),
         description="RabbitMQ URL",
     )
-    notify_channel: str = Field(
-        default="outbox_pending",
-        description="Postgres NOTIFY channel that wakes dispatchers (fixed by schema.sql)",
+    exchange: str = Field(
+        default="outbox", description="topic exchange operations are published to"
+    )
+    queue: str = Field(default="outbox.operations", description="quorum queue consumers read")
+    dead_letter_exchange: str = Field(
+        default="outbox.dead", description="exchange that takes messages past the delivery limit"
+    )
+    dead_letter_queue: str = Field(
+        default="outbox.operations.dead", description="queue that keeps dead-lettered messages"
+    )
+    delivery_limit: int = Field(
+        default=5, ge=1, description="deliveries of one message before it is dead-lettered"
+    )
+    amqp_heartbeat: int = Field(
+        default=15, ge=1, description="AMQP heartbeat seconds: how fast a silent broker is noticed"
+    )
+    batch_size: int = Field(
+        default=200, ge=1, le=10_000, description="outbox rows claimed and published per batch"
+    )
+    poll_interval: float = Field(
+        default=1.0, gt=0, description="seconds between scans when no notification arrives"
+    )
+    publish_timeout: float = Field(
+        default=10.0, gt=0, description="seconds to wait for a batch's broker confirms"
+    )
+    publish_retry_initial: float = Field(
+        default=1.0, gt=0, description="seconds before a failed publish is retried (doubles)"
+    )
+    publish_retry_max: float = Field(
+        default=60.0, gt=0, description="longest wait before a failed publish is retried"
+    )
+    retention: timedelta = Field(
+        default=timedelta(days=7),
+        description="how long published rows are kept (seconds or ISO 8601)",
+    )
+    # Prometheus scrapes from another host or container, so all interfaces by default;
+    # the endpoints serve counters and health only, never ids or payloads.
+    metrics_host: str = Field(
+        default="0.0.0.0",  # noqa: S104
+        description="address /metrics and /healthz bind to",
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="port for /metrics and /healthz (0 picks a free one; default per daemon)",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="log level"

@@ -81,13 +81,17 @@ class _AsyncExecutor(Protocol):
     async def fetch(self, step: Step) -> list[Row]: ...
 
 
-def _check_driver_connection(driver: object) -> None:
+def _check_driver_connection(driver: object, require_transaction: bool) -> None:
     if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
         raise ConfigurationError(
             f"effect-outbox needs the psycopg 3 driver, got {type(driver).__module__}."
             f"{type(driver).__name__}; use a postgresql+psycopg:// URL"
         )
-    if driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE:
+    if (
+        require_transaction
+        and driver.autocommit
+        and driver.info.transaction_status == TransactionStatus.IDLE
+    ):
         raise ConfigurationError(
             "the connection is in autocommit mode outside a transaction: the operation, its "
             "outbox row and its event would not commit together. Open a transaction first "
@@ -96,8 +100,8 @@ def _check_driver_connection(driver: object) -> None:
 
 
 class _SQLAlchemyExecutor:
-    def __init__(self, connection: SAConnection) -> None:
-        _check_driver_connection(connection.connection.driver_connection)
+    def __init__(self, connection: SAConnection, require_transaction: bool) -> None:
+        _check_driver_connection(connection.connection.driver_connection, require_transaction)
         self._connection = connection
 
     def fetch(self, step: Step) -> list[Row]:
@@ -106,8 +110,8 @@ class _SQLAlchemyExecutor:
 
 
 class _PsycopgExecutor:
-    def __init__(self, connection: psycopg.Connection[Any]) -> None:
-        _check_driver_connection(connection)
+    def __init__(self, connection: psycopg.Connection[Any], require_transaction: bool) -> None:
+        _check_driver_connection(connection, require_transaction)
         self._connection = connection
 
     def fetch(self, step: Step) -> list[Row]:
@@ -117,22 +121,23 @@ class _PsycopgExecutor:
 
 
 class _SQLAlchemyAsyncExecutor:
-    def __init__(self, connection: SAAsyncConnection) -> None:
+    def __init__(self, connection: SAAsyncConnection, require_transaction: bool) -> None:
         self._connection = connection
+        self._require_transaction = require_transaction
         self._checked = False
 
     async def fetch(self, step: Step) -> list[Row]:
         if not self._checked:
             raw = await self._connection.get_raw_connection()
-            _check_driver_connection(raw.driver_connection)
+            _check_driver_connection(raw.driver_connection, self._require_transaction)
             self._checked = True
         result = await self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
         return [dict(row) for row in result.mappings()] if result.returns_rows else []
 
 
 class _PsycopgAsyncExecutor:
-    def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
-        _check_driver_connection(connection)
+    def __init__(self, connection: psycopg.AsyncConnection[Any], require_transaction: bool) -> None:
+        _check_driver_connection(connection, require_transaction)
         self._connection = connection
 
     async def fetch(self, step: Step) -> list[Row]:
@@ -141,23 +146,23 @@ class _PsycopgAsyncExecutor:
             return await cursor.fetchall() if cursor.description else []
 
 
-def _sync_executor(connection: SyncConnection) -> _SyncExecutor:
+def _sync_executor(connection: SyncConnection, require_transaction: bool) -> _SyncExecutor:
     if isinstance(connection, SASession):
-        return _SQLAlchemyExecutor(connection.connection())
+        return _SQLAlchemyExecutor(connection.connection(), require_transaction)
     if isinstance(connection, SAConnection):
-        return _SQLAlchemyExecutor(connection)
+        return _SQLAlchemyExecutor(connection, require_transaction)
     if isinstance(connection, psycopg.Connection):
-        return _PsycopgExecutor(connection)
+        return _PsycopgExecutor(connection, require_transaction)
     raise ConfigurationError(_unsupported(connection, "a sync"))
 
 
-async def _async_executor(connection: AsyncConnection) -> _AsyncExecutor:
+async def _async_executor(connection: AsyncConnection, require_transaction: bool) -> _AsyncExecutor:
     if isinstance(connection, SAAsyncSession):
-        return _SQLAlchemyAsyncExecutor(await connection.connection())
+        return _SQLAlchemyAsyncExecutor(await connection.connection(), require_transaction)
     if isinstance(connection, SAAsyncConnection):
-        return _SQLAlchemyAsyncExecutor(connection)
+        return _SQLAlchemyAsyncExecutor(connection, require_transaction)
     if isinstance(connection, psycopg.AsyncConnection):
-        return _PsycopgAsyncExecutor(connection)
+        return _PsycopgAsyncExecutor(connection, require_transaction)
     raise ConfigurationError(_unsupported(connection, "an async"))
 
 
@@ -173,10 +178,14 @@ def _unsupported(connection: object, flavour: str) -> str:
 
 
 class Store:
-    """Runs plans on a sync connection, inside the caller's transaction."""
+    """Runs plans on a sync connection, inside the caller's transaction.
 
-    def __init__(self, connection: SyncConnection) -> None:
-        self._executor = _sync_executor(connection)
+    ``require_transaction=False`` admits an autocommit connection, for statements that
+    stand alone (LISTEN, reads); anything that writes related rows keeps the default.
+    """
+
+    def __init__(self, connection: SyncConnection, *, require_transaction: bool = True) -> None:
+        self._executor = _sync_executor(connection, require_transaction)
 
     def run(self, plan: Plan[T]) -> T:
         rows: list[Row] | None = None
@@ -196,8 +205,10 @@ class AsyncStore:
         self._executor = executor
 
     @classmethod
-    async def on(cls, connection: AsyncConnection) -> AsyncStore:
-        return cls(await _async_executor(connection))
+    async def on(
+        cls, connection: AsyncConnection, *, require_transaction: bool = True
+    ) -> AsyncStore:
+        return cls(await _async_executor(connection, require_transaction))
 
     async def run(self, plan: Plan[T]) -> T:
         rows: list[Row] | None = None
@@ -538,3 +549,80 @@ def database_exists(connection: psycopg.Connection[Any], name: str) -> bool:
     with wrap_database_errors("database_exists"):
         row = connection.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
         return row.fetchone() is not None
+
+
+# --- dispatcher: claim, mark, measure, prune ----------------------------------------
+
+NOTIFY_CHANNEL = "outbox_pending"
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    """An outbox row locked by this transaction, with what its message needs."""
+
+    id: int
+    operation_id: UUID
+    routing_key: str
+    headers: dict[str, Any]
+    publish_attempts: int
+    """Failed publishes of this row so far."""
+    ready_seconds: float
+    """How long the row has been available, by the database's clock, at claim time."""
+    tool_name: str
+    tool_version: int
+    input_fingerprint: str
+
+
+@dataclass(frozen=True)
+class FailedPublish:
+    outbox_id: int
+    error: str
+    delay: timedelta
+
+
+@dataclass(frozen=True)
+class Backlog:
+    pending: int
+    oldest_age_seconds: float
+
+
+def claim_outbox_batch(batch_size: int) -> Plan[list[ClaimedRow]]:
+    """Lock up to ``batch_size`` publishable rows until this transaction ends.
+
+    Claimed by state (``published_at IS NULL``) in id order with SKIP LOCKED, never by
+    a high-water mark: ids are assigned before commit, not in commit order.
+    """
+    rows = yield Step("claim_outbox_batch", {"batch_size": batch_size})
+    return [ClaimedRow(**row) for row in rows]
+
+
+def mark_outbox_published(outbox_ids: list[int]) -> Plan[None]:
+    if outbox_ids:
+        yield Step("mark_outbox_published", {"ids": outbox_ids})
+
+
+def mark_outbox_failed(failures: list[FailedPublish]) -> Plan[None]:
+    if failures:
+        yield Step(
+            "mark_outbox_failed",
+            {
+                "ids": [f.outbox_id for f in failures],
+                "errors": [f.error for f in failures],
+                "delays": [f.delay for f in failures],
+            },
+        )
+
+
+def outbox_backlog() -> Plan[Backlog]:
+    rows = yield Step("outbox_backlog", {})
+    return Backlog(pending=rows[0]["pending"], oldest_age_seconds=rows[0]["oldest_age_seconds"])
+
+
+def delete_published_outbox_rows(retention: timedelta, limit: int) -> Plan[int]:
+    rows = yield Step("delete_published_outbox_rows", {"retention": retention, "limit": limit})
+    return int(rows[0]["deleted"])
+
+
+def listen_outbox_pending() -> Plan[None]:
+    """LISTEN on the channel the outbox insert trigger notifies (autocommit connection)."""
+    yield Step("listen_outbox_pending", {})

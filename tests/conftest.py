@@ -1,19 +1,25 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import aio_pika
 import psycopg
 import pytest
-import services
 import sqlalchemy as sa
-from sample_tools import Ledger, build_registry
+from pydantic import SecretStr
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from outbox import Registry, store
+from outbox import Registry, Settings, store
 from outbox.settings import libpq_url, sqlalchemy_url, with_database
+
+from support import services
+from support.broker_helpers import BrokerNames
+from support.sample_tools import Ledger, build_registry
 
 
 @pytest.fixture(scope="session")
@@ -93,3 +99,60 @@ def ledger() -> Ledger:
 @pytest.fixture
 def registry(ledger: Ledger) -> Registry:
     return build_registry(ledger)
+
+
+@pytest.fixture(scope="session")
+def amqp_server_url() -> Iterator[str]:
+    try:
+        with services.amqp_url() as url:
+            yield url
+    except services.ServicesUnavailable as missing:
+        pytest.fail(str(missing), pytrace=False)
+
+
+@pytest.fixture
+async def broker_names(amqp_server_url: str) -> AsyncIterator[BrokerNames]:
+    """Exchange and queue names of this test's own, deleted afterwards (LIFO)."""
+    names = BrokerNames.unique()
+    yield names
+    connection = await aio_pika.connect(amqp_server_url)
+    async with connection:
+        channel = await connection.channel()
+        for queue in (names.queue, names.dead_letter_queue):
+            await channel.queue_delete(queue)
+        for exchange in (names.exchange, names.dead_letter_exchange):
+            await channel.exchange_delete(exchange)
+
+
+@pytest.fixture
+def settings(database_url: str, amqp_server_url: str, broker_names: BrokerNames) -> Settings:
+    """Settings for daemons under test: this test's database and broker names, short
+    waits so that conditions are reached quickly, a free metrics port."""
+    return Settings(
+        database_url=SecretStr(database_url),
+        amqp_url=SecretStr(amqp_server_url),
+        exchange=broker_names.exchange,
+        queue=broker_names.queue,
+        dead_letter_exchange=broker_names.dead_letter_exchange,
+        dead_letter_queue=broker_names.dead_letter_queue,
+        poll_interval=0.2,
+        publish_timeout=5.0,
+        publish_retry_initial=0.05,
+        publish_retry_max=0.2,
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+    )
+
+
+REQUIRE_RABBITMQCTL = "OUTBOX_TEST_REQUIRE_RABBITMQCTL"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Broker-fault tests drive the local broker with rabbitmqctl. Where it is absent they
+    are skipped, unless the run demands them (.ci/run sets OUTBOX_TEST_REQUIRE_RABBITMQCTL)."""
+    if shutil.which("rabbitmqctl") or os.environ.get(REQUIRE_RABBITMQCTL):
+        return
+    absent = pytest.mark.skip(reason="rabbitmqctl is not installed on this machine")
+    for item in items:
+        if "rabbitmqctl" in item.keywords:
+            item.add_marker(absent)

@@ -126,3 +126,63 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) a ON true
 WHERE o.id = %(operation_id)s
+
+-- name: claim_outbox_batch
+-- Lock up to batch_size available, unpublished rows in id order (skipping rows another dispatcher holds), with what the message needs.
+WITH claimed AS (
+    SELECT id, operation_id, routing_key, headers, created_at, available_at, publish_attempts
+    FROM outbox
+    WHERE published_at IS NULL AND available_at <= clock_timestamp()
+    ORDER BY id
+    LIMIT %(batch_size)s
+    FOR UPDATE SKIP LOCKED
+)
+SELECT c.id, c.operation_id, c.routing_key, c.headers, c.publish_attempts,
+       EXTRACT(EPOCH FROM clock_timestamp() - greatest(c.created_at, c.available_at))::float8
+           AS ready_seconds,
+       o.tool_name, o.tool_version, o.input_fingerprint
+FROM claimed c
+JOIN operations o ON o.id = c.operation_id
+ORDER BY c.id
+
+-- name: mark_outbox_published
+-- Mark confirmed rows published, in the transaction that claimed them.
+UPDATE outbox
+SET published_at = clock_timestamp(), publish_attempts = publish_attempts + 1
+WHERE id = ANY(%(ids)s::bigint[])
+
+-- name: mark_outbox_failed
+-- Count a failed publish on each row, keep its last error and push it back by its own delay.
+UPDATE outbox AS o
+SET publish_attempts = o.publish_attempts + 1,
+    last_error = f.error,
+    available_at = clock_timestamp() + f.delay
+FROM unnest(%(ids)s::bigint[], %(errors)s::text[], %(delays)s::interval[]) AS f (id, error, delay)
+WHERE o.id = f.id
+
+-- name: outbox_backlog
+-- Unpublished rows and the age of the oldest, for the backlog metrics.
+SELECT count(*) AS pending,
+       COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8
+           AS oldest_age_seconds
+FROM outbox
+WHERE published_at IS NULL
+
+-- name: delete_published_outbox_rows
+-- Delete one small batch of rows published before the cutoff; rows locked elsewhere wait for the next pass.
+WITH deleted AS (
+    DELETE FROM outbox
+    WHERE id IN (
+        SELECT id FROM outbox
+        WHERE published_at < clock_timestamp() - %(retention)s::interval
+        ORDER BY published_at
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING 1
+)
+SELECT count(*) AS deleted FROM deleted
+
+-- name: listen_outbox_pending
+-- Subscribe this session to the notifications the outbox insert trigger sends.
+LISTEN outbox_pending

@@ -55,7 +55,7 @@ def test_migrate_against_an_unreachable_server_fails_clearly_without_the_passwor
         "migrate", "--database-url", "postgresql://someone:s3cret-canary@127.0.0.1:1/outbox"
     )
 
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "cannot connect to postgresql://someone:***@127.0.0.1:1/outbox" in result.stderr
     assert "OUTBOX_DATABASE_URL" in result.stderr
     assert "s3cret-canary" not in result.stderr + result.stdout
@@ -64,7 +64,7 @@ def test_migrate_against_an_unreachable_server_fails_clearly_without_the_passwor
 def test_migrate_refuses_a_url_for_another_database_engine() -> None:
     result = run("migrate", env={"OUTBOX_DATABASE_URL": "mysql://root:s3cret-canary@localhost/x"})
 
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "OUTBOX_DATABASE_URL" in result.stderr
     assert "postgresql://" in result.stderr
     assert "s3cret-canary" not in result.stderr

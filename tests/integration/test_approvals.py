@@ -6,7 +6,6 @@ from uuid import uuid4
 import psycopg
 import pytest
 import sqlalchemy as sa
-from db_helpers import committed_counts
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import (
@@ -23,6 +22,8 @@ from outbox import (
 from outbox import store as outbox_store
 from outbox.models import ApprovalDecision
 from outbox.store import Store
+
+from support.db_helpers import committed_counts
 
 LARGE_REFUND = {"payment_id": "pay_9", "amount_cents": 75_000}
 TTL = timedelta(minutes=15)

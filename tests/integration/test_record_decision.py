@@ -6,17 +6,6 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
-from db_helpers import (
-    ASYNC_FLAVORS,
-    SYNC_FLAVORS,
-    AsyncFlavor,
-    Counts,
-    SyncFlavor,
-    async_transaction,
-    committed_counts,
-    execute_admin,
-    sync_transaction,
-)
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import (
@@ -32,6 +21,18 @@ from outbox import (
 )
 from outbox import store as outbox_store
 from outbox.store import Store
+
+from support.db_helpers import (
+    ASYNC_FLAVORS,
+    SYNC_FLAVORS,
+    AsyncFlavor,
+    Counts,
+    SyncFlavor,
+    async_transaction,
+    committed_counts,
+    execute_admin,
+    sync_transaction,
+)
 
 REFUND = {"payment_id": "pay_1", "amount_cents": 1250, "reason": "damaged parcel"}
 BUSINESS = "refund_requests"

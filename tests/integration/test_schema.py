@@ -3,10 +3,11 @@ from __future__ import annotations
 import psycopg
 import pytest
 import sqlalchemy as sa
-from db_helpers import execute_admin
 
 from outbox import Registry, record_decision, store
 from outbox.sql import schema_sql
+
+from support.db_helpers import execute_admin
 
 SCHEMA_OBJECTS = """
 SELECT (SELECT count(*) FROM pg_tables WHERE schemaname = 'public'),

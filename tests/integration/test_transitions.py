@@ -8,7 +8,6 @@ from uuid import UUID, uuid4
 
 import psycopg
 import pytest
-from db_helpers import execute_admin
 
 from outbox import (
     IllegalTransition,
@@ -22,6 +21,8 @@ from outbox import (
 from outbox import store as outbox_store
 from outbox.states import LEGAL_TRANSITIONS
 from outbox.store import Plan, Store
+
+from support.db_helpers import execute_admin
 
 S = OperationState
 LEASE = timedelta(seconds=60)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import services
+
+from support import services
 
 
 def docker_up() -> bool:

@@ -55,7 +55,7 @@ def execute_admin(
     database_url: str, sql: str, params: tuple[Any, ...] = ()
 ) -> list[tuple[Any, ...]]:
     with psycopg.connect(database_url, autocommit=True) as connection:
-        cursor = connection.execute(sql, params)
+        cursor = connection.execute(sql, params or None)
         return cursor.fetchall() if cursor.description else []
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -43,15 +44,25 @@ def choose(variable: str, docker_answers: Callable[[], bool]) -> ServiceChoice:
 
 
 def docker_answers() -> bool:
+    """True when a Docker engine answers ``GET /_ping`` on its socket (or DOCKER_HOST)."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     try:
-        import docker
-
-        client = docker.from_env(timeout=3)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
+        if host.startswith("unix://"):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: str | tuple[str, int] = host.removeprefix("unix://")
+        elif host.startswith("tcp://"):
+            name, _, port = host.removeprefix("tcp://").partition(":")
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            address = (name, int(port or 2375))
+        else:
+            return False
+        with probe:
+            probe.settimeout(3)
+            probe.connect(address)
+            probe.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            status_line = probe.recv(64).split(b"\r\n", 1)[0]
+            return status_line.startswith(b"HTTP/1.") and b" 200" in status_line
+    except OSError:
         return False
 
 

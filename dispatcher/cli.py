@@ -1,0 +1,104 @@
+"""``outbox dispatcher`` (also ``python -m dispatcher``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from dispatcher.daemon import DEFAULT_METRICS_PORT, RECOVERABLE, Dispatcher, is_broker_error
+from outbox.cli import add_setting_flags, run_command
+from outbox.errors import ServiceUnavailable
+from outbox.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = (
+    "database_url",
+    "amqp_url",
+    "exchange",
+    "queue",
+    "dead_letter_exchange",
+    "dead_letter_queue",
+    "delivery_limit",
+    "amqp_heartbeat",
+    "batch_size",
+    "poll_interval",
+    "publish_timeout",
+    "publish_retry_initial",
+    "publish_retry_max",
+    "retention",
+    "metrics_host",
+    "metrics_port",
+)
+DRAIN_CONNECT_ATTEMPTS = 5
+
+
+def register(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "dispatcher",
+        help="publish committed outbox rows to RabbitMQ (the daemon)",
+        description="Publish committed outbox rows to RabbitMQ with publisher confirms, at "
+        f"least once. Serves /metrics and /healthz (default port {DEFAULT_METRICS_PORT}). "
+        "SIGTERM or SIGINT finishes the batch in hand and exits 0; a second one exits at once.",
+    )
+    add_setting_flags(parser, *SETTINGS)
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="publish until no row is available, then exit (1 if any publish failed)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    dispatcher = Dispatcher(settings)
+    if args.once:
+        dispatcher.connect_attempts = DRAIN_CONNECT_ATTEMPTS
+        try:
+            report = asyncio.run(dispatcher.drain())
+        except RECOVERABLE as failure:
+            peer = "the broker" if is_broker_error(failure) else "the database"
+            raise ServiceUnavailable(
+                f"gave up on {peer} after {DRAIN_CONNECT_ATTEMPTS} attempts "
+                f"({type(failure).__name__}); rows stay pending for the next run"
+            ) from None
+        print(f"published={report.published} failed={report.failed}")
+        return 0 if report.failed == 0 else 1
+    asyncio.run(_serve(dispatcher))
+    return 0
+
+
+async def _serve(dispatcher: Dispatcher) -> None:
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        name = signal.Signals(signum).name
+        if signals_seen > 1:
+            logger.warning(
+                "dispatcher.killed signal=%s: second signal, exiting now",
+                name,
+                extra={"action": "dispatcher.killed"},
+            )
+            os._exit(1)
+        logger.info(
+            "dispatcher.stopping signal=%s: finishing the batch in hand",
+            name,
+            extra={"action": "dispatcher.stopping"},
+        )
+        dispatcher.stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await dispatcher.run()
+
+
+def main() -> None:
+    sys.exit(run_command(["dispatcher", *sys.argv[1:]]))

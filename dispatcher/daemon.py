@@ -1,0 +1,409 @@
+"""The dispatcher: committed outbox rows to RabbitMQ, at least once, nothing lost.
+
+One batch is one transaction: claim rows (``FOR UPDATE SKIP LOCKED``, by state), publish
+them all with their confirms outstanding at once, mark the confirmed ones published and
+push the failed ones back with a backoff, commit. A crash between publish and commit
+publishes those rows again later; consumers deduplicate by operation id.
+
+Wake-ups come from ``LISTEN outbox_pending`` (issued before the first scan, so nothing
+committed after it is missed) with a polling fallback, since a notification sent while
+nobody listens is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import aiormq.exceptions
+import psycopg
+import tenacity
+
+from dispatcher.publisher import BrokerUnavailable, Publisher, PublishOutcome
+from outbox import store
+from outbox.broker import Topology
+from outbox.errors import ConfigurationError, TransientDatabaseError
+from outbox.metrics import DispatcherMetrics
+from outbox.observability import serve_http
+from outbox.settings import Settings, redact_url
+from outbox.store import AsyncStore, FailedPublish
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_METRICS_PORT = 9464
+APPLICATION_NAME = "outbox-dispatcher"
+BACKLOG_REFRESH_SECONDS = 5.0
+RETENTION_BATCH = 1000
+RETENTION_INTERVAL_SECONDS = 60.0
+
+# Failures a new session may cure: the database or the broker went away or restarted.
+RECOVERABLE: tuple[type[BaseException], ...] = (
+    psycopg.OperationalError,
+    TransientDatabaseError,
+    BrokerUnavailable,
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.ChannelClosed,
+    ConnectionError,
+    OSError,
+    TimeoutError,
+)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    published: int
+    failed: int
+
+
+def _log(level: int, action: str, message: str, **fields: Any) -> None:
+    logger.log(level, message, extra={"action": action, **fields})
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, metrics: DispatcherMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or DispatcherMetrics.create()
+        # pid plus a per-instance suffix: several dispatchers may share one process (tests).
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
+        self._topology = Topology.from_settings(settings)
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._healthy = False
+        self._last_tick = 0.0
+        self._last_backlog_refresh = 0.0
+        self.metrics_port: int | None = None
+        self.connect_attempts: int | None = None
+        """None: a daemon keeps trying to connect until stopped; a drain gives up."""
+
+    # --- control ---------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Finish the batch in hand, then return from :meth:`run`."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def healthy(self) -> bool:
+        if not self._healthy:
+            return False
+        stale_after = self.settings.poll_interval * 3 + self.settings.publish_timeout + 5
+        return asyncio.get_running_loop().time() - self._last_tick < stale_after
+
+    # --- daemon ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until :meth:`stop`: serve metrics, dispatch, prune published rows."""
+        port = self.settings.metrics_port
+        port = DEFAULT_METRICS_PORT if port is None else port
+        async with serve_http(
+            self.settings.metrics_host, port, self.metrics.registry, self.healthy
+        ) as bound:
+            self.metrics_port = bound
+            _log(
+                logging.INFO,
+                "dispatcher.started",
+                f"dispatcher.started worker={self.worker_id} metrics_port={bound} "
+                f"database={redact_url(self.settings.libpq_url)} queue={self._topology.queue}",
+            )
+            retention = asyncio.create_task(self._retention_loop())
+            try:
+                await self._dispatch_loop()
+            finally:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
+        _log(logging.INFO, "dispatcher.stopped", f"dispatcher.stopped worker={self.worker_id}")
+
+    async def drain(self) -> DrainReport:
+        """Publish until no row is available, then return (``outbox dispatcher --once``)."""
+        published = failed = 0
+        async with self._connections() as (database, publisher):
+            while not self.stopping:
+                outcome = await self._batch(database, publisher)
+                if outcome is None:
+                    break
+                published += len(outcome.published)
+                failed += len(outcome.failed)
+                if outcome.connection_lost:
+                    raise BrokerUnavailable("the broker connection failed during the drain")
+                if len(outcome.published) + len(outcome.failed) < self.settings.batch_size:
+                    break
+                if not outcome.published:
+                    break  # a full batch that all failed: retrying now would fail the same way
+        return DrainReport(published=published, failed=failed)
+
+    async def _dispatch_loop(self) -> None:
+        quick_failures = 0
+        loop = asyncio.get_running_loop()
+        while not self.stopping:
+            started = loop.time()
+            try:
+                await self._session()
+            except RECOVERABLE as error:
+                self._healthy = False
+                peer = "broker" if is_broker_error(error) else "database"
+                self.metrics.reconnects.labels(peer).inc()
+                _log(
+                    logging.WARNING,
+                    "dispatcher.session_lost",
+                    f"dispatcher.session_lost peer={peer} error={type(error).__name__}",
+                    peer=peer,
+                )
+                # A session that dies at once would otherwise reconnect in a tight loop.
+                quick_failures = quick_failures + 1 if loop.time() - started < 10 else 1
+                await self._sleep(_jittered(min(10.0, 0.2 * 2 ** (quick_failures - 1))))
+
+    async def _session(self) -> None:
+        async with (
+            self._connections() as (database, publisher),
+            await self._connect_database(autocommit=True) as listener,
+        ):
+            await (await AsyncStore.on(listener, require_transaction=False)).run(
+                store.listen_outbox_pending()
+            )
+            notifications = asyncio.create_task(self._forward_notifications(listener))
+            self._healthy = True
+            _log(logging.INFO, "dispatcher.session_ready", "dispatcher.session_ready")
+            try:
+                while not self.stopping:
+                    self._last_tick = asyncio.get_running_loop().time()
+                    self._wake.clear()
+                    await self._drain_available(database, publisher)
+                    await self._refresh_backlog(database)
+                    await self._wait_for_work(notifications)
+            finally:
+                notifications.cancel()
+                with contextlib.suppress(asyncio.CancelledError, *RECOVERABLE):
+                    await notifications
+
+    async def _drain_available(
+        self, database: psycopg.AsyncConnection[Any], publisher: Publisher
+    ) -> None:
+        while not self.stopping:
+            outcome = await self._batch(database, publisher)
+            if outcome is None:
+                return
+            if outcome.connection_lost:
+                raise BrokerUnavailable("the broker connection failed during a batch")
+            if len(outcome.published) + len(outcome.failed) < self.settings.batch_size:
+                return
+
+    async def _wait_for_work(self, notifications: asyncio.Task[None]) -> None:
+        waiters = [
+            asyncio.ensure_future(self._wake.wait()),
+            asyncio.ensure_future(self._stop.wait()),
+        ]
+        try:
+            await asyncio.wait(
+                [*waiters, notifications],
+                timeout=self.settings.poll_interval,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if notifications.done():
+            notifications.result()  # re-raise why the listener died
+            raise TransientDatabaseError("the LISTEN connection ended")
+
+    async def _forward_notifications(self, listener: psycopg.AsyncConnection[Any]) -> None:
+        async for _ in listener.notifies():
+            self._wake.set()
+
+    # --- one batch -------------------------------------------------------------------
+
+    async def _batch(
+        self, database: psycopg.AsyncConnection[Any], publisher: Publisher
+    ) -> PublishOutcome | None:
+        """Claim, publish, mark, commit. None when nothing was available."""
+        async with database.transaction():
+            runner = await AsyncStore.on(database)
+            rows = await runner.run(store.claim_outbox_batch(self.settings.batch_size))
+            if not rows:
+                return None
+            started = asyncio.get_running_loop().time()
+            outcome = await publisher.publish(rows, confirm_within=self.settings.publish_timeout)
+            confirmed_after = asyncio.get_running_loop().time() - started
+            await runner.run(store.mark_outbox_published([row.id for row in outcome.published]))
+            await runner.run(
+                store.mark_outbox_failed(
+                    [
+                        FailedPublish(
+                            outbox_id=row.id,
+                            error=text,
+                            delay=self._retry_delay(row.publish_attempts + 1),
+                        )
+                        for row, _, text in outcome.failed
+                    ]
+                )
+            )
+        self.metrics.batch_size.observe(len(rows))
+        for row in outcome.published:
+            self.metrics.published.labels(row.tool_name).inc()
+            self.metrics.commit_to_confirm.observe(row.ready_seconds + confirmed_after)
+        if outcome.failed:
+            reasons: dict[str, int] = {}
+            for _, reason, _ in outcome.failed:
+                reasons[reason] = reasons.get(reason, 0) + 1
+            for reason, count in reasons.items():
+                self.metrics.publish_failures.labels(reason).inc(count)
+                _log(
+                    logging.WARNING,
+                    "dispatcher.publish_failed",
+                    f"dispatcher.publish_failed reason={reason} rows={count}",
+                    reason=reason,
+                    rows=count,
+                )
+        return outcome
+
+    def _retry_delay(self, failed_attempts: int) -> timedelta:
+        exponent = min(max(0, failed_attempts - 1), 32)
+        base = min(
+            self.settings.publish_retry_max, self.settings.publish_retry_initial * 2**exponent
+        )
+        return timedelta(seconds=_jittered(base))
+
+    # --- housekeeping ----------------------------------------------------------------
+
+    async def _refresh_backlog(self, database: psycopg.AsyncConnection[Any]) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._last_backlog_refresh < BACKLOG_REFRESH_SECONDS:
+            return
+        await self.refresh_backlog(database)
+
+    async def refresh_backlog(self, database: psycopg.AsyncConnection[Any]) -> store.Backlog:
+        async with database.transaction():
+            backlog = await (await AsyncStore.on(database)).run(store.outbox_backlog())
+        self.metrics.backlog.set(backlog.pending)
+        self.metrics.oldest_pending_age.set(backlog.oldest_age_seconds)
+        self._last_backlog_refresh = asyncio.get_running_loop().time()
+        return backlog
+
+    async def prune(self) -> int:
+        """Delete rows published longer ago than the retention, in small transactions."""
+        deleted = 0
+        async with await self._connect_database() as database:
+            while not self.stopping:
+                async with database.transaction():
+                    batch = await (await AsyncStore.on(database)).run(
+                        store.delete_published_outbox_rows(self.settings.retention, RETENTION_BATCH)
+                    )
+                deleted += batch
+                if batch < RETENTION_BATCH:
+                    break
+        if deleted:
+            self.metrics.retention_deleted.inc(deleted)
+            _log(
+                logging.INFO, "dispatcher.pruned", f"dispatcher.pruned rows={deleted}", rows=deleted
+            )
+        return deleted
+
+    async def _retention_loop(self) -> None:
+        while not self.stopping:
+            try:
+                await self.prune()
+            except RECOVERABLE as error:
+                _log(
+                    logging.WARNING,
+                    "dispatcher.prune_failed",
+                    f"dispatcher.prune_failed error={type(error).__name__}",
+                )
+            await self._sleep(RETENTION_INTERVAL_SECONDS)
+
+    # --- connections -----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _connections(
+        self,
+    ) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Publisher]]:
+        publisher = Publisher(
+            self.settings.amqp_url.get_secret_value(),
+            self.settings.amqp_heartbeat,
+            self._topology,
+            connection_name=f"{APPLICATION_NAME} {self.worker_id}",
+        )
+        async with await self._connect_database() as database:
+            try:
+                await self._retrying(publisher.connect, "broker")
+                yield database, publisher
+            finally:
+                await publisher.close()
+
+    async def _connect_database(self, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
+        async def connect() -> psycopg.AsyncConnection[Any]:
+            return await psycopg.AsyncConnection.connect(
+                self.settings.libpq_url,
+                autocommit=autocommit,
+                connect_timeout=10,
+                application_name=APPLICATION_NAME,
+            )
+
+        return await self._retrying(connect, "database")
+
+    async def _retrying(self, connect: Callable[[], Awaitable[T]], peer: str) -> T:
+        """Connect with exponential backoff and jitter until it works or we are stopped."""
+
+        def log_retry(state: tenacity.RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome else None
+            _log(
+                logging.WARNING,
+                "dispatcher.connect_retry",
+                f"dispatcher.connect_retry peer={peer} attempt={state.attempt_number} "
+                f"error={type(error).__name__}",
+                peer=peer,
+            )
+
+        def give_up(state: tenacity.RetryCallState) -> bool:
+            limit = self.connect_attempts
+            return self.stopping or (limit is not None and state.attempt_number >= limit)
+
+        retrying = tenacity.AsyncRetrying(
+            # A topology mismatch is a channel error too, but no retry will cure it.
+            retry=tenacity.retry_if_exception_type(RECOVERABLE)
+            & tenacity.retry_if_not_exception_type(aiormq.exceptions.ChannelPreconditionFailed),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=10.0) + tenacity.wait_random(0, 0.5),
+            stop=give_up,
+            sleep=self._sleep,
+            before_sleep=log_retry,
+            reraise=True,
+        )
+        try:
+            connected: T = await retrying(connect)
+        except aiormq.exceptions.ChannelPreconditionFailed as mismatch:
+            raise ConfigurationError(
+                f"the broker refused the topology: {mismatch}. A queue or exchange already "
+                "exists with other arguments; delete it or choose other names "
+                "(OUTBOX_QUEUE, OUTBOX_EXCHANGE, ...)"
+            ) from None
+        return connected
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake up at once when stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+
+def _jittered(seconds: float) -> float:
+    return seconds * random.uniform(0.5, 1.5)  # noqa: S311 - spreading retries, not crypto
+
+
+def is_broker_error(error: BaseException) -> bool:
+    return isinstance(
+        error,
+        BrokerUnavailable
+        | aiormq.exceptions.AMQPConnectionError
+        | aiormq.exceptions.ChannelInvalidStateError
+        | aiormq.exceptions.ChannelClosed,
+    )

@@ -1,0 +1,166 @@
+"""Publishing claimed outbox rows to RabbitMQ, with every confirm outstanding at once.
+
+The channel has publisher confirms and ``on_return_raises=True``, and every publish is
+``mandatory``: an unroutable message is a failure, not a silent success (aio-pika's
+default would drop it and still report an ack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
+
+from outbox.broker import (
+    APP_ID,
+    CONTENT_TYPE,
+    MESSAGE_TYPE,
+    OperationMessage,
+    Topology,
+    amqp_url_with_heartbeat,
+    declare_topology,
+    message_id,
+)
+from outbox.store import ClaimedRow
+
+logger = logging.getLogger(__name__)
+
+# Failures that mean the connection or channel is gone: publish nothing more on it.
+_CONNECTION_ERRORS = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+)
+
+
+class BrokerUnavailable(Exception):
+    """The broker connection or channel failed; reconnect before the next batch."""
+
+
+@dataclass
+class PublishOutcome:
+    published: list[ClaimedRow] = field(default_factory=list)
+    failed: list[tuple[ClaimedRow, str, str]] = field(default_factory=list)
+    """(row, reason label, error text without payload)."""
+    connection_lost: bool = False
+
+
+def build_message(row: ClaimedRow) -> aio_pika.Message:
+    body = OperationMessage(
+        operation_id=row.operation_id,
+        outbox_id=row.id,
+        tool=row.tool_name,
+        tool_version=row.tool_version,
+        input_fingerprint=row.input_fingerprint,
+    ).model_dump_json()
+    traceparent = row.headers.get("traceparent")
+    return aio_pika.Message(
+        body.encode(),
+        content_type=CONTENT_TYPE,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id(row.id),
+        correlation_id=str(row.operation_id),
+        type=MESSAGE_TYPE,
+        app_id=APP_ID,
+        headers={"traceparent": traceparent} if isinstance(traceparent, str) else None,
+    )
+
+
+def classify(error: BaseException) -> tuple[str, str]:
+    """(reason label, error text) for a failed publish. The text names the broker's
+    reply, never the message."""
+    if isinstance(error, aiormq.exceptions.PublishError):
+        frame = error.frame
+        reply = getattr(frame, "reply_text", "") or "returned"
+        return "unroutable", f"unroutable: broker returned the message ({reply})"
+    if isinstance(error, aiormq.exceptions.DeliveryError):
+        return "nacked", f"nacked: broker refused the message ({type(error.frame).__name__})"
+    if isinstance(error, aiormq.exceptions.ChannelNotFoundEntity):
+        return "exchange_missing", "exchange_missing: the exchange does not exist"
+    if isinstance(error, TimeoutError | asyncio.CancelledError):
+        return "confirm_timeout", "confirm_timeout: no confirm before the publish timeout"
+    if isinstance(error, _CONNECTION_ERRORS | aiormq.exceptions.ChannelClosed):
+        return "connection_lost", f"connection_lost: {type(error).__name__}"
+    return "unexpected", f"unexpected: {type(error).__name__}"
+
+
+class Publisher:
+    """One connection and one confirm channel to RabbitMQ."""
+
+    def __init__(
+        self, amqp_url: str, heartbeat: int, topology: Topology, connection_name: str
+    ) -> None:
+        self._url = amqp_url_with_heartbeat(amqp_url, heartbeat)
+        self._connection_name = connection_name
+        self._topology = topology
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._exchange: AbstractExchange | None = None
+
+    async def connect(self) -> None:
+        # The name shows in the management UI and `rabbitmqctl list_connections`.
+        self._connection = await aio_pika.connect(
+            self._url, timeout=10, client_properties={"connection_name": self._connection_name}
+        )
+        self._channel = await self._connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
+        declared = await declare_topology(self._channel, self._topology)
+        self._exchange = declared.exchange
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        self._channel = self._exchange = None
+        if connection is not None and not connection.is_closed:
+            try:
+                await asyncio.wait_for(connection.close(), timeout=5)
+            except (TimeoutError, *_CONNECTION_ERRORS, aiormq.exceptions.AMQPError):
+                logger.debug("broker connection did not close cleanly")
+
+    @property
+    def usable(self) -> bool:
+        return (
+            self._exchange is not None
+            and self._channel is not None
+            and not self._channel.is_closed
+            and self._connection is not None
+            and not self._connection.is_closed
+        )
+
+    async def publish(self, rows: list[ClaimedRow], confirm_within: float) -> PublishOutcome:
+        """Publish every row with its confirm outstanding at once; wait for all of them
+        (or the timeout) and say which rows the broker confirmed."""
+        outcome = PublishOutcome()
+        exchange = self._exchange
+        if exchange is None or not self.usable:
+            outcome.connection_lost = True
+            outcome.failed = [
+                (row, "connection_lost", "connection_lost: no broker channel") for row in rows
+            ]
+            return outcome
+        tasks = [
+            asyncio.ensure_future(
+                exchange.publish(build_message(row), routing_key=row.routing_key, mandatory=True)
+            )
+            for row in rows
+        ]
+        _, pending = await asyncio.wait(tasks, timeout=confirm_within)
+        for task in pending:
+            task.cancel()
+        for row, task in zip(rows, tasks, strict=True):
+            error: BaseException | None
+            error = TimeoutError() if task in pending else task.exception()
+            if error is None:
+                outcome.published.append(row)
+                continue
+            reason, text = classify(error)
+            outcome.failed.append((row, reason, text))
+            if reason in ("connection_lost", "exchange_missing", "confirm_timeout"):
+                outcome.connection_lost = True
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return outcome

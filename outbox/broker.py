@@ -1,0 +1,109 @@
+"""What travels through RabbitMQ, and the topology both daemons declare.
+
+Messages are thin: ids, the tool and the input fingerprint. The broker never sees
+tool inputs; the consumer loads the operation from Postgres and trusts only that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from uuid import UUID
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+from pydantic import BaseModel, ConfigDict, Field
+
+from outbox.settings import Settings
+
+CONTENT_TYPE = "application/json"
+MESSAGE_TYPE = "outbox.operation.v1"
+APP_ID = "effect-outbox"
+
+
+class OperationMessage(BaseModel):
+    """The body of every message: enough to find the operation, nothing of its input."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = 1
+    operation_id: UUID
+    outbox_id: int = Field(ge=1)
+    tool: str = Field(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")
+    tool_version: int = Field(ge=1)
+    input_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def message_id(outbox_id: int) -> str:
+    """Stable per outbox row: a re-publish of the same row carries the same id."""
+    return f"outbox-{outbox_id}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    exchange: str
+    queue: str
+    dead_letter_exchange: str
+    dead_letter_queue: str
+    delivery_limit: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Topology:
+        return cls(
+            exchange=settings.exchange,
+            queue=settings.queue,
+            dead_letter_exchange=settings.dead_letter_exchange,
+            dead_letter_queue=settings.dead_letter_queue,
+            delivery_limit=settings.delivery_limit,
+        )
+
+    @property
+    def queue_arguments(self) -> dict[str, Any]:
+        # Quorum queues count deliveries; without an explicit limit (RabbitMQ 3.10 has no
+        # default) a poison message would be redelivered forever.
+        return {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": self.delivery_limit,
+            "x-dead-letter-exchange": self.dead_letter_exchange,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        }
+
+
+@dataclass(frozen=True)
+class DeclaredTopology:
+    exchange: AbstractExchange
+    queue: AbstractQueue
+    dead_letter_queue: AbstractQueue
+
+
+async def declare_topology(channel: AbstractChannel, topology: Topology) -> DeclaredTopology:
+    """Declare exchanges, queues and bindings; idempotent while the arguments match.
+
+    A queue that exists with other arguments makes the broker close the channel with
+    PRECONDITION_FAILED (aiormq's ``ChannelPreconditionFailed``).
+    """
+    exchange = await channel.declare_exchange(
+        topology.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+    )
+    dead_letter_exchange = await channel.declare_exchange(
+        topology.dead_letter_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    dead_letter_queue = await channel.declare_queue(
+        topology.dead_letter_queue, durable=True, arguments={"x-queue-type": "quorum"}
+    )
+    await dead_letter_queue.bind(dead_letter_exchange, routing_key="#")
+    queue = await channel.declare_queue(
+        topology.queue, durable=True, arguments=topology.queue_arguments
+    )
+    await queue.bind(exchange, routing_key="#")
+    return DeclaredTopology(exchange=exchange, queue=queue, dead_letter_queue=dead_letter_queue)
+
+
+def amqp_url_with_heartbeat(url: str, heartbeat: int) -> str:
+    """The URL with a heartbeat so a silent broker is noticed, unless it names its own."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    query.setdefault("heartbeat", str(heartbeat))
+    return urlunsplit(parts._replace(query=urlencode(query)))

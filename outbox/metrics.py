@@ -1,0 +1,112 @@
+"""Every Prometheus metric effect-outbox exports, in one place, behind one prefix.
+
+Labels are tool, state, outcome and reason: bounded sets. Never ids, never inputs.
+Each daemon builds its metrics on its own ``CollectorRegistry`` so tests can run
+several in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "outbox"
+
+# Commit-to-confirm is milliseconds when healthy; the tail matters up to the poll interval
+# and beyond (a broker outage).
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+class MetricNames:
+    DISPATCHER_BACKLOG = f"{PREFIX}_dispatcher_backlog_rows"
+    DISPATCHER_OLDEST_PENDING_AGE = f"{PREFIX}_dispatcher_oldest_pending_age_seconds"
+    DISPATCHER_PUBLISHED = f"{PREFIX}_dispatcher_published"
+    DISPATCHER_PUBLISH_FAILURES = f"{PREFIX}_dispatcher_publish_failures"
+    DISPATCHER_BATCH_SIZE = f"{PREFIX}_dispatcher_batch_size"
+    DISPATCHER_COMMIT_TO_CONFIRM = f"{PREFIX}_dispatcher_commit_to_confirm_seconds"
+    DISPATCHER_RETENTION_DELETED = f"{PREFIX}_dispatcher_retention_deleted_rows"
+    DISPATCHER_RECONNECTS = f"{PREFIX}_dispatcher_reconnects"
+
+
+@dataclass(frozen=True)
+class DispatcherMetrics:
+    registry: CollectorRegistry
+    backlog: Gauge
+    oldest_pending_age: Gauge
+    published: Counter
+    publish_failures: Counter
+    batch_size: Histogram
+    commit_to_confirm: Histogram
+    retention_deleted: Counter
+    reconnects: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> DispatcherMetrics:
+        registry = registry or CollectorRegistry()
+        names = MetricNames
+        return cls(
+            registry=registry,
+            backlog=Gauge(
+                names.DISPATCHER_BACKLOG,
+                "Outbox rows not yet published (refreshed every few seconds)",
+                registry=registry,
+            ),
+            oldest_pending_age=Gauge(
+                names.DISPATCHER_OLDEST_PENDING_AGE,
+                "Age of the oldest unpublished outbox row, 0 when none",
+                registry=registry,
+            ),
+            published=Counter(
+                names.DISPATCHER_PUBLISHED,
+                "Outbox rows published and confirmed by the broker",
+                ["tool"],
+                registry=registry,
+            ),
+            publish_failures=Counter(
+                names.DISPATCHER_PUBLISH_FAILURES,
+                "Publishes that failed; the row stays pending and is retried after a backoff",
+                ["reason"],
+                registry=registry,
+            ),
+            batch_size=Histogram(
+                names.DISPATCHER_BATCH_SIZE,
+                "Rows claimed per batch",
+                buckets=BATCH_BUCKETS,
+                registry=registry,
+            ),
+            commit_to_confirm=Histogram(
+                names.DISPATCHER_COMMIT_TO_CONFIRM,
+                "From the outbox row becoming available to the broker's confirm",
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            retention_deleted=Counter(
+                names.DISPATCHER_RETENTION_DELETED,
+                "Published outbox rows deleted after the retention period",
+                registry=registry,
+            ),
+            reconnects=Counter(
+                names.DISPATCHER_RECONNECTS,
+                "Sessions restarted after losing Postgres or RabbitMQ",
+                ["peer"],
+                registry=registry,
+            ),
+        )

@@ -1,0 +1,181 @@
+"""The dispatcher as a real subprocess: killed, stopped, restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from outbox import Registry, Settings
+
+from support.broker_helpers import read_all
+from support.db_helpers import execute_admin
+from support.dispatch_helpers import publish_state, record_many
+from support.waiting import eventually_sync
+
+OUTBOX = str(Path(sys.executable).parent / "outbox")
+
+
+def daemon_environment(settings: Settings) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
+        "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
+        "OUTBOX_EXCHANGE": settings.exchange,
+        "OUTBOX_QUEUE": settings.queue,
+        "OUTBOX_DEAD_LETTER_EXCHANGE": settings.dead_letter_exchange,
+        "OUTBOX_DEAD_LETTER_QUEUE": settings.dead_letter_queue,
+        "OUTBOX_POLL_INTERVAL": "0.2",
+        "OUTBOX_METRICS_HOST": "127.0.0.1",
+        "OUTBOX_METRICS_PORT": "0",
+    }
+
+
+class DaemonProcess:
+    def __init__(self, settings: Settings, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [OUTBOX, "dispatcher", *args],
+            env=daemon_environment(settings),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def output(self) -> str:
+        stdout, _ = self.process.communicate(timeout=30)
+        return stdout
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    yield started
+    for daemon in started:
+        daemon.kill()
+        if daemon.process.stdout:
+            daemon.process.stdout.close()
+
+
+def published_count(database_url: str) -> int:
+    return publish_state(database_url)[1]
+
+
+def test_a_dispatcher_killed_mid_run_and_restarted_publishes_every_row(
+    settings: Settings,
+    registry: Registry,
+    database_url: str,
+    amqp_server_url: str,
+    daemons: list[DaemonProcess],
+) -> None:
+    rows, batch_size = 3000, 50
+    record_many(database_url, registry, rows)
+    first = DaemonProcess(settings, "--batch-size", str(batch_size))
+    daemons.append(first)
+    eventually_sync(
+        lambda: published_count(database_url) >= 300, within=30, what="300 rows published"
+    )
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=10)
+    published_at_kill = published_count(database_url)
+    assert published_at_kill < rows, "the kill must land mid-run"
+
+    second = DaemonProcess(settings, "--batch-size", str(batch_size))
+    daemons.append(second)
+    eventually_sync(
+        lambda: published_count(database_url) == rows, within=60, what="every row published"
+    )
+
+    import asyncio
+
+    messages = asyncio.run(read_all(amqp_server_url, settings.queue, expect=rows))
+    counts = Counter(m.body.outbox_id for m in messages)
+    all_ids = {row[0] for row in execute_admin(database_url, "SELECT id FROM outbox")}
+    assert set(counts) == all_ids
+    duplicated = [outbox_id for outbox_id, n in counts.items() if n > 1]
+    # Only the batch in hand at the kill may go out twice: published, not yet marked.
+    assert len(duplicated) <= batch_size
+    assert max(counts.values()) <= 2
+
+
+def test_sigterm_exits_zero_quickly_and_leaves_no_row_claimed(
+    settings: Settings, registry: Registry, database_url: str, daemons: list[DaemonProcess]
+) -> None:
+    record_many(database_url, registry, 4000)
+    daemon = DaemonProcess(settings, "--batch-size", "20")
+    daemons.append(daemon)
+    eventually_sync(
+        lambda: published_count(database_url) >= 100, within=30, what="publishing under way"
+    )
+
+    stopped_at = time.monotonic()
+    daemon.process.send_signal(signal.SIGTERM)
+    exit_code = daemon.process.wait(timeout=10)
+    took = time.monotonic() - stopped_at
+    output = daemon.output()
+
+    assert exit_code == 0, output
+    assert took < 5, f"took {took:.1f}s to stop"
+    assert "dispatcher.stopping signal=SIGTERM" in output
+    assert "dispatcher.stopped" in output
+    # Nothing is locked any more: every pending row can be claimed by someone else.
+    pending, lockable = execute_admin(
+        database_url,
+        "SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL), "
+        "(SELECT count(*) FROM (SELECT id FROM outbox WHERE published_at IS NULL "
+        " FOR UPDATE SKIP LOCKED) AS free)",
+    )[0]
+    assert pending == lockable
+    assert pending > 0, "the stop must land mid-run for the check to mean something"
+    assert execute_admin(
+        database_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-dispatcher' "
+        "AND datname = current_database()",
+    ) == [(0,)]
+
+
+def test_once_mode_drains_and_reports(
+    settings: Settings, registry: Registry, database_url: str, daemons: list[DaemonProcess]
+) -> None:
+    record_many(database_url, registry, 130)
+    daemon = DaemonProcess(settings, "--once", "--batch-size", "50")
+    daemons.append(daemon)
+
+    exit_code = daemon.process.wait(timeout=60)
+    output = daemon.output()
+
+    assert exit_code == 0, output
+    assert "published=130 failed=0" in output
+    assert publish_state(database_url) == (130, 130)
+
+
+def test_once_mode_gives_up_on_an_unreachable_broker_with_a_clear_exit(
+    settings: Settings, registry: Registry, database_url: str, daemons: list[DaemonProcess]
+) -> None:
+    record_many(database_url, registry, 3)
+    unreachable = settings.model_copy(
+        update={"amqp_url": type(settings.amqp_url)("amqp://guest:s3cret-canary@127.0.0.1:1/")}
+    )
+    daemon = DaemonProcess(unreachable, "--once")
+    daemons.append(daemon)
+
+    exit_code = daemon.process.wait(timeout=60)
+    output = daemon.output()
+
+    assert exit_code == 1
+    assert "dispatcher.connect_retry peer=broker" in output
+    assert "error: gave up on the broker after 5 attempts" in output
+    assert "Traceback" not in output
+    assert "s3cret-canary" not in output
+    assert publish_state(database_url) == (3, 0)
