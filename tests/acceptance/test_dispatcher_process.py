@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -18,7 +20,8 @@ from outbox import Registry, Settings
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import publish_state, record_many
-from support.waiting import eventually_sync
+from support.tcp_proxy import tcp_proxy
+from support.waiting import eventually, eventually_sync
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 
@@ -96,8 +99,6 @@ def test_a_dispatcher_killed_mid_run_and_restarted_publishes_every_row(
     eventually_sync(
         lambda: published_count(database_url) == rows, within=60, what="every row published"
     )
-
-    import asyncio
 
     messages = asyncio.run(read_all(amqp_server_url, settings.queue, expect=rows))
     counts = Counter(m.body.outbox_id for m in messages)
@@ -179,3 +180,69 @@ def test_once_mode_gives_up_on_an_unreachable_broker_with_a_clear_exit(
     assert "Traceback" not in output
     assert "s3cret-canary" not in output
     assert publish_state(database_url) == (3, 0)
+
+
+async def test_a_second_signal_exits_at_once_while_a_batch_waits_for_confirms(
+    settings: Settings, registry: Registry, database_url: str, amqp_server_url: str
+) -> None:
+    target = urlsplit(amqp_server_url)
+    async with tcp_proxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
+        environment = daemon_environment(settings)
+        environment["OUTBOX_AMQP_URL"] = (
+            f"amqp://{target.username}:{target.password}@127.0.0.1:{proxy.port}/"
+        )
+        environment["OUTBOX_PUBLISH_TIMEOUT"] = "60"
+        process = await asyncio.create_subprocess_exec(
+            OUTBOX,
+            "dispatcher",
+            env=environment,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert process.stdout is not None
+        try:
+            await read_until(process.stdout, "dispatcher.session_ready")
+            proxy.blackhole()
+            await asyncio.to_thread(record_many, database_url, registry, 10)
+
+            async def batch_in_hand() -> bool:
+                locked = await asyncio.to_thread(
+                    execute_admin,
+                    database_url,
+                    "SELECT count(*) FROM outbox WHERE published_at IS NULL "
+                    "AND id NOT IN (SELECT id FROM outbox FOR UPDATE SKIP LOCKED)",
+                )
+                return bool(locked[0][0] > 0)
+
+            await eventually(batch_in_hand, within=20, what="a batch claimed and unconfirmed")
+
+            process.send_signal(signal.SIGTERM)
+            await read_until(process.stdout, "dispatcher.stopping signal=SIGTERM")
+            assert process.returncode is None  # still finishing the batch it holds
+            process.send_signal(signal.SIGTERM)
+            exit_code = await asyncio.wait_for(process.wait(), timeout=5)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    assert exit_code == 1
+    # The abandoned batch is neither published nor locked: the next dispatcher takes it.
+    assert publish_state(database_url) == (10, 0)
+    assert not await batch_in_hand()
+
+
+async def read_until(stream: asyncio.StreamReader, marker: str, within: float = 20) -> str:
+    """Lines of a daemon's output up to the one containing ``marker``."""
+    seen: list[str] = []
+
+    async def scan() -> str:
+        while True:
+            line = (await stream.readline()).decode()
+            if not line:
+                raise AssertionError(f"output ended before {marker!r}:\n{''.join(seen)}")
+            seen.append(line)
+            if marker in line:
+                return "".join(seen)
+
+    return await asyncio.wait_for(scan(), timeout=within)
