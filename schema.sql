@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     operation_id      uuid NOT NULL REFERENCES operations (id),
     routing_key       text NOT NULL,
     headers           jsonb NOT NULL DEFAULT '{}'::jsonb,
-    created_at        timestamptz NOT NULL DEFAULT now(),
+    -- Statement time, not transaction start: the dispatcher's latency metric starts here.
+    created_at        timestamptz NOT NULL DEFAULT clock_timestamp(),
     available_at      timestamptz NOT NULL DEFAULT now(),
     published_at      timestamptz,
     publish_attempts  integer NOT NULL DEFAULT 0 CHECK (publish_attempts >= 0),

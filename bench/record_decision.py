@@ -23,10 +23,10 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from support.sample_tools import build_registry
-
 from outbox import Registry, record_decision, record_decision_async, store
 from outbox.settings import database_name, libpq_url, with_database
+
+from support.sample_tools import build_registry
 
 
 def recreate(url: str) -> None:

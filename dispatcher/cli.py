@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from dispatcher.daemon import DEFAULT_METRICS_PORT, RECOVERABLE, Dispatcher, is_broker_error
-from outbox.cli import add_setting_flags, run_command
+from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.errors import ServiceUnavailable
 from outbox.settings import Settings
 
@@ -27,6 +27,7 @@ SETTINGS = (
     "delivery_limit",
     "amqp_heartbeat",
     "batch_size",
+    "dispatch_lanes",
     "poll_interval",
     "publish_timeout",
     "publish_retry_initial",
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.once:
         dispatcher.connect_attempts = DRAIN_CONNECT_ATTEMPTS
         try:
-            report = asyncio.run(dispatcher.drain())
+            report = run_async(dispatcher.drain())
         except RECOVERABLE as failure:
             peer = "the broker" if is_broker_error(failure) else "the database"
             raise ServiceUnavailable(
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             ) from None
         print(f"published={report.published} failed={report.failed}")
         return 0 if report.failed == 0 else 1
-    asyncio.run(_serve(dispatcher))
+    run_async(_serve(dispatcher))
     return 0
 
 

@@ -65,6 +65,12 @@ class DrainReport:
     failed: int
 
 
+@dataclass
+class _Tally:
+    published: int = 0
+    failed: int = 0
+
+
 def _log(level: int, action: str, message: str, **fields: Any) -> None:
     logger.log(level, message, extra={"action": action, **fields})
 
@@ -128,21 +134,10 @@ class Dispatcher:
 
     async def drain(self) -> DrainReport:
         """Publish until no row is available, then return (``outbox dispatcher --once``)."""
-        published = failed = 0
-        async with self._connections() as (database, publisher):
-            while not self.stopping:
-                outcome = await self._batch(database, publisher)
-                if outcome is None:
-                    break
-                published += len(outcome.published)
-                failed += len(outcome.failed)
-                if outcome.connection_lost:
-                    raise BrokerUnavailable("the broker connection failed during the drain")
-                if len(outcome.published) + len(outcome.failed) < self.settings.batch_size:
-                    break
-                if not outcome.published:
-                    break  # a full batch that all failed: retrying now would fail the same way
-        return DrainReport(published=published, failed=failed)
+        tally = _Tally()
+        async with self._connections() as (databases, publisher):
+            await self._drain_available(databases, publisher, tally)
+        return DrainReport(published=tally.published, failed=tally.failed)
 
     async def _dispatch_loop(self) -> None:
         quick_failures = 0
@@ -167,7 +162,7 @@ class Dispatcher:
 
     async def _session(self) -> None:
         async with (
-            self._connections() as (database, publisher),
+            self._connections() as (databases, publisher),
             await self._connect_database(autocommit=True) as listener,
         ):
             await (await AsyncStore.on(listener, require_transaction=False)).run(
@@ -180,8 +175,8 @@ class Dispatcher:
                 while not self.stopping:
                     self._last_tick = asyncio.get_running_loop().time()
                     self._wake.clear()
-                    await self._drain_available(database, publisher)
-                    await self._refresh_backlog(database)
+                    await self._drain_available(databases, publisher, _Tally())
+                    await self._refresh_backlog(databases[0])
                     await self._wait_for_work(notifications)
             finally:
                 notifications.cancel()
@@ -189,16 +184,40 @@ class Dispatcher:
                     await notifications
 
     async def _drain_available(
-        self, database: psycopg.AsyncConnection[Any], publisher: Publisher
+        self,
+        databases: list[psycopg.AsyncConnection[Any]],
+        publisher: Publisher,
+        tally: _Tally,
+    ) -> None:
+        """Run one lane per connection until none finds a full batch. Lanes overlap one
+        batch's database round trips with another's confirms; SKIP LOCKED keeps their
+        batches apart, and each batch is still its own transaction."""
+        lanes = [
+            asyncio.create_task(self._drain_lane(database, publisher, tally))
+            for database in databases
+        ]
+        try:
+            await asyncio.gather(*lanes)
+        finally:
+            for lane in lanes:
+                lane.cancel()
+            await asyncio.gather(*lanes, return_exceptions=True)
+
+    async def _drain_lane(
+        self, database: psycopg.AsyncConnection[Any], publisher: Publisher, tally: _Tally
     ) -> None:
         while not self.stopping:
             outcome = await self._batch(database, publisher)
             if outcome is None:
                 return
+            tally.published += len(outcome.published)
+            tally.failed += len(outcome.failed)
             if outcome.connection_lost:
                 raise BrokerUnavailable("the broker connection failed during a batch")
             if len(outcome.published) + len(outcome.failed) < self.settings.batch_size:
                 return
+            if not outcome.published:
+                return  # a full batch that all failed: retrying now would fail the same way
 
     async def _wait_for_work(self, notifications: asyncio.Task[None]) -> None:
         waiters = [
@@ -327,19 +346,22 @@ class Dispatcher:
     @contextlib.asynccontextmanager
     async def _connections(
         self,
-    ) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Publisher]]:
+    ) -> AsyncIterator[tuple[list[psycopg.AsyncConnection[Any]], Publisher]]:
+        """One database connection per lane, and the broker."""
         publisher = Publisher(
             self.settings.amqp_url.get_secret_value(),
             self.settings.amqp_heartbeat,
             self._topology,
             connection_name=f"{APPLICATION_NAME} {self.worker_id}",
         )
-        async with await self._connect_database() as database:
-            try:
-                await self._retrying(publisher.connect, "broker")
-                yield database, publisher
-            finally:
-                await publisher.close()
+        async with contextlib.AsyncExitStack() as stack:
+            databases = [
+                await stack.enter_async_context(await self._connect_database())
+                for _ in range(self.settings.dispatch_lanes)
+            ]
+            stack.push_async_callback(publisher.close)
+            await self._retrying(publisher.connect, "broker")
+            yield databases, publisher
 
     async def _connect_database(self, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
         async def connect() -> psycopg.AsyncConnection[Any]:

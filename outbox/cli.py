@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import entry_points
+from typing import Any, TypeVar
 
 from pydantic import SecretStr
 
@@ -23,6 +24,7 @@ from outbox.migrate import declare_broker_topology, migrate
 from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
 
 Command = Callable[[argparse.Namespace, Settings], int]
+T = TypeVar("T")
 
 BROKER_SETTINGS = (
     "amqp_url",
@@ -49,6 +51,17 @@ def add_setting_flags(parser: argparse.ArgumentParser, *names: str) -> None:
         )
 
 
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run a daemon's coroutine on uvloop where it is installed (it measured 25-58%
+    faster here, DESIGN.md section 14), else on the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def _settings_from(args: argparse.Namespace) -> Settings:
     return load_settings(**{name: getattr(args, name, None) for name in Settings.model_fields})
 
@@ -60,7 +73,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
         print(f"database {report.database!r} did not exist: created it")
     print(f"schema version {report.schema_version} is applied to {redact_url(url)}")
     if args.broker:
-        topology = asyncio.run(declare_broker_topology(settings))
+        topology = run_async(declare_broker_topology(settings))
         print(
             f"broker topology declared: exchange {topology.exchange!r} -> quorum queue "
             f"{topology.queue!r} (delivery limit {topology.delivery_limit}, dead letters to "

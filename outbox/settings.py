@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     batch_size: int = Field(
         default=200, ge=1, le=10_000, description="outbox rows claimed and published per batch"
     )
+    dispatch_lanes: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description="batches a dispatcher has in flight at once, each its own transaction",
+    )
     poll_interval: float = Field(
         default=1.0, gt=0, description="seconds between scans when no notification arrives"
     )

@@ -1,0 +1,116 @@
+"""The dispatcher's pure parts: the wire message, error classification, retry delays."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import aiormq.exceptions
+import pytest
+from pamqp.commands import Basic
+from pamqp.header import ContentHeader
+
+from dispatcher.daemon import Dispatcher
+from dispatcher.publisher import classify, encode
+from outbox.broker import OperationMessage
+from outbox.settings import Settings
+from outbox.store import ClaimedRow
+
+OPERATION = uuid.UUID("3f2a4c1e-0d6b-4f7a-9c1e-2b3d4e5f6a7b")
+
+
+def row(**overrides: object) -> ClaimedRow:
+    fields: dict[str, object] = {
+        "id": 42,
+        "operation_id": OPERATION,
+        "routing_key": "send_refund.v1",
+        "headers": {},
+        "publish_attempts": 0,
+        "ready_seconds": 0.001,
+        "tool_name": "send_refund",
+        "tool_version": 3,
+        "input_fingerprint": "ab" * 32,
+    }
+    fields.update(overrides)
+    return ClaimedRow(**fields)  # type: ignore[arg-type]
+
+
+def test_the_body_is_exactly_what_the_consumer_parses() -> None:
+    encoded = encode(row())
+
+    parsed = OperationMessage.model_validate_json(encoded.body)
+
+    assert parsed == OperationMessage(
+        operation_id=OPERATION,
+        outbox_id=42,
+        tool="send_refund",
+        tool_version=3,
+        input_fingerprint="ab" * 32,
+    )
+
+
+def test_properties_identify_the_row_and_persist_the_message() -> None:
+    properties = encode(row()).properties
+
+    assert properties.content_type == "application/json"
+    assert properties.delivery_mode == 2
+    assert properties.message_id == "outbox-42"
+    assert properties.correlation_id == str(OPERATION)
+    assert properties.message_type == "outbox.operation.v1"
+    assert properties.app_id == "effect-outbox"
+    assert properties.headers is None
+
+
+def test_only_a_traceparent_header_travels() -> None:
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+    with_trace = encode(row(headers={"traceparent": traceparent, "other": "x"})).properties
+
+    assert with_trace.headers == {"traceparent": traceparent}
+
+
+def returned_message() -> aiormq.abc.DeliveredMessage:
+    frame = Basic.Return(reply_code=312, reply_text="NO_ROUTE", exchange="outbox", routing_key="k")
+    return aiormq.abc.DeliveredMessage(
+        delivery=frame,
+        header=ContentHeader(),
+        body=b"",
+        channel=None,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (
+            aiormq.exceptions.PublishError(returned_message(), Basic.Return(reply_text="NO_ROUTE")),
+            "unroutable",
+        ),
+        (aiormq.exceptions.DeliveryError(None, Basic.Nack(delivery_tag=1)), "nacked"),
+        (aiormq.exceptions.ChannelNotFoundEntity("no exchange"), "exchange_missing"),
+        (TimeoutError(), "confirm_timeout"),
+        (aiormq.exceptions.ConnectionClosed(320, "shutdown"), "connection_lost"),
+        (aiormq.exceptions.ChannelInvalidStateError("closed"), "connection_lost"),
+        (ValueError("odd"), "unexpected"),
+    ],
+)
+def test_publish_failures_are_classified_without_payload(error: BaseException, reason: str) -> None:
+    label, text = classify(error)
+
+    assert label == reason
+    assert text.startswith(f"{reason}:")
+
+
+def test_an_unroutable_failure_names_the_broker_reply() -> None:
+    _, text = classify(
+        aiormq.exceptions.PublishError(returned_message(), Basic.Return(reply_text="NO_ROUTE"))
+    )
+    assert "NO_ROUTE" in text
+
+
+def test_retry_delay_doubles_with_jitter_and_is_capped() -> None:
+    dispatcher = Dispatcher(Settings(publish_retry_initial=1.0, publish_retry_max=8.0))
+
+    for attempts, base in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 8.0), (10_000, 8.0)]:
+        delay = dispatcher._retry_delay(attempts)
+        assert timedelta(seconds=base * 0.5) <= delay <= timedelta(seconds=base * 1.5)
