@@ -1,9 +1,8 @@
-"""``python -m consumer``: not built yet (issue #4); says so instead of pretending."""
+"""``python -m consumer``: the same as ``outbox consumer``."""
 
 from __future__ import annotations
 
-import sys
+from consumer.cli import main
 
 if __name__ == "__main__":
-    print("the consumer daemon is not built yet (issue #4)", file=sys.stderr)
-    sys.exit(2)
+    main()

@@ -46,6 +46,13 @@ class MetricNames:
     DISPATCHER_COMMIT_TO_CONFIRM = f"{PREFIX}_dispatcher_commit_to_confirm_seconds"
     DISPATCHER_RETENTION_DELETED = f"{PREFIX}_dispatcher_retention_deleted_rows"
     DISPATCHER_RECONNECTS = f"{PREFIX}_dispatcher_reconnects"
+    CONSUMER_DELIVERIES = f"{PREFIX}_consumer_deliveries"
+    CONSUMER_DEAD_LETTERED = f"{PREFIX}_consumer_dead_lettered"
+    EFFECT_ATTEMPTS = f"{PREFIX}_effect_attempts"
+    EFFECT_DURATION = f"{PREFIX}_effect_duration_seconds"
+    RECONCILIATIONS = f"{PREFIX}_reconciliations"
+    ESCALATIONS = f"{PREFIX}_escalations"
+    CONSUMER_RECONNECTS = f"{PREFIX}_consumer_reconnects"
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,68 @@ class DispatcherMetrics:
                 names.DISPATCHER_RECONNECTS,
                 "Sessions restarted after losing Postgres or RabbitMQ",
                 ["peer"],
+                registry=registry,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ConsumerMetrics:
+    registry: CollectorRegistry
+    deliveries: Counter
+    dead_lettered: Counter
+    effect_attempts: Counter
+    effect_duration: Histogram
+    reconciliations: Counter
+    escalations: Counter
+    reconnects: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
+        registry = registry or CollectorRegistry()
+        names = MetricNames
+        return cls(
+            registry=registry,
+            deliveries=Counter(
+                names.CONSUMER_DELIVERIES,
+                "Messages handled, by result: processed, duplicate, invalid, awaiting_approval",
+                ["result"],
+                registry=registry,
+            ),
+            dead_lettered=Counter(
+                names.CONSUMER_DEAD_LETTERED,
+                "Messages rejected to the dead-letter queue without any effect",
+                ["reason"],
+                registry=registry,
+            ),
+            effect_attempts=Counter(
+                names.EFFECT_ATTEMPTS,
+                "Calls of a tool's execute, by outcome",
+                ["tool", "outcome"],
+                registry=registry,
+            ),
+            effect_duration=Histogram(
+                names.EFFECT_DURATION,
+                "Time a tool's execute took",
+                ["tool"],
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            reconciliations=Counter(
+                names.RECONCILIATIONS,
+                "Unknown outcomes looked up, by result",
+                ["tool", "result"],
+                registry=registry,
+            ),
+            escalations=Counter(
+                names.ESCALATIONS,
+                "Operations handed to a person, by reason",
+                ["tool", "reason"],
+                registry=registry,
+            ),
+            reconnects=Counter(
+                names.CONSUMER_RECONNECTS,
+                "Broker sessions lost and re-established",
                 registry=registry,
             ),
         )

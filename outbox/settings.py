@@ -70,6 +70,24 @@ class Settings(BaseSettings):
         default=timedelta(days=7),
         description="how long published rows are kept (seconds or ISO 8601)",
     )
+    tools: str = Field(
+        default="",
+        description="comma-separated modules exposing a tools Registry (consumer, contracts)",
+    )
+    prefetch: int = Field(
+        default=16, ge=1, le=1000, description="deliveries a consumer works on at once"
+    )
+    lease_margin: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a claim's lease outlives the tool's deadline",
+    )
+    reconcile_interval: float = Field(
+        default=0.5, gt=0, description="seconds between reconciler scans"
+    )
+    reconcile_batch: int = Field(
+        default=50, ge=1, le=1000, description="operations one reconciler scan takes"
+    )
     # Prometheus scrapes from another host or container, so all interfaces by default;
     # the endpoints serve counters and health only, never ids or payloads.
     metrics_host: str = Field(

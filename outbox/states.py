@@ -65,6 +65,7 @@ class EventName(StrEnum):
     RETRY_SCHEDULED = "operation.retry_scheduled"
     OUTCOME_UNKNOWN = "operation.outcome_unknown"
     RECONCILED = "operation.reconciled"
+    RECONCILE_DEFERRED = "operation.reconcile_deferred"
     ESCALATED = "operation.escalated"
     RESOLVED = "operation.resolved"
     APPROVAL_GRANTED = "operation.approval_granted"

@@ -629,3 +629,59 @@ def delete_published_outbox_rows(retention: timedelta, limit: int) -> Plan[int]:
 def listen_outbox_pending() -> Plan[None]:
     """LISTEN on the channel the outbox insert trigger notifies (autocommit connection)."""
     yield Step("listen_outbox_pending", {})
+
+
+# --- consumer and reconciler ---------------------------------------------------------
+
+
+def append_event(
+    operation: Operation, name: EventName, attributes: Mapping[str, lifecycle.Scalar]
+) -> Plan[None]:
+    """Record a lifecycle event that moves no state (an approval wait, for instance)."""
+    yield Step(
+        "insert_event",
+        {"operation_id": operation.id, "name": str(name), "attributes": Jsonb(dict(attributes))},
+    )
+    lifecycle.emit(name, operation, attributes)
+
+
+def claim_reconciliation_batch(limit: int) -> Plan[list[Operation]]:
+    """Lock (until this transaction ends) unknown outcomes due for a lookup and in-flight
+    operations whose lease expired: their worker died or stalled, so the effect may
+    have happened."""
+    rows = yield Step("claim_reconciliation_batch", {"limit": limit})
+    return [Operation.model_validate(row) for row in rows]
+
+
+def lease_for_reconciliation(
+    operation: Operation, *, owner: str, lease: timedelta
+) -> Plan[Operation | None]:
+    """A reconciler's lease on an unknown outcome, with a new fencing token."""
+    rows = yield Step(
+        "lease_for_reconciliation",
+        {"id": operation.id, "owner": owner, "lease": lease, "lease_token": operation.lease_token},
+    )
+    return Operation.model_validate(rows[0]) if rows else None
+
+
+def defer_reconciliation(
+    operation_id: UUID, *, lease_token: int, reason: str, delay: timedelta
+) -> Plan[Operation]:
+    """An inconclusive lookup: count it and look again after ``delay``."""
+    rows = yield Step(
+        "defer_reconciliation",
+        {"id": operation_id, "lease_token": lease_token, "reason": reason, "delay": delay},
+    )
+    if not rows:
+        current = yield from get_operation(operation_id)
+        raise LeaseLost(
+            f"{current.display_id} is {current.state} under lease token {current.lease_token}, "
+            f"not outcome_unknown under {lease_token}; nothing was changed"
+        )
+    operation = Operation.model_validate(rows[0])
+    lifecycle.emit(
+        EventName.RECONCILE_DEFERRED,
+        operation,
+        {"reason": reason, "reconcile_attempt": operation.reconcile_attempts},
+    )
+    return operation

@@ -37,7 +37,7 @@ WITH claimed AS (
         lease_owner = %(owner)s,
         lease_expires_at = now() + %(lease)s::interval,
         first_attempt_at = COALESCE(first_attempt_at, now())
-    WHERE id = %(id)s AND state = 'prepared'
+    WHERE id = %(id)s AND state = 'prepared' AND next_attempt_at <= clock_timestamp()
     RETURNING *
 ), event AS (
     INSERT INTO operation_events (operation_id, name, attributes)
@@ -186,3 +186,49 @@ SELECT count(*) AS deleted FROM deleted
 -- name: listen_outbox_pending
 -- Subscribe this session to the notifications the outbox insert trigger sends.
 LISTEN outbox_pending
+
+-- name: insert_event
+-- Append one lifecycle event that moves no state (an approval wait, a deferred lookup).
+INSERT INTO operation_events (operation_id, name, attributes)
+VALUES (%(operation_id)s, %(name)s, %(attributes)s)
+
+-- name: claim_reconciliation_batch
+-- Lock unknown outcomes due for a lookup and in-flight operations whose lease expired, skipping rows others hold.
+SELECT *
+FROM operations
+WHERE (state = 'outcome_unknown'
+       AND next_attempt_at <= clock_timestamp()
+       AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp()))
+   OR (state = 'in_flight' AND lease_expires_at < clock_timestamp())
+ORDER BY next_attempt_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: lease_for_reconciliation
+-- Take a reconciler's lease on an unknown outcome: a new fencing token, so a slower reconciler's late write fails.
+UPDATE operations
+SET lease_token = lease_token + 1,
+    lease_owner = %(owner)s,
+    lease_expires_at = clock_timestamp() + %(lease)s::interval
+WHERE id = %(id)s AND state = 'outcome_unknown' AND lease_token = %(lease_token)s
+RETURNING *
+
+-- name: defer_reconciliation
+-- An inconclusive lookup: count it, release the lease, look again after the delay, and say so in an event.
+WITH deferred AS (
+    UPDATE operations
+    SET reconcile_attempts = reconcile_attempts + 1,
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        next_attempt_at = clock_timestamp() + %(delay)s::interval,
+        last_error_class = %(reason)s
+    WHERE id = %(id)s AND state = 'outcome_unknown' AND lease_token = %(lease_token)s
+    RETURNING *
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, 'operation.reconcile_deferred',
+           jsonb_build_object('reason', %(reason)s, 'reconcile_attempt', reconcile_attempts,
+                              'method', 'lookup')
+    FROM deferred
+)
+SELECT * FROM deferred

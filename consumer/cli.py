@@ -1,0 +1,95 @@
+"""``outbox consumer`` (also ``python -m consumer``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from consumer.worker import DEFAULT_METRICS_PORT, Consumer
+from outbox.cli import add_setting_flags, run_async, run_command
+from outbox.errors import ConfigurationError
+from outbox.loading import load_registry
+from outbox.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = (
+    "database_url",
+    "amqp_url",
+    "tools",
+    "exchange",
+    "queue",
+    "dead_letter_exchange",
+    "dead_letter_queue",
+    "delivery_limit",
+    "amqp_heartbeat",
+    "prefetch",
+    "lease_margin",
+    "reconcile_interval",
+    "reconcile_batch",
+    "metrics_host",
+    "metrics_port",
+)
+
+
+def register(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "consumer",
+        help="execute operations from RabbitMQ and reconcile unknown outcomes (the daemon)",
+        description="Execute each operation's effect at most once per proven-absent outcome, "
+        "and reconcile every unknown outcome before anything else happens to it. Tools come "
+        "from modules that expose a Registry (--tools, repeatable, or OUTBOX_TOOLS). Serves "
+        f"/metrics and /healthz (default port {DEFAULT_METRICS_PORT}). SIGTERM or SIGINT "
+        "stops taking deliveries and lets the effects in hand finish; a second one exits "
+        "at once.",
+    )
+    add_setting_flags(parser, *SETTINGS)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    modules = [m.strip() for m in settings.tools.split(",") if m.strip()]
+    if not modules:
+        raise ConfigurationError(
+            "no tools to execute: pass --tools your.module (a module exposing a Registry) "
+            "or set OUTBOX_TOOLS"
+        )
+    consumer = Consumer(settings, load_registry(modules))
+    run_async(_serve(consumer))
+    return 0
+
+
+async def _serve(consumer: Consumer) -> None:
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        name = signal.Signals(signum).name
+        if signals_seen > 1:
+            logger.warning(
+                "consumer.killed signal=%s: second signal, exiting now",
+                name,
+                extra={"action": "consumer.killed"},
+            )
+            os._exit(1)
+        logger.info(
+            "consumer.stopping signal=%s: finishing the effects in hand",
+            name,
+            extra={"action": "consumer.stopping"},
+        )
+        consumer.stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await consumer.run()
+
+
+def main() -> None:
+    sys.exit(run_command(["consumer", *sys.argv[1:]]))

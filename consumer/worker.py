@@ -1,0 +1,656 @@
+"""The consumer: deliveries to effects, at most once per proven-absent outcome.
+
+Per delivery: parse the thin envelope -> load the operation (the database is the only
+thing trusted) -> claim ``prepared -> in_flight`` with a lease and a fencing token,
+committed before any external call -> check the approval -> execute with the operation
+id as idempotency key and a deadline -> record the outcome under the fencing token ->
+ack. A delivery whose claim fails is a duplicate: acked, counted, never executed.
+
+The reconciler (a loop in the same process) looks up every unknown outcome before
+anything else may happen to it, and takes over operations whose worker died holding
+the lease: an expired lease means *outcome unknown*, not "retry".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import aio_pika
+import aiormq.exceptions
+import psycopg
+import pydantic
+from aio_pika.abc import AbstractIncomingMessage
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from outbox import store
+from outbox.broker import OperationMessage, Topology, amqp_url_with_heartbeat, declare_topology
+from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
+from outbox.errors import (
+    DatabaseError,
+    IllegalTransition,
+    ToolNotRegistered,
+    TransientDatabaseError,
+)
+from outbox.metrics import ConsumerMetrics
+from outbox.models import Operation
+from outbox.observability import serve_http
+from outbox.outcomes import (
+    DefinitiveRejection,
+    EffectResult,
+    ExecutionContext,
+    Found,
+    NotFound,
+    NotSent,
+    OutcomeUnknown,
+    Reconciliation,
+    StillUnknown,
+)
+from outbox.settings import Settings, redact_url
+from outbox.states import EventName, OperationState
+from outbox.store import AsyncStore, Plan
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_METRICS_PORT = 9465
+APPLICATION_NAME = "outbox-consumer"
+MAX_BODY_BYTES = 4096
+S = OperationState
+
+# Database failures a later attempt may not meet: leave the message for redelivery.
+TRANSIENT_DATABASE = (TransientDatabaseError, psycopg.OperationalError, OSError)
+
+
+def _log(level: int, action: str, message: str, **fields: Any) -> None:
+    logger.log(level, message, extra={"action": action, **fields})
+
+
+@dataclass(frozen=True)
+class _Claimed:
+    operation: Operation
+    contract: ToolContract[Any]
+
+
+@dataclass(frozen=True)
+class _Skip:
+    result: str
+    dead_letter_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    outcome: str  # committed | rejected | not_sent | outcome_unknown
+    code: str
+    effect: EffectResult | None = None
+
+
+class Consumer:
+    def __init__(
+        self, settings: Settings, registry: Registry, metrics: ConsumerMetrics | None = None
+    ) -> None:
+        if not len(registry):
+            raise ValueError("a consumer needs at least one registered tool")
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics or ConsumerMetrics.create()
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
+        self.metrics_port: int | None = None
+        self._topology = Topology.from_settings(settings)
+        self._stop = asyncio.Event()
+        self._broker_ready = False
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._engine: AsyncEngine | None = None
+
+    # --- control ---------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def healthy(self) -> bool:
+        return self._broker_ready and not self.stopping
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            self._engine = create_async_engine(
+                self.settings.sqlalchemy_url,
+                pool_size=self.settings.prefetch + 2,
+                max_overflow=4,
+                pool_pre_ping=True,
+                connect_args={"application_name": APPLICATION_NAME, "connect_timeout": 10},
+            )
+        return self._engine
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
+
+    async def _run_plan(self, plan: Plan[T]) -> T:
+        async with self.engine.begin() as connection:
+            return await (await AsyncStore.on(connection)).run(plan)
+
+    # --- daemon ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume and reconcile until :meth:`stop`; in-flight effects finish first."""
+        port = self.settings.metrics_port
+        port = DEFAULT_METRICS_PORT if port is None else port
+        try:
+            async with serve_http(
+                self.settings.metrics_host, port, self.metrics.registry, self.healthy
+            ) as bound:
+                self.metrics_port = bound
+                _log(
+                    logging.INFO,
+                    "consumer.started",
+                    f"consumer.started worker={self.worker_id} metrics_port={bound} "
+                    f"tools={self.registry.describe()!r} queue={self._topology.queue} "
+                    f"database={redact_url(self.settings.libpq_url)}",
+                )
+                reconciler = asyncio.create_task(self._reconcile_loop())
+                try:
+                    await self._consume_loop()
+                finally:
+                    reconciler.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reconciler
+        finally:
+            await self.close()
+        _log(logging.INFO, "consumer.stopped", f"consumer.stopped worker={self.worker_id}")
+
+    async def _consume_loop(self) -> None:
+        failures = 0
+        while not self.stopping:
+            started = time.monotonic()
+            try:
+                await self._consume_session()
+            except (aiormq.exceptions.AMQPError, ConnectionError, OSError, TimeoutError) as error:
+                self._broker_ready = False
+                self.metrics.reconnects.inc()
+                failures = failures + 1 if time.monotonic() - started < 10 else 1
+                delay = min(10.0, 0.2 * 2 ** (failures - 1))
+                _log(
+                    logging.WARNING,
+                    "consumer.session_lost",
+                    f"consumer.session_lost error={type(error).__name__} retry_in={delay:.1f}s",
+                )
+                await self._sleep(delay)
+
+    async def _consume_session(self) -> None:
+        url = amqp_url_with_heartbeat(
+            self.settings.amqp_url.get_secret_value(), self.settings.amqp_heartbeat
+        )
+        connection = await aio_pika.connect(
+            url,
+            timeout=10,
+            client_properties={"connection_name": f"{APPLICATION_NAME} {self.worker_id}"},
+        )
+        closed = asyncio.Event()
+        connection.close_callbacks.add(lambda *_: closed.set())
+        async with connection:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=self.settings.prefetch)
+            declared = await declare_topology(channel, self._topology)
+            tag = await declared.queue.consume(self._on_message)
+            self._broker_ready = True
+            _log(logging.INFO, "consumer.session_ready", "consumer.session_ready")
+            stop = asyncio.ensure_future(self._stop.wait())
+            lost = asyncio.ensure_future(closed.wait())
+            try:
+                await asyncio.wait([stop, lost], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                lost.cancel()
+            self._broker_ready = False
+            if closed.is_set() and not self.stopping:
+                raise aiormq.exceptions.AMQPConnectionError("the broker connection closed")
+            # Graceful stop: take no new deliveries, let the effects in hand finish.
+            with contextlib.suppress(aiormq.exceptions.AMQPError):
+                await declared.queue.cancel(tag)
+            if self._handlers:
+                await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        try:
+            await self.handle(message)
+        finally:
+            if task is not None:
+                self._handlers.discard(task)
+
+    # --- one delivery ----------------------------------------------------------------
+
+    async def handle(self, message: AbstractIncomingMessage) -> str:
+        """Handle one delivery; returns its result label (for metrics and tests)."""
+        if len(message.body) > MAX_BODY_BYTES:
+            return await self._dead_letter(message, "oversized")
+        try:
+            envelope = OperationMessage.model_validate_json(message.body)
+        except pydantic.ValidationError:
+            return await self._dead_letter(message, "malformed")
+        try:
+            prepared = await self._prepare(envelope)
+        except TRANSIENT_DATABASE as error:
+            return await self._later(message, error)
+        if isinstance(prepared, _Skip):
+            if prepared.dead_letter_reason is not None:
+                return await self._dead_letter(message, prepared.dead_letter_reason, envelope)
+            self.metrics.deliveries.labels(prepared.result).inc()
+            await message.ack()
+            return prepared.result
+        attempt = await self._attempt(prepared)
+        try:
+            await self._record(prepared, attempt)
+        except TRANSIENT_DATABASE as error:
+            # The lease will expire and the reconciler will find out what happened; a
+            # redelivery meanwhile is a duplicate (the operation is in flight).
+            return await self._later(message, error)
+        self.metrics.deliveries.labels("processed").inc()
+        await message.ack()
+        return "processed"
+
+    async def _prepare(self, envelope: OperationMessage) -> _Claimed | _Skip:
+        """Load, check and claim, in one transaction committed before any external call."""
+        async with self.engine.begin() as connection:
+            runner = await AsyncStore.on(connection)
+            operation = await runner.run(store.find_operation(envelope.operation_id))
+            if operation is None:
+                return _Skip("invalid", "unknown_operation")
+            if (
+                operation.input_fingerprint != envelope.input_fingerprint
+                or operation.tool_name != envelope.tool
+                or operation.tool_version != envelope.tool_version
+            ):
+                return _Skip("invalid", "fingerprint_mismatch")
+            try:
+                contract = self.registry.get(operation.tool_name, operation.tool_version)
+            except ToolNotRegistered as missing:
+                _log(
+                    logging.ERROR,
+                    "consumer.unknown_tool",
+                    f"consumer.unknown_tool id={operation.display_id} {missing}",
+                )
+                return _Skip("invalid", "unknown_tool")
+            if operation.state is not S.PREPARED:
+                return _Skip("duplicate")
+            if operation.requires_approval:
+                check = await runner.run(store.check_approval(operation.id))
+                if not check.is_valid:
+                    await runner.run(
+                        store.append_event(
+                            operation,
+                            EventName.APPROVAL_REQUIRED,
+                            {"status": str(check.status), "policy": "approval_required"},
+                        )
+                    )
+                    return _Skip("awaiting_approval")
+            lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)
+            claimed = await runner.run(store.claim(operation.id, owner=self.worker_id, lease=lease))
+            if claimed is None:
+                return _Skip("duplicate")
+            return _Claimed(claimed, contract)
+
+    async def _attempt(self, claimed: _Claimed) -> _Attempt:
+        operation, contract = claimed.operation, claimed.contract
+        seconds = contract.deadline.total_seconds()
+        context = ExecutionContext(
+            operation_id=operation.id,
+            attempt=operation.attempts,
+            deadline=time.monotonic() + seconds,
+        )
+        started = time.monotonic()
+        try:
+            tool_input = contract.input_model.model_validate(operation.input)
+            async with asyncio.timeout(seconds):
+                effect = await contract.execute(tool_input, context)
+            attempt = _Attempt("committed", "ok", effect)
+        except DefinitiveRejection as rejection:
+            attempt = _Attempt("rejected", rejection.code)
+        except NotSent as not_sent:
+            attempt = _Attempt("not_sent", not_sent.code)
+        except OutcomeUnknown as unknown:
+            attempt = _Attempt("outcome_unknown", unknown.code)
+        except TimeoutError:
+            context.cancelled.set()
+            attempt = _Attempt("outcome_unknown", "deadline_exceeded")
+        except Exception as error:
+            # A tool that cannot say what happened may have done it: unknown, not retry.
+            _log(
+                logging.WARNING,
+                "consumer.tool_error",
+                f"consumer.tool_error id={operation.display_id} tool={contract.name} "
+                f"error={type(error).__name__}",
+            )
+            attempt = _Attempt("outcome_unknown", "tool_error")
+        self.metrics.effect_duration.labels(contract.name).observe(time.monotonic() - started)
+        self.metrics.effect_attempts.labels(contract.name, attempt.outcome).inc()
+        return attempt
+
+    async def _record(self, claimed: _Claimed, attempt: _Attempt) -> None:
+        operation, contract = claimed.operation, claimed.contract
+        common: dict[str, Any] = {"lease_token": operation.lease_token, "source": S.IN_FLIGHT}
+        attributes = {"attempt": operation.attempts}
+        if attempt.outcome == "committed":
+            assert attempt.effect is not None
+            plan = store.transition(
+                operation.id,
+                target=S.COMMITTED,
+                attributes=attributes,
+                provider_reference=attempt.effect.provider_reference,
+                result=dict(attempt.effect.result),
+                **common,
+            )
+        elif attempt.outcome == "rejected":
+            plan = store.transition(
+                operation.id,
+                target=S.REJECTED,
+                attributes=attributes,
+                error_class=attempt.code,
+                **common,
+            )
+        elif attempt.outcome == "not_sent" and contract.retry.may_retry(
+            operation.attempts, attempt.code
+        ):
+            plan = store.transition(
+                operation.id,
+                target=S.PREPARED,
+                attributes={**attributes, "policy": "retry_not_sent"},
+                error_class=attempt.code,
+                delay=contract.retry.backoff(operation.attempts),
+                **common,
+            )
+        elif attempt.outcome == "not_sent":
+            # Every attempt provably never left: the effect did not happen, for good.
+            plan = store.transition(
+                operation.id,
+                target=S.REJECTED,
+                attributes={**attributes, "policy": "retry_budget_exhausted"},
+                error_class=attempt.code,
+                **common,
+            )
+        else:
+            plan = store.transition(
+                operation.id,
+                target=S.OUTCOME_UNKNOWN,
+                attributes=attributes,
+                error_class=attempt.code,
+                **common,
+            )
+        try:
+            await self._run_plan(plan)
+        except IllegalTransition as fenced:
+            # Another process took the operation over (our lease expired): its record
+            # wins; ours would overwrite evidence. The reconciler has or will settle it.
+            _log(
+                logging.WARNING,
+                "consumer.write_fenced",
+                f"consumer.write_fenced id={operation.display_id} token={operation.lease_token} "
+                f"outcome={attempt.outcome} reason={type(fenced).__name__}",
+            )
+
+    async def _dead_letter(
+        self,
+        message: AbstractIncomingMessage,
+        reason: str,
+        envelope: OperationMessage | None = None,
+    ) -> str:
+        self.metrics.deliveries.labels("invalid").inc()
+        self.metrics.dead_lettered.labels(reason).inc()
+        _log(
+            logging.WARNING,
+            "consumer.dead_lettered",
+            f"consumer.dead_lettered reason={reason} message_id={_safe_id(message.message_id)}",
+            reason=reason,
+        )
+        await message.reject(requeue=False)
+        return "invalid"
+
+    async def _later(self, message: AbstractIncomingMessage, error: BaseException) -> str:
+        _log(
+            logging.WARNING,
+            "consumer.database_unavailable",
+            f"consumer.database_unavailable error={type(error).__name__}",
+        )
+        await self._sleep(1.0)
+        await message.nack(requeue=True)
+        return "retry_later"
+
+    # --- reconciler ------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while not self.stopping:
+            try:
+                busy = await self.reconcile_once()
+            except (DatabaseError, *TRANSIENT_DATABASE) as error:
+                _log(
+                    logging.WARNING,
+                    "consumer.reconcile_failed",
+                    f"consumer.reconcile_failed error={type(error).__name__}",
+                )
+                busy = 0
+            if not busy:
+                await self._sleep(self.settings.reconcile_interval)
+
+    async def reconcile_once(self) -> int:
+        """One reconciler pass; returns how many operations it took up."""
+        lookups: list[_Claimed] = []
+        async with self.engine.begin() as connection:
+            runner = await AsyncStore.on(connection)
+            candidates = await runner.run(
+                store.claim_reconciliation_batch(self.settings.reconcile_batch)
+            )
+            for operation in candidates:
+                try:
+                    contract = self.registry.get(operation.tool_name, operation.tool_version)
+                except ToolNotRegistered:
+                    continue  # a consumer that has the tool will take it
+                lookup = await self._triage(runner, operation, contract)
+                if lookup is not None:
+                    lookups.append(lookup)
+        if lookups:
+            await asyncio.gather(*(self._look_up(claimed) for claimed in lookups))
+        return len(candidates)
+
+    async def _triage(
+        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+    ) -> _Claimed | None:
+        """Decide what an unknown outcome needs; returns it leased if it needs a lookup."""
+        if operation.state is S.IN_FLIGHT:
+            operation = await runner.run(
+                store.transition(
+                    operation.id,
+                    source=S.IN_FLIGHT,
+                    target=S.OUTCOME_UNKNOWN,
+                    lease_token=operation.lease_token,
+                    error_class="lease_expired",
+                    attributes={"attempt": operation.attempts, "policy": "lease_expired"},
+                )
+            )
+        plan = _unknown_outcome_policy(operation, contract)
+        if plan == "reconcile":
+            lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)
+            leased = await runner.run(
+                store.lease_for_reconciliation(operation, owner=self.worker_id, lease=lease)
+            )
+            return _Claimed(leased, contract) if leased is not None else None
+        if plan == "retry":
+            await runner.run(
+                store.transition(
+                    operation.id,
+                    source=S.OUTCOME_UNKNOWN,
+                    target=S.PREPARED,
+                    lease_token=operation.lease_token,
+                    attributes={"policy": f"retry_{contract.side_effect}"},
+                    delay=contract.retry.backoff(max(1, operation.attempts)),
+                )
+            )
+            return None
+        await self._escalate(runner, operation, contract, reason=plan)
+        return None
+
+    async def _escalate(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        *,
+        reason: str,
+        lookup_code: str | None = None,
+    ) -> None:
+        """Hand the operation to a person, with the evidence gathered so far."""
+        await runner.run(
+            store.transition(
+                operation.id,
+                source=S.OUTCOME_UNKNOWN,
+                target=S.ESCALATED,
+                lease_token=operation.lease_token,
+                attributes={
+                    "reason": reason,
+                    "attempts": operation.attempts,
+                    "reconcile_attempts": operation.reconcile_attempts + (1 if lookup_code else 0),
+                    "last_error": lookup_code or operation.last_error_class,
+                },
+                error_class=lookup_code,
+                reconcile_attempt=lookup_code is not None,
+            )
+        )
+        self.metrics.escalations.labels(contract.name, reason).inc()
+
+    async def _look_up(self, claimed: _Claimed) -> None:
+        operation, contract = claimed.operation, claimed.contract
+        assert contract.reconcile is not None
+        seconds = contract.deadline.total_seconds()
+        context = ExecutionContext(
+            operation_id=operation.id,
+            attempt=operation.attempts,
+            deadline=time.monotonic() + seconds,
+        )
+        result: Reconciliation
+        try:
+            tool_input = contract.input_model.model_validate(operation.input)
+            async with asyncio.timeout(seconds):
+                result = await contract.reconcile(tool_input, context)
+        except TimeoutError:
+            result = StillUnknown("lookup_timeout")
+        except Exception as error:
+            _log(
+                logging.WARNING,
+                "consumer.lookup_error",
+                f"consumer.lookup_error id={operation.display_id} error={type(error).__name__}",
+            )
+            result = StillUnknown("lookup_error")
+        label = {Found: "committed", NotFound: "not_found", StillUnknown: "still_unknown"}[
+            type(result)
+        ]
+        self.metrics.reconciliations.labels(contract.name, label).inc()
+        try:
+            async with self.engine.begin() as connection:
+                runner = await AsyncStore.on(connection)
+                await self._settle_lookup(runner, operation, contract, result)
+        except IllegalTransition as fenced:
+            _log(
+                logging.WARNING,
+                "consumer.write_fenced",
+                f"consumer.write_fenced id={operation.display_id} reason={type(fenced).__name__}",
+            )
+
+    async def _settle_lookup(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        result: Reconciliation,
+    ) -> None:
+        token = operation.lease_token
+        if isinstance(result, Found):
+            await runner.run(
+                store.transition(
+                    operation.id,
+                    source=S.OUTCOME_UNKNOWN,
+                    target=S.COMMITTED,
+                    lease_token=token,
+                    event=EventName.RECONCILED,
+                    attributes={"result": "committed", "method": "lookup"},
+                    provider_reference=result.provider_reference,
+                    result=dict(result.result),
+                    reconcile_attempt=True,
+                )
+            )
+        elif isinstance(result, NotFound):
+            # Proven absent: the only road back to an attempt for a non-repeatable write.
+            await runner.run(
+                store.transition(
+                    operation.id,
+                    source=S.OUTCOME_UNKNOWN,
+                    target=S.PREPARED,
+                    lease_token=token,
+                    event=EventName.RECONCILED,
+                    attributes={"result": "not_found", "method": "lookup"},
+                    reconcile_attempt=True,
+                )
+            )
+        elif operation.reconcile_attempts + 1 >= contract.retry.reconcile_max_attempts:
+            await self._escalate(
+                runner,
+                operation,
+                contract,
+                reason="reconcile_budget_exhausted",
+                lookup_code=result.code,
+            )
+        else:
+            await runner.run(
+                store.defer_reconciliation(
+                    operation.id,
+                    lease_token=token,
+                    reason=result.code,
+                    delay=contract.retry.backoff(operation.reconcile_attempts + 1),
+                )
+            )
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+
+def _unknown_outcome_policy(operation: Operation, contract: ToolContract[Any]) -> str:
+    """DESIGN.md section 5, per side-effect class: 'reconcile', 'retry', or an
+    escalation reason."""
+    if contract.on_unknown is OnUnknown.ESCALATE:
+        return "escalate_by_contract"
+    if contract.reconcile is not None:
+        if operation.reconcile_attempts >= contract.retry.reconcile_max_attempts:
+            return "reconcile_budget_exhausted"
+        return "reconcile"
+    if operation.attempts >= contract.retry.max_attempts:
+        return "retry_budget_exhausted"
+    if contract.side_effect in (SideEffect.READ_ONLY, SideEffect.IDEMPOTENT_WRITE):
+        return "retry"
+    if contract.side_effect is SideEffect.DEDUPLICATED_WRITE:
+        assert contract.dedupe_window is not None
+        first = operation.first_attempt_at or operation.created_at
+        # Replaying the key is safe only while the target still remembers it.
+        if datetime.now(UTC) < first + contract.dedupe_window - contract.deadline:
+            return "retry"
+        return "dedupe_window_passed"
+    return "no_reconcile"
+
+
+def _safe_id(value: str | None) -> str:
+    if value and len(value) <= 64 and value.replace("-", "").replace("_", "").isalnum():
+        return value
+    return "-"

@@ -1,0 +1,317 @@
+"""The consumer and reconciler in process, with a tool whose provider injects faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from outbox import OperationState, Registry, Settings, grant_approval, record_decision
+
+from support.broker_helpers import read_raw
+from support.consume_helpers import (
+    event_names,
+    in_state,
+    operation,
+    publish_raw,
+    running_consumer,
+)
+from support.dispatch_helpers import counter_value, running_dispatcher
+from support.sample_tools import Ledger
+from support.waiting import eventually
+
+S = OperationState
+REFUND = {"payment_id": "pay_1", "amount_cents": 1250}
+
+
+@pytest.fixture
+def fast(settings: Settings) -> Settings:
+    return settings.model_copy(update={"reconcile_interval": 0.05, "lease_margin": 0.5})
+
+
+def decide(engine: Any, registry: Registry, tool: str = "send_refund", **fields: Any) -> Any:
+    with engine.begin() as connection:
+        return record_decision(
+            connection,
+            registry,
+            tool,
+            {**REFUND, **fields} if tool == "send_refund" else fields,
+            run_id="run",
+        ).operation
+
+
+async def settle(
+    fast: Settings, registry: Registry, database_url: str, operation_id: Any, *states: S
+) -> Any:
+    async with running_dispatcher(fast), running_consumer(fast, registry) as consumer:
+        await eventually(
+            in_state(database_url, operation_id, *states), within=30, what=f"state in {states}"
+        )
+        return consumer
+
+
+async def test_a_decision_becomes_one_confirmed_effect(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    op = decide(engine, registry)
+
+    consumer = await settle(fast, registry, database_url, op.id, S.COMMITTED)
+
+    final = operation(database_url, op.id)
+    assert final.provider_reference == f"re_{str(op.id)[:8]}"
+    assert ledger.calls == [str(op.id)]
+    assert event_names(database_url, op.id) == [
+        "operation.prepared",
+        "operation.attempted",
+        "operation.committed",
+    ]
+    assert counter_value(consumer, "outbox_consumer_deliveries_total", result="processed") == 1
+
+
+async def test_a_lost_response_is_reconciled_not_retried(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.append("drop_response")
+    op = decide(engine, registry)
+
+    await settle(fast, registry, database_url, op.id, S.COMMITTED)
+
+    assert ledger.calls == [str(op.id)]  # one POST: no blind retry
+    assert len(ledger.refunds) == 1
+    assert event_names(database_url, op.id) == [
+        "operation.prepared",
+        "operation.attempted",
+        "operation.outcome_unknown",
+        "operation.reconciled",
+    ]
+    assert operation(database_url, op.id).provider_reference == f"re_{str(op.id)[:8]}"
+
+
+async def test_a_deadline_cuts_a_hanging_call_and_reconciliation_settles_it(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.append("hang")
+    op = decide(engine, registry)
+
+    await settle(fast, registry, database_url, op.id, S.COMMITTED)
+
+    assert ledger.calls == [str(op.id)]
+    assert operation(database_url, op.id).last_error_class == "deadline_exceeded"
+
+
+async def test_a_failure_before_send_is_retried_once_more(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.append("not_sent")
+    op = decide(engine, registry)
+
+    await settle(fast, registry, database_url, op.id, S.COMMITTED)
+
+    assert ledger.calls == [str(op.id)] * 2
+    assert len(ledger.refunds) == 1
+    final = operation(database_url, op.id)
+    assert final.attempts == 2
+    assert "operation.retry_scheduled" in event_names(database_url, op.id)
+
+
+async def test_a_definitive_rejection_ends_it_without_retry(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.append("reject")
+    op = decide(engine, registry)
+
+    await settle(fast, registry, database_url, op.id, S.REJECTED)
+
+    assert ledger.calls == [str(op.id)]
+    assert ledger.refunds == {}
+    assert operation(database_url, op.id).last_error_class == "amount_exceeds_payment"
+
+
+async def test_unavailable_lookups_escalate_after_the_budget_without_a_second_call(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.append("drop_response")
+    ledger.lookups_unavailable = True
+    op = decide(engine, registry)
+
+    consumer = await settle(fast, registry, database_url, op.id, S.ESCALATED)
+
+    assert ledger.calls == [str(op.id)]
+    final = operation(database_url, op.id)
+    assert final.reconcile_attempts == 3
+    names = event_names(database_url, op.id)
+    assert names.count("operation.reconcile_deferred") == 2
+    assert names[-1] == "operation.escalated"
+    assert (
+        counter_value(
+            consumer,
+            "outbox_escalations_total",
+            tool="send_refund",
+            reason="reconcile_budget_exhausted",
+        )
+        == 1
+    )
+
+
+async def test_a_non_repeatable_write_without_lookup_escalates_at_once(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.append("drop_response")
+    op = decide(engine, registry, tool="open_ticket", title="printer on fire")
+
+    await settle(fast, registry, database_url, op.id, S.ESCALATED)
+
+    assert ledger.tickets == [str(op.id)]
+    assert event_names(database_url, op.id)[-2:] == [
+        "operation.outcome_unknown",
+        "operation.escalated",
+    ]
+
+
+async def test_the_same_message_twice_executes_once(
+    fast: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    database_url: str,
+    amqp_server_url: str,
+) -> None:
+    op = decide(engine, registry)
+    body = json.dumps(
+        {
+            "v": 1,
+            "operation_id": str(op.id),
+            "outbox_id": 1,
+            "tool": "send_refund",
+            "tool_version": 1,
+            "input_fingerprint": op.input_fingerprint,
+        }
+    ).encode()
+    async with running_consumer(fast, registry) as consumer:
+        await publish_raw(amqp_server_url, fast.exchange, body)
+        await publish_raw(amqp_server_url, fast.exchange, body)
+
+        async def both_handled() -> bool:
+            handled = sum(
+                counter_value(consumer, "outbox_consumer_deliveries_total", result=result)
+                for result in ("processed", "duplicate")
+            )
+            return handled == 2
+
+        await eventually(both_handled, within=20, what="both deliveries handled")
+        assert counter_value(consumer, "outbox_consumer_deliveries_total", result="duplicate") == 1
+
+    assert ledger.calls == [str(op.id)]
+    assert operation(database_url, op.id).state is S.COMMITTED
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"\x00not json", "malformed"),
+        (b'{"v": 1, "operation_id": "x"}', "malformed"),
+        (b"x" * 5000, "oversized"),
+    ],
+)
+async def test_poison_messages_are_dead_lettered_without_effect(
+    fast: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    amqp_server_url: str,
+    body: bytes,
+    reason: str,
+) -> None:
+    async with running_consumer(fast, registry) as consumer:
+        await publish_raw(amqp_server_url, fast.exchange, body)
+
+        async def dead_lettered() -> bool:
+            return (
+                counter_value(consumer, "outbox_consumer_dead_lettered_total", reason=reason) == 1
+            )
+
+        await eventually(dead_lettered, within=20, what=f"a {reason} message dead-lettered")
+
+    dead = await read_raw(amqp_server_url, fast.dead_letter_queue, expect=1)
+    assert [m.body for m in dead] == [body]
+    assert ledger.calls == []
+
+
+@pytest.mark.parametrize("lie", ["unknown_operation", "fingerprint_mismatch", "unknown_tool"])
+async def test_messages_that_do_not_match_the_database_cause_no_effect(
+    fast: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    amqp_server_url: str,
+    lie: str,
+) -> None:
+    op = decide(engine, registry)
+    envelope: dict[str, Any] = {
+        "v": 1,
+        "operation_id": str(op.id),
+        "outbox_id": 1,
+        "tool": "send_refund",
+        "tool_version": 1,
+        "input_fingerprint": op.input_fingerprint,
+    }
+    if lie == "unknown_operation":
+        envelope["operation_id"] = "00000000-0000-4000-8000-000000000000"
+    elif lie == "fingerprint_mismatch":
+        envelope["input_fingerprint"] = "0" * 64
+    limited = Registry()  # a consumer that lacks the tool
+    for contract in registry:
+        if contract.name != "send_refund":
+            limited.register(contract)
+    chosen = limited if lie == "unknown_tool" else registry
+    async with running_consumer(fast, chosen) as consumer:
+        await publish_raw(amqp_server_url, fast.exchange, json.dumps(envelope).encode())
+
+        async def dead_lettered() -> bool:
+            return counter_value(consumer, "outbox_consumer_dead_lettered_total", reason=lie) == 1
+
+        await eventually(dead_lettered, within=20, what=f"a {lie} message dead-lettered")
+
+    assert ledger.calls == []
+
+
+async def test_approval_gates_the_effect_and_binds_to_the_intent(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    op = decide(engine, registry, amount_cents=75_000)
+    assert op.requires_approval
+    async with running_dispatcher(fast), running_consumer(fast, registry):
+
+        async def waiting() -> bool:
+            names = await asyncio.to_thread(event_names, database_url, op.id)
+            return "operation.approval_required" in names
+
+        await eventually(waiting, within=20, what="the operation to wait for approval")
+        assert ledger.calls == []
+
+        other = decide(engine, registry, amount_cents=80_000)
+        with engine.begin() as connection:  # approved a different amount: refused
+            grant_approval(
+                connection,
+                op.id,
+                approved_by="a@example.com",
+                ttl=timedelta(minutes=5),
+                intent_hash=other.input_fingerprint,
+            )
+
+        async def refused_twice() -> bool:
+            names = await asyncio.to_thread(event_names, database_url, op.id)
+            return names.count("operation.approval_required") == 2
+
+        await eventually(refused_twice, within=20, what="the changed-intent grant refused")
+        assert str(op.id) not in ledger.calls
+
+        with engine.begin() as connection:
+            grant_approval(connection, op.id, approved_by="a@example.com", ttl=timedelta(minutes=5))
+        await eventually(
+            in_state(database_url, op.id, S.COMMITTED), within=20, what="executed after the grant"
+        )
+
+    assert ledger.calls.count(str(op.id)) == 1
