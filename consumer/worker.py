@@ -384,11 +384,14 @@ class Consumer:
                 **common,
             )
         else:
+            # The first lookup waits one backoff step: a provider that is still finishing
+            # the request would only answer "in progress".
             plan = store.transition(
                 operation.id,
                 target=S.OUTCOME_UNKNOWN,
                 attributes=attributes,
                 error_class=attempt.code,
+                delay=contract.retry.initial_backoff,
                 **common,
             )
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import entry_points
@@ -19,6 +21,7 @@ from typing import Any, TypeVar
 from pydantic import SecretStr
 
 from outbox.errors import ConfigurationError, OutboxError
+from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
 from outbox.migrate import declare_broker_topology, migrate
 from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
@@ -82,6 +85,28 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_contracts(args: argparse.Namespace, settings: Settings) -> int:
+    # Flags win over the variable, as for every setting. The variable is read here, not
+    # through Settings, so this command works whatever shape that field takes there.
+    modules = module_list(args.tool_modules or [os.environ.get(TOOLS_ENV, "")])
+    registry = load_registry(modules)
+    if args.json:
+        cards = [
+            {
+                "name": contract.name,
+                "version": contract.version,
+                "side_effect": contract.side_effect.value,
+                "card": contract.card(),
+                "mcp_annotations": contract.mcp_annotations(),
+            }
+            for contract in registry
+        ]
+        print(json.dumps(cards, indent=2, ensure_ascii=False))
+    else:
+        print("\n\n".join(contract.card() for contract in registry))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outbox", description="effect-outbox: the runtime that owns your agent's effects."
@@ -102,6 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="also declare the RabbitMQ exchanges, quorum queue and dead-letter queue",
     )
     migrate_parser.set_defaults(handler=cmd_migrate)
+
+    contracts_parser = commands.add_parser(
+        "contracts",
+        help="print the contract card of every tool in the given tools modules",
+        description="Print each tool's contract card: what it does, what a repeat does, "
+        "which errors end it, retry it or leave its outcome unknown, how an unknown outcome "
+        "is settled, what voids an approval, how duplicates are handled and what proves the "
+        "final state. Needs no database or broker.",
+    )
+    contracts_parser.add_argument(
+        "--tools",
+        dest="tool_modules",
+        action="append",
+        metavar="MODULE",
+        help="a module exposing `registry` or `build_registry()`; repeatable, or "
+        f"comma-separated [env {TOOLS_ENV}]",
+    )
+    contracts_parser.add_argument(
+        "--json",
+        action="store_true",
+        help="a JSON list of {name, version, side_effect, card, mcp_annotations}",
+    )
+    contracts_parser.set_defaults(handler=cmd_contracts)
 
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)

@@ -22,6 +22,7 @@ from outbox.models import Operation, display_operation_id
 logger = logging.getLogger("outbox.lifecycle")
 
 _BARE = re.compile(r"^[A-Za-z0-9_.:/@+-]+$")
+_OUTCOME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 
 Scalar = str | int | float | bool | None
 
@@ -60,3 +61,15 @@ def emit(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> N
         format_event(name, fields),
         extra={"action": name, "operation_id": str(operation.id), "event_attributes": fields},
     )
+
+
+def agent_completed(run_id: str, outcome: str) -> str:
+    """Log that an agent run finished, in the lifecycle form; returns the line.
+
+    ``outcome`` is a code (``refund_confirmed``), not free text: it lands in logs.
+    """
+    if not _OUTCOME.fullmatch(outcome):
+        raise ValueError(f"outcome must match {_OUTCOME.pattern}")
+    line = format_event("agent.completed", {"id": run_id, "outcome": outcome})
+    logger.info(line, extra={"action": "agent.completed", "run_id": run_id})
+    return line

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
 from outbox import Registry, Settings, record_decision
 
@@ -75,8 +76,9 @@ def _ready(dispatcher: Dispatcher, task: asyncio.Task[None]) -> Any:
     return check
 
 
-def counter_value(dispatcher: Dispatcher, name: str, **labels: str) -> float:
-    for family in dispatcher.metrics.registry.collect():
+def counter_value(daemon: Dispatcher | Consumer, name: str, **labels: str) -> float:
+    """The current value of one sample of a daemon's metrics (0 when never touched)."""
+    for family in daemon.metrics.registry.collect():
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
