@@ -1,0 +1,331 @@
+"""The guarantee end to end: daemons as subprocesses, the payment sandbox over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections import Counter
+from datetime import timedelta
+
+import psycopg
+import pytest
+
+from outbox import OperationState, Settings, grant_approval
+from outbox.sandbox.provider import Faults
+
+from support.consume_helpers import publish_raw
+from support.system import SETTLED, System, running_system
+from support.waiting import eventually_sync
+
+S = OperationState
+
+
+def refunds_in_ledger(system: System) -> int:
+    return int(system.provider.ledger()["totals"]["refunds"])
+
+
+def test_a_lost_response_ends_in_one_refund(settings: Settings) -> None:
+    with running_system(settings, faults=Faults(drop_response_every=1)) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide()
+        final = system.wait_for(op.id, *SETTLED)
+
+        assert final.state is S.COMMITTED
+        assert system.refunds_for(op.id) == 1
+        ledger_refund = system.provider.ledger()["refunds"][0]
+        assert final.provider_reference == ledger_refund["id"]
+        assert system.events(op.id) == [
+            "operation.prepared",
+            "operation.attempted",
+            "operation.outcome_unknown",
+            "operation.reconciled",
+        ]
+
+
+def test_a_failure_before_commit_is_retried_into_one_refund(settings: Settings) -> None:
+    with running_system(settings, faults=Faults(fail_before_commit_every=1)) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide()
+        eventually_sync(
+            lambda: "operation.outcome_unknown" in system.events(op.id),
+            within=20,
+            what="the 503 recorded as an unknown outcome",
+        )
+        system.provider.set_faults(fail_before_commit_every=0)
+        final = system.wait_for(op.id, *SETTLED)
+
+        assert final.state is S.COMMITTED
+        assert final.attempts == 2
+        assert system.refunds_for(op.id) == 1
+        assert "operation.reconciled" in system.events(op.id)  # proven absent before retry
+
+
+def test_a_definitive_rejection_is_final(settings: Settings) -> None:
+    with running_system(settings, payment_amount_cents=10_000) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide(amount_cents=20_000)  # more than the payment captured
+        final = system.wait_for(op.id, *SETTLED)
+
+        assert final.state is S.REJECTED
+        assert final.last_error_class == "amount_exceeds_payment"
+        assert refunds_in_ledger(system) == 0
+        assert system.events(op.id).count("operation.attempted") == 1
+
+
+def test_unavailable_lookups_escalate_without_a_second_post(settings: Settings) -> None:
+    faults = Faults(drop_response_every=1, lookups_unavailable=True)
+    with running_system(settings, faults=faults) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide()
+        final = system.wait_for(op.id, *SETTLED, within=45)
+
+        assert final.state is S.ESCALATED
+        assert final.reconcile_attempts == 5
+        assert system.refunds_for(op.id) == 1
+        assert system.events(op.id).count("operation.attempted") == 1
+
+
+def test_a_non_repeatable_write_without_lookup_escalates_at_once(settings: Settings) -> None:
+    with running_system(settings, faults=Faults(drop_response_every=1)) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide(
+            "send_email", to="customer@example.com", subject="Your refund", body="Hello"
+        )
+        final = system.wait_for(op.id, *SETTLED)
+
+        assert final.state is S.ESCALATED
+        assert system.provider.ledger()["totals"]["emails"] == 1
+        assert system.events(op.id)[-2:] == ["operation.outcome_unknown", "operation.escalated"]
+
+
+def test_a_consumer_killed_between_commit_and_record_is_reconciled(settings: Settings) -> None:
+    # The provider commits at once and answers after 3.5 s; the tool's deadline is 3 s.
+    with running_system(settings, faults=Faults(delay_ms=3500), refund_deadline=3.0) as system:
+        system.start("dispatcher")
+        victim = system.start("consumer")
+        op = system.decide()
+        eventually_sync(
+            lambda: system.refunds_for(op.id) == 1, within=20, what="the provider to commit"
+        )
+        victim.signal(signal.SIGKILL)
+        victim.process.wait(timeout=10)
+        assert system.operation(op.id).state is S.IN_FLIGHT  # nobody recorded the outcome
+
+        system.start("consumer")
+        final = system.wait_for(op.id, *SETTLED, within=30)
+
+        assert final.state is S.COMMITTED
+        assert system.refunds_for(op.id) == 1
+        names = system.events(op.id)
+        assert names.count("operation.attempted") == 1
+        assert "operation.outcome_unknown" in names
+        assert names[-1] == "operation.reconciled"
+
+
+def test_a_zombie_worker_is_fenced_off(settings: Settings) -> None:
+    with running_system(settings, faults=Faults(delay_ms=2500), refund_deadline=2.0) as system:
+        system.start("dispatcher")
+        zombie = system.start("consumer")
+        op = system.decide()
+        eventually_sync(
+            lambda: system.refunds_for(op.id) == 1, within=20, what="the provider to commit"
+        )
+        zombie.signal(signal.SIGSTOP)  # paused past its lease, mid-call
+
+        system.start("consumer")
+        final = system.wait_for(op.id, *SETTLED, within=30)
+        assert final.state is S.COMMITTED
+
+        zombie.signal(signal.SIGCONT)
+        # It wakes past its deadline, its call is cut, and it tries to record that.
+        zombie.wait_for_line("consumer.write_fenced")
+        assert system.operation(op.id) == final  # its late write changed nothing
+        assert system.refunds_for(op.id) == 1
+
+
+def test_the_same_message_published_twice_executes_once(
+    settings: Settings, amqp_server_url: str
+) -> None:
+    with running_system(settings) as system:
+        system.start("consumer")
+        op = system.decide()
+        body = json.dumps(
+            {
+                "v": 1,
+                "operation_id": str(op.id),
+                "outbox_id": 1,
+                "tool": op.tool_name,
+                "tool_version": op.tool_version,
+                "input_fingerprint": op.input_fingerprint,
+            }
+        ).encode()
+
+        async def publish_twice() -> None:
+            # Declared by the consumer at start; publish only once it is there.
+            for _ in range(2):
+                await publish_raw(amqp_server_url, settings.exchange, body)
+
+        eventually_sync(
+            lambda: bool(system.daemons[0].process.poll() is None), within=5, what="consumer up"
+        )
+        wait_for_queue(amqp_server_url, settings.queue)
+        asyncio.run(publish_twice())
+        final = system.wait_for(op.id, *SETTLED)
+        output = system.daemons[0].output()
+        assert system.refunds_for(op.id) == 1
+
+    assert final.state is S.COMMITTED
+    assert system.events(op.id).count("operation.attempted") == 1
+    assert "consumer.dead_lettered" not in output
+
+
+def wait_for_queue(amqp_url: str, queue: str) -> None:
+    import aio_pika
+
+    async def exists() -> bool:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            try:
+                await channel.declare_queue(queue, passive=True)
+            except aio_pika.exceptions.ChannelClosed:
+                return False
+            return True
+
+    eventually_sync(lambda: asyncio.run(exists()), within=20, what=f"queue {queue} declared")
+
+
+def test_approval_gates_the_refund_and_binds_to_the_amount(settings: Settings) -> None:
+    with running_system(settings) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide(amount_cents=75_000)
+        other = system.decide(amount_cents=80_000)
+        eventually_sync(
+            lambda: "operation.approval_required" in system.events(op.id),
+            within=20,
+            what="the refund to wait for approval",
+        )
+        with psycopg.connect(system.database_url) as connection:
+            # A grant for another amount, then an expired one: both refused.
+            grant_approval(
+                connection,
+                op.id,
+                approved_by="oncall@example.com",
+                ttl=timedelta(minutes=5),
+                intent_hash=other.input_fingerprint,
+            )
+            connection.commit()
+        eventually_sync(
+            lambda: system.events(op.id).count("operation.approval_required") == 2,
+            within=20,
+            what="the changed-intent grant refused",
+        )
+        with psycopg.connect(system.database_url) as connection:
+            grant_approval(
+                connection,
+                op.id,
+                approved_by="oncall@example.com",
+                ttl=timedelta(microseconds=1),
+            )
+            connection.commit()
+        eventually_sync(
+            lambda: system.events(op.id).count("operation.approval_required") == 3,
+            within=20,
+            what="the expired grant refused",
+        )
+        assert system.refunds_for(op.id) == 0
+
+        with psycopg.connect(system.database_url) as connection:
+            grant_approval(
+                connection, op.id, approved_by="oncall@example.com", ttl=timedelta(minutes=5)
+            )
+            connection.commit()
+        final = system.wait_for(op.id, S.COMMITTED)
+
+        assert final.state is S.COMMITTED
+        assert system.refunds_for(op.id) == 1
+        assert system.operation(other.id).state is S.PREPARED  # never approved, never run
+
+
+@pytest.mark.timeout(240)
+def test_a_thousand_decisions_under_faults_give_one_refund_each(settings: Settings) -> None:
+    faults = Faults(seed=7, drop_response_probability=0.20, fail_before_commit_probability=0.10)
+    decisions = 1000
+    with running_system(settings, faults=faults, refund_deadline=5.0) as system:
+        for kind in ("dispatcher", "dispatcher", "consumer", "consumer"):
+            system.start(kind)
+        with psycopg.connect(system.database_url) as connection:
+            from outbox import record_decision
+
+            for n in range(decisions):
+                record_decision(
+                    connection,
+                    system.registry,
+                    "send_refund",
+                    {"payment_id": f"pay_{n}", "amount_cents": 100 + n},
+                    run_id="load",
+                    decision_key=f"call_{n}",
+                )
+                if n % 50 == 49:
+                    connection.commit()
+            connection.commit()
+
+        def settled_count() -> int:
+            with psycopg.connect(system.database_url) as connection:
+                row = connection.execute(
+                    "SELECT count(*) FROM operations "
+                    "WHERE state IN ('committed', 'rejected', 'escalated')"
+                ).fetchone()
+                assert row is not None
+                return int(row[0])
+
+        eventually_sync(
+            lambda: settled_count() == decisions, within=200, what="every operation settled"
+        )
+        with psycopg.connect(system.database_url) as connection:
+            states: Counter[str] = Counter(
+                {
+                    str(state): int(count)
+                    for state, count in connection.execute(
+                        "SELECT state, count(*) FROM operations GROUP BY state"
+                    )
+                }
+            )
+            ids_by_state: dict[str, set[str]] = {}
+            for operation_id, state in connection.execute("SELECT id, state FROM operations"):
+                ids_by_state.setdefault(str(state), set()).add(str(operation_id))
+            escalation_reasons = Counter(
+                f"{reason}/{last_error}"
+                for reason, last_error in connection.execute(
+                    "SELECT attributes->>'reason', attributes->>'last_error' "
+                    "FROM operation_events WHERE name = 'operation.escalated'"
+                )
+            )
+            opened = connection.execute(
+                "SELECT count(*) FROM operation_events WHERE name = 'operation.outcome_unknown'"
+            ).fetchone()
+            unknown_opened = int(opened[0]) if opened else 0
+        ledger = system.provider.ledger()
+
+    by_key = Counter({key: int(n) for key, n in ledger["refunds_by_key"].items()})
+    duplicates = sum(n - 1 for n in by_key.values() if n > 1)
+    print(
+        f"\ndecisions={decisions} committed={states['committed']} rejected={states['rejected']} "
+        f"escalated={states['escalated']} ledger_refunds={ledger['totals']['refunds']} "
+        f"duplicate_effects={duplicates} outcome_unknown_opened={unknown_opened}"
+    )
+    print(f"escalations by reason/last error: {dict(escalation_reasons)}")
+    assert duplicates == 0
+    committed = ids_by_state.get("committed", set())
+    # Every committed operation has its one refund; a refund exists only for a committed
+    # operation or one escalated to a person (an unknown outcome it could not settle).
+    assert committed <= set(by_key)
+    assert set(by_key) <= committed | ids_by_state.get("escalated", set())
+    assert sum(states.values()) == decisions
