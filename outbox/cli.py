@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import SecretStr
 
+from outbox import dlq
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
@@ -107,6 +108,24 @@ def cmd_contracts(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_dlq_list(args: argparse.Namespace, settings: Settings) -> int:
+    listing = run_async(dlq.list_dead_letters(settings, limit=args.limit))
+    print(dlq.listing_json(listing) if args.json else listing.text())
+    return 0
+
+
+def cmd_dlq_requeue(args: argparse.Namespace, settings: Settings) -> int:
+    report = run_async(
+        dlq.requeue_dead_letters(
+            settings,
+            message_ids=None if args.all_messages else args.message_ids,
+            limit=args.limit,
+        )
+    )
+    print(report.text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outbox", description="effect-outbox: the runtime that owns your agent's effects."
@@ -150,6 +169,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="a JSON list of {name, version, side_effect, card, mcp_annotations}",
     )
     contracts_parser.set_defaults(handler=cmd_contracts)
+
+    dlq_parser = commands.add_parser(
+        "dlq",
+        help="list or requeue the messages in the dead-letter queue",
+        description="Look at the dead-letter queue without losing anything, and send "
+        "dead-lettered operation messages back to the operations exchange. Bodies are "
+        "never printed beyond the thin envelope (operation id, tool, tool version).",
+    )
+    dlq_commands = dlq_parser.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
+    dlq_list = dlq_commands.add_parser(
+        "list",
+        help="show dead-lettered messages and why they died; leaves them all in the queue",
+        description="A snapshot of the dead-letter queue: a count, then per message its id, "
+        "its envelope (or its size, if the body is not an envelope) and RabbitMQ's x-death "
+        "reason, queue and count. Messages are read without ack and handed back.",
+    )
+    add_setting_flags(dlq_list, "amqp_url", "dead_letter_queue")
+    dlq_list.add_argument(
+        "--limit",
+        type=dlq.positive_int,
+        default=dlq.DEFAULT_LIST_LIMIT,
+        help="show at most N messages from the head of the queue "
+        f"(default {dlq.DEFAULT_LIST_LIMIT})",
+    )
+    dlq_list.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    dlq_list.set_defaults(handler=cmd_dlq_list)
+    dlq_requeue = dlq_commands.add_parser(
+        "requeue",
+        help="publish dead-lettered operation messages back to the operations exchange",
+        description="Republish each selected message with its original routing key, with "
+        "publisher confirms and mandatory, and ack its dead-lettered copy only after the "
+        "confirm (a crash duplicates, never loses). Bodies that are not an operation "
+        "envelope stay in the dead-letter queue. Fix what killed the messages first.",
+    )
+    add_setting_flags(dlq_requeue, "amqp_url", "exchange", "dead_letter_queue")
+    dlq_requeue.add_argument(
+        "--limit", type=dlq.positive_int, help="requeue at most N messages (default: no limit)"
+    )
+    selection = dlq_requeue.add_mutually_exclusive_group(required=True)
+    selection.add_argument(
+        "--all",
+        dest="all_messages",
+        action="store_true",
+        help="every message in the queue when the command starts",
+    )
+    selection.add_argument(
+        "--message-id",
+        dest="message_ids",
+        action="extend",
+        nargs="+",
+        metavar="ID",
+        help="only messages with these ids (repeatable)",
+    )
+    dlq_requeue.set_defaults(handler=cmd_dlq_requeue)
 
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)

@@ -14,6 +14,7 @@ import pytest
 from outbox import OperationState, Settings, grant_approval
 from outbox.sandbox.provider import Faults
 
+from support.broker_helpers import read_raw
 from support.consume_helpers import publish_raw
 from support.system import SETTLED, System, running_system
 from support.waiting import eventually_sync
@@ -329,3 +330,42 @@ def test_a_thousand_decisions_under_faults_give_one_refund_each(settings: Settin
     assert committed <= set(by_key)
     assert set(by_key) <= committed | ids_by_state.get("escalated", set())
     assert sum(states.values()) == decisions
+
+
+def test_poison_messages_are_dead_lettered_with_no_effect(
+    settings: Settings, amqp_server_url: str
+) -> None:
+    with running_system(settings) as system:
+        consumer = system.start("consumer")
+        op = system.decide()
+        envelope = {
+            "v": 1,
+            "operation_id": str(op.id),
+            "outbox_id": 1,
+            "tool": op.tool_name,
+            "tool_version": op.tool_version,
+            "input_fingerprint": op.input_fingerprint,
+        }
+        poison = [
+            b"garbage \xff canary-poison-1",
+            json.dumps({**envelope, "tool": "drop_tables", "tool_version": 9}).encode(),
+            json.dumps(
+                {**envelope, "operation_id": "00000000-0000-4000-8000-000000000000"}
+            ).encode(),
+        ]
+        wait_for_queue(amqp_server_url, settings.queue)
+
+        async def publish_all() -> None:
+            for body in poison:
+                await publish_raw(amqp_server_url, settings.exchange, body, routing_key="x.v1")
+
+        asyncio.run(publish_all())
+        dead = asyncio.run(read_raw(amqp_server_url, settings.dead_letter_queue, expect=3))
+        output = consumer.output()
+
+    assert sorted(m.body for m in dead) == sorted(poison)
+    assert refunds_in_ledger(system) == 0
+    assert system.operation(op.id).state is S.PREPARED
+    for reason in ("malformed", "fingerprint_mismatch", "unknown_operation"):
+        assert f"consumer.dead_lettered reason={reason}" in output
+    assert "canary-poison-1" not in output

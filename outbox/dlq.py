@@ -1,0 +1,474 @@
+"""``outbox dlq list`` and ``outbox dlq requeue``: look at and replay dead-lettered messages.
+
+A message reaches the dead-letter queue when the consumer rejects it as poison
+(x-death reason ``rejected``) or when the operations queue's delivery limit runs out
+(``delivery_limit``). Both commands take messages with ``basic.get`` without acking, so
+whatever they do not explicitly settle goes back to the queue: a crash or a lost
+connection loses nothing.
+
+What is printed is the thin envelope only: the message id, and the operation id, tool
+and tool version when the body parses as :class:`OperationMessage`. A body that does
+not parse is never printed (it may hold anything); neither are header strings that are
+not plain printable ASCII.
+
+``list`` is a snapshot. Messages it took are handed back with ``basic.nack(requeue=True)``,
+which adds one to a quorum queue's delivery count. The dead-letter queue has no delivery
+limit on RabbitMQ 3.x, so the count is harmless there, and RabbitMQ 4.3 no longer counts
+a nack. RabbitMQ 4.0-4.2 count it against their default limit of 20, and the
+dead-letter queue has nowhere to send a message past it (the broker drops it): list
+such a queue sparingly, or give it a much higher ``delivery-limit`` by policy.
+
+``requeue`` publishes each selected message to the operations exchange with publisher
+confirms and ``mandatory``, and acks the dead-lettered copy only after the broker
+confirmed the new one: a crash in between leaves the message in both queues (the
+consumer's claim makes the second delivery a counted duplicate), never in neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractQueue
+from pydantic import ValidationError
+
+from outbox.broker import OperationMessage, amqp_url_with_heartbeat
+from outbox.errors import ConfigurationError, OutboxError, ServiceUnavailable
+from outbox.settings import Settings, redact_url
+
+T = TypeVar("T")
+
+DEFAULT_LIST_LIMIT = 100
+# The consumer dead-letters anything larger as "oversized"; an envelope is ~250 bytes.
+MAX_ENVELOPE_BYTES = 4096
+# Publishes awaiting their confirm at once during a requeue.
+REQUEUE_WINDOW = 64
+# Longest header string shown; anything longer is described, not printed.
+MAX_SHOWN_CHARS = 255
+# Headers the broker writes about the trip that ended here. A requeued message starts a
+# new trip: if it dies again the broker writes fresh ones, and a stale copy would read
+# as that trip's history.
+_TRIP_HEADERS = ("x-death", "x-delivery-count")
+_TRIP_HEADER_PREFIXES = ("x-first-death-", "x-last-death-")
+
+# The broker connection or channel failed mid-command.
+_BROKER_ERRORS = (
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+)
+# What a publish with confirms and on_return_raises raises when the broker refused or
+# did not confirm this one message; the channel stays usable.
+_REFUSALS = (aiormq.exceptions.DeliveryError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class Death:
+    """One entry of RabbitMQ's ``x-death`` header: why, where from and how often."""
+
+    reason: str
+    queue: str
+    count: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """What may be shown of one dead-lettered message, and where it would go back to."""
+
+    message_id: str | None
+    envelope: OperationMessage | None
+    body_bytes: int
+    deaths: tuple[Death, ...]
+    first_death_reason: str | None
+    routing_key: str
+    delivery_count: int | None
+
+    def as_json(self) -> dict[str, Any]:
+        envelope = self.envelope
+        return {
+            "message_id": self.message_id,
+            "envelope": None
+            if envelope is None
+            else {
+                "operation_id": str(envelope.operation_id),
+                "tool": envelope.tool,
+                "tool_version": envelope.tool_version,
+            },
+            "body": "envelope" if envelope is not None else "unparseable",
+            "body_bytes": self.body_bytes,
+            "deaths": [
+                {"reason": death.reason, "queue": death.queue, "count": death.count}
+                for death in self.deaths
+            ],
+            "first_death_reason": self.first_death_reason,
+            "routing_key": self.routing_key,
+            "delivery_count": self.delivery_count,
+        }
+
+    def line(self) -> str:
+        envelope = self.envelope
+        what = (
+            f"body: unparseable ({self.body_bytes} bytes)"
+            if envelope is None
+            else f"operation_id={envelope.operation_id} tool={envelope.tool} "
+            f"tool_version={envelope.tool_version}"
+        )
+        deaths = "; ".join(
+            f"reason={death.reason} queue={death.queue} count={death.count}"
+            for death in self.deaths
+        )
+        return (
+            f"message_id={self.message_id or '-'} {what} | x-death: {deaths or '-'} | "
+            f"x-first-death-reason={self.first_death_reason or '-'}"
+        )
+
+
+@dataclass(frozen=True)
+class Listing:
+    queue: str
+    count: int
+    """Ready messages in the queue when the listing started."""
+    messages: tuple[DeadLetter, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "count": self.count,
+            "shown": len(self.messages),
+            "messages": [message.as_json() for message in self.messages],
+        }
+
+    def text(self) -> str:
+        lines = [f"dead-lettered: {self.count} message(s) in {self.queue}"]
+        lines += [message.line() for message in self.messages]
+        if len(self.messages) < self.count:
+            lines.append(f"(showing {len(self.messages)}; --limit N shows more)")
+        return "\n".join(lines)
+
+
+@dataclass
+class RequeueReport:
+    queue: str
+    exchange: str
+    requeued: int = 0
+    unparseable: int = 0
+    not_selected: int = 0
+    missing_ids: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = [
+            f"requeued {self.requeued}, left {self.unparseable} (unparseable), "
+            f"kept {self.not_selected} (not selected)"
+        ]
+        if self.unparseable:
+            lines.append(
+                f"{self.unparseable} message(s) whose body is not an operation envelope stay "
+                f"in {self.queue}: a consumer would only dead-letter them again"
+            )
+        if self.missing_ids:
+            lines.append(f"not found in {self.queue}: {' '.join(self.missing_ids)}")
+        return "\n".join(lines)
+
+
+class RequeueFailed(OutboxError):
+    """The broker refused a republished message; it stays in the dead-letter queue."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type for ``--limit``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+async def list_dead_letters(settings: Settings, *, limit: int = DEFAULT_LIST_LIMIT) -> Listing:
+    """Up to ``limit`` messages from the head of the dead-letter queue, all left in it."""
+    async with _dead_letter_queue(settings) as (_, queue, count):
+        taken: list[AbstractIncomingMessage] = []
+        try:
+            # Bounded by the count at the start, so messages dead-lettered meanwhile
+            # cannot keep the listing going.
+            while len(taken) < min(limit, count):
+                message = await queue.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                taken.append(message)
+            shown = tuple(inspect(message) for message in taken)
+        finally:
+            await _hand_back(taken)
+    return Listing(queue=settings.dead_letter_queue, count=count, messages=shown)
+
+
+async def requeue_dead_letters(
+    settings: Settings, *, message_ids: Collection[str] | None, limit: int | None = None
+) -> RequeueReport:
+    """Republish dead-lettered envelopes to the operations exchange.
+
+    ``message_ids`` None selects every message; otherwise only those with one of these
+    ids. At most ``limit`` are requeued. No more messages are taken than the queue held
+    when the command started, so one that is dead-lettered again as soon as it is
+    requeued cannot keep the command looping.
+    """
+    wanted = None if message_ids is None else frozenset(message_ids)
+    report = RequeueReport(queue=settings.dead_letter_queue, exchange=settings.exchange)
+    found: set[str] = set()
+    async with _dead_letter_queue(settings, publish_to=settings.exchange) as (
+        exchange,
+        queue,
+        count,
+    ):
+        assert exchange is not None
+        held: list[AbstractIncomingMessage] = []
+        seen = 0
+        try:
+            while seen < count and (limit is None or report.requeued < limit):
+                batch: list[tuple[AbstractIncomingMessage, DeadLetter]] = []
+                room = (
+                    REQUEUE_WINDOW
+                    if limit is None
+                    else min(REQUEUE_WINDOW, limit - report.requeued)
+                )
+                drained = False
+                while len(batch) < room and seen < count:
+                    message = await queue.get(no_ack=False, fail=False)
+                    if message is None:
+                        drained = True
+                        break
+                    seen += 1
+                    dead = inspect(message)
+                    if wanted is not None and message.message_id not in wanted:
+                        held.append(message)
+                        report.not_selected += 1
+                        continue
+                    if message.message_id is not None:
+                        found.add(message.message_id)
+                    if dead.envelope is None:
+                        held.append(message)
+                        report.unparseable += 1
+                        continue
+                    batch.append((message, dead))
+                failures = await _republish_all(exchange, batch, settings.publish_timeout)
+                report.requeued += len(batch) - len(failures)
+                if failures:
+                    held += [message for message, _ in failures]
+                    raise RequeueFailed(_refusal(report, failures))
+                if drained:
+                    break
+        finally:
+            await _hand_back(held)
+    if wanted is not None:
+        report.missing_ids = sorted(_shown(i) or "-" for i in wanted - found)
+    return report
+
+
+def inspect(message: AbstractIncomingMessage) -> DeadLetter:
+    """What may be shown of a message; its body only if it is an operation envelope."""
+    headers = message.headers or {}
+    deaths: list[Death] = []
+    routing_keys: list[str] = []
+    raw_deaths = headers.get("x-death")
+    # Broker-written, but a publisher can set any header: take only well-formed entries.
+    for entry in raw_deaths if isinstance(raw_deaths, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        count = entry.get("count")
+        deaths.append(
+            Death(
+                reason=_shown(entry.get("reason")) or "-",
+                queue=_shown(entry.get("queue")) or "-",
+                count=count if isinstance(count, int) else 0,
+            )
+        )
+        keys = entry.get("routing-keys")
+        if not routing_keys and isinstance(keys, list):
+            routing_keys = [key for key in keys if isinstance(key, str)]
+    delivery_count = headers.get("x-delivery-count")
+    return DeadLetter(
+        message_id=_shown(message.message_id),
+        envelope=_envelope(message.body),
+        body_bytes=len(message.body),
+        deaths=tuple(deaths),
+        first_death_reason=_shown(headers.get("x-first-death-reason")),
+        # x-death keeps the key the message was first published with; the message's own
+        # routing key is the same unless a dead-letter routing key rewrote it.
+        routing_key=routing_keys[0] if routing_keys else message.routing_key or "",
+        delivery_count=delivery_count if isinstance(delivery_count, int) else None,
+    )
+
+
+def _envelope(body: bytes) -> OperationMessage | None:
+    if len(body) > MAX_ENVELOPE_BYTES:
+        return None
+    try:
+        return OperationMessage.model_validate_json(body)
+    except ValidationError:
+        return None
+
+
+def _shown(value: object) -> str | None:
+    """A header or property value fit to print: short printable ASCII, else a placeholder
+    that says only its size (the value itself may be anything a publisher chose)."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return f"(not shown: {len(value)} bytes)"
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return f"(not shown: {type(value).__name__})"
+    if value and len(value) <= MAX_SHOWN_CHARS and value.isascii() and value.isprintable():
+        return value
+    return f"(not shown: {len(value)} characters)"
+
+
+@asynccontextmanager
+async def _dead_letter_queue(
+    settings: Settings, *, publish_to: str | None = None
+) -> AsyncIterator[tuple[AbstractExchange | None, AbstractQueue, int]]:
+    """A confirm channel on the dead-letter queue (checked to exist, never declared: a
+    typo must not create an empty queue), its ready-message count, and the exchange to
+    publish to when asked for (checked the same way)."""
+    url = settings.amqp_url.get_secret_value()
+    try:
+        connection = await aio_pika.connect(
+            amqp_url_with_heartbeat(url, settings.amqp_heartbeat), timeout=10
+        )
+    except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
+        raise ConfigurationError(
+            f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "
+            "running, and is OUTBOX_AMQP_URL right?"
+        ) from None
+    async with connection:
+        try:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            queue = await _existing(
+                channel.get_queue(settings.dead_letter_queue),
+                f"dead-letter queue {settings.dead_letter_queue!r}",
+                "OUTBOX_DEAD_LETTER_QUEUE",
+            )
+            exchange = None
+            if publish_to is not None:
+                exchange = await _existing(
+                    channel.get_exchange(publish_to),
+                    f"exchange {publish_to!r}",
+                    "OUTBOX_EXCHANGE",
+                )
+            declared = queue.declaration_result
+            yield exchange, queue, declared.message_count or 0
+        except (*_BROKER_ERRORS, TimeoutError) as failure:
+            raise ServiceUnavailable(
+                f"the broker failed or did not answer in time: {type(failure).__name__}. "
+                "Messages not yet settled return to the dead-letter queue by themselves; run "
+                "the command again"
+            ) from None
+
+
+async def _existing(declare: Awaitable[T], what: str, variable: str) -> T:
+    try:
+        result = await declare
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        raise ConfigurationError(
+            f"{what} does not exist on this broker: run `outbox migrate --broker`, or set "
+            f"{variable} (or its flag) to the name the daemons use"
+        ) from None
+    return result
+
+
+async def _republish_all(
+    exchange: AbstractExchange,
+    batch: Sequence[tuple[AbstractIncomingMessage, DeadLetter]],
+    confirm_seconds: float,
+) -> list[tuple[AbstractIncomingMessage, BaseException]]:
+    """Publish the batch with every confirm outstanding at once; ack each dead-lettered
+    copy as soon as its own confirm arrives. Returns the ones that were not confirmed."""
+
+    async def one(message: AbstractIncomingMessage, dead: DeadLetter) -> None:
+        await exchange.publish(
+            _republished(message), dead.routing_key, mandatory=True, timeout=confirm_seconds
+        )
+        await message.ack()
+
+    results = await asyncio.gather(
+        *(one(message, dead) for message, dead in batch), return_exceptions=True
+    )
+    failures: list[tuple[AbstractIncomingMessage, BaseException]] = []
+    for (message, _), result in zip(batch, results, strict=True):
+        if isinstance(result, _REFUSALS):
+            failures.append((message, result))
+        elif isinstance(result, BaseException):
+            # A lost connection or channel, or cancellation: not this message's refusal.
+            raise result
+    return failures
+
+
+def _republished(message: AbstractIncomingMessage) -> aio_pika.Message:
+    """The same body and properties, without the headers about the trip that ended here.
+
+    ``user_id`` is dropped (the broker refuses one that is not the publishing user), as
+    are ``expiration`` and ``reply_to``, which meant something only to the first trip.
+    """
+    headers = {
+        key: value
+        for key, value in (message.headers or {}).items()
+        if key not in _TRIP_HEADERS and not key.startswith(_TRIP_HEADER_PREFIXES)
+    }
+    return aio_pika.Message(
+        message.body,
+        headers=headers,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        message_id=message.message_id,
+        timestamp=message.timestamp,
+        type=message.type,
+        app_id=message.app_id,
+    )
+
+
+def _refusal(
+    report: RequeueReport, failures: Sequence[tuple[AbstractIncomingMessage, BaseException]]
+) -> str:
+    kinds = sorted({_failure_kind(error) for _, error in failures})
+    return (
+        f"the broker did not confirm {len(failures)} republished message(s) "
+        f"({', '.join(kinds)}); they stay in {report.queue}. Requeued {report.requeued} "
+        f"before that. Check that exchange {report.exchange!r} is bound to the operations "
+        "queue and that the queue is not full, then run the command again"
+    )
+
+
+def _failure_kind(error: BaseException) -> str:
+    if isinstance(error, aiormq.exceptions.PublishError):
+        return "unroutable"
+    if isinstance(error, aiormq.exceptions.DeliveryError):
+        return "nacked"
+    return "no confirm in time"
+
+
+async def _hand_back(messages: Sequence[AbstractIncomingMessage]) -> None:
+    """Return messages to the queue. ``nack``, not ``reject``: on RabbitMQ 4.3+ only a
+    reject counts as a failed delivery. If the channel is already gone they return by
+    themselves, so a failure here loses nothing."""
+    for message in messages:
+        try:
+            await message.nack(requeue=True)
+        except _BROKER_ERRORS:
+            return
+
+
+def listing_json(listing: Listing) -> str:
+    return json.dumps(listing.as_json(), indent=2)
