@@ -43,7 +43,7 @@ def register(commands: Any) -> None:
         help="execute operations from RabbitMQ and reconcile unknown outcomes (the daemon)",
         description="Execute each operation's effect at most once per proven-absent outcome, "
         "and reconcile every unknown outcome before anything else happens to it. Tools come "
-        "from modules that expose a Registry (--tools, repeatable, or OUTBOX_TOOLS). Serves "
+        "from modules that expose a Registry (--tools a.b,c.d or OUTBOX_TOOLS). Serves "
         f"/metrics and /healthz (default port {DEFAULT_METRICS_PORT}). SIGTERM or SIGINT "
         "stops taking deliveries and lets the effects in hand finish; a second one exits "
         "at once.",
