@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import os
-import signal
 import sys
 from typing import Any
 
@@ -15,6 +12,7 @@ from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry
 from outbox.settings import Settings
+from outbox.signals import run_until_signalled
 
 logger = logging.getLogger(__name__)
 
@@ -60,35 +58,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             "or set OUTBOX_TOOLS"
         )
     consumer = Consumer(settings, load_registry(modules))
-    run_async(_serve(consumer))
-    return 0
-
-
-async def _serve(consumer: Consumer) -> None:
-    loop = asyncio.get_running_loop()
-    signals_seen = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        name = signal.Signals(signum).name
-        if signals_seen > 1:
-            logger.warning(
-                "consumer.killed signal=%s: second signal, exiting now",
-                name,
-                extra={"action": "consumer.killed"},
-            )
-            os._exit(1)
-        logger.info(
-            "consumer.stopping signal=%s: finishing the effects in hand",
-            name,
-            extra={"action": "consumer.stopping"},
+    run_async(
+        run_until_signalled(
+            "consumer", consumer.run, consumer.stop, finishing="finishing the effects in hand"
         )
-        consumer.stop()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await consumer.run()
+    )
+    return 0
 
 
 def main() -> None:

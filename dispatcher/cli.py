@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import os
-import signal
 import sys
 from typing import Any
 
@@ -14,6 +11,7 @@ from dispatcher.daemon import DEFAULT_METRICS_PORT, RECOVERABLE, Dispatcher, is_
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.errors import ServiceUnavailable
 from outbox.settings import Settings
+from outbox.signals import run_until_signalled
 
 logger = logging.getLogger(__name__)
 
@@ -70,35 +68,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             ) from None
         print(f"published={report.published} failed={report.failed}")
         return 0 if report.failed == 0 else 1
-    run_async(_serve(dispatcher))
-    return 0
-
-
-async def _serve(dispatcher: Dispatcher) -> None:
-    loop = asyncio.get_running_loop()
-    signals_seen = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        name = signal.Signals(signum).name
-        if signals_seen > 1:
-            logger.warning(
-                "dispatcher.killed signal=%s: second signal, exiting now",
-                name,
-                extra={"action": "dispatcher.killed"},
-            )
-            os._exit(1)
-        logger.info(
-            "dispatcher.stopping signal=%s: finishing the batch in hand",
-            name,
-            extra={"action": "dispatcher.stopping"},
+    run_async(
+        run_until_signalled(
+            "dispatcher", dispatcher.run, dispatcher.stop, finishing="finishing the batch in hand"
         )
-        dispatcher.stop()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await dispatcher.run()
+    )
+    return 0
 
 
 def main() -> None:

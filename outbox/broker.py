@@ -12,10 +12,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from uuid import UUID
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+import aiormq.exceptions
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.settings import Settings
+from outbox.errors import ConfigurationError
+from outbox.settings import Settings, redact_url
 
 CONTENT_TYPE = "application/json"
 MESSAGE_TYPE = "outbox.operation.v1"
@@ -107,3 +109,18 @@ def amqp_url_with_heartbeat(url: str, heartbeat: int) -> str:
     query = dict(parse_qsl(parts.query))
     query.setdefault("heartbeat", str(heartbeat))
     return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+async def connect_for_command(settings: Settings) -> AbstractConnection:
+    """A broker connection for a one-shot command; an unreachable broker is a clear
+    configuration error, with the password redacted."""
+    url = settings.amqp_url.get_secret_value()
+    try:
+        return await aio_pika.connect(
+            amqp_url_with_heartbeat(url, settings.amqp_heartbeat), timeout=10
+        )
+    except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
+        raise ConfigurationError(
+            f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "
+            "running, and is OUTBOX_AMQP_URL right?"
+        ) from None

@@ -39,9 +39,9 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractQueue
 from pydantic import ValidationError
 
-from outbox.broker import OperationMessage, amqp_url_with_heartbeat
+from outbox.broker import OperationMessage, connect_for_command
 from outbox.errors import ConfigurationError, OutboxError, ServiceUnavailable
-from outbox.settings import Settings, redact_url
+from outbox.settings import Settings
 
 T = TypeVar("T")
 
@@ -340,16 +340,7 @@ async def _dead_letter_queue(
     """A confirm channel on the dead-letter queue (checked to exist, never declared: a
     typo must not create an empty queue), its ready-message count, and the exchange to
     publish to when asked for (checked the same way)."""
-    url = settings.amqp_url.get_secret_value()
-    try:
-        connection = await aio_pika.connect(
-            amqp_url_with_heartbeat(url, settings.amqp_heartbeat), timeout=10
-        )
-    except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
-        raise ConfigurationError(
-            f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "
-            "running, and is OUTBOX_AMQP_URL right?"
-        ) from None
+    connection = await connect_for_command(settings)
     async with connection:
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)

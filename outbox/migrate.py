@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import aio_pika
 import aiormq.exceptions
 import psycopg
 
 from outbox import store
-from outbox.broker import Topology, amqp_url_with_heartbeat, declare_topology
+from outbox.broker import Topology, connect_for_command, declare_topology
 from outbox.errors import ConfigurationError
 from outbox.settings import Settings, database_name, libpq_url, redact_url, with_database
 
@@ -66,16 +65,7 @@ def migrate(url: str) -> MigrationReport:
 async def declare_broker_topology(settings: Settings) -> Topology:
     """Declare the exchanges and queues (what the dispatcher also does at start)."""
     topology = Topology.from_settings(settings)
-    url = settings.amqp_url.get_secret_value()
-    try:
-        connection = await aio_pika.connect(
-            amqp_url_with_heartbeat(url, settings.amqp_heartbeat), timeout=10
-        )
-    except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
-        raise ConfigurationError(
-            f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "
-            "running, and is OUTBOX_AMQP_URL right?"
-        ) from None
+    connection = await connect_for_command(settings)
     async with connection:
         try:
             await declare_topology(await connection.channel(), topology)

@@ -1,0 +1,46 @@
+"""Signal handling shared by the daemons: the first SIGTERM or SIGINT asks for a graceful
+stop, a second one exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+
+async def run_until_signalled(
+    name: str, run: Callable[[], Awaitable[None]], stop: Callable[[], None], *, finishing: str
+) -> None:
+    """Run ``run()``; on the first signal call ``stop()`` (``finishing`` says what the
+    daemon still does), on a second one exit with status 1 without waiting."""
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        signal_name = signal.Signals(signum).name
+        if signals_seen > 1:
+            logger.warning(
+                "%s.killed signal=%s: second signal, exiting now",
+                name,
+                signal_name,
+                extra={"action": f"{name}.killed"},
+            )
+            os._exit(1)
+        logger.info(
+            "%s.stopping signal=%s: %s",
+            name,
+            signal_name,
+            finishing,
+            extra={"action": f"{name}.stopping"},
+        )
+        stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await run()
