@@ -30,6 +30,7 @@ SETTINGS = (
     "lease_margin",
     "reconcile_interval",
     "reconcile_batch",
+    "requeue_stale_after",
     "metrics_host",
     "metrics_port",
 )

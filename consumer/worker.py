@@ -63,6 +63,7 @@ T = TypeVar("T")
 DEFAULT_METRICS_PORT = 9465
 APPLICATION_NAME = "outbox-consumer"
 MAX_BODY_BYTES = 4096
+STALE_SWEEP_SECONDS = 30.0
 S = OperationState
 
 # Database failures a later attempt may not meet: leave the message for redelivery.
@@ -436,8 +437,12 @@ class Consumer:
     # --- reconciler ------------------------------------------------------------------
 
     async def _reconcile_loop(self) -> None:
+        last_sweep = 0.0
         while not self.stopping:
             try:
+                if time.monotonic() - last_sweep > STALE_SWEEP_SECONDS:
+                    last_sweep = time.monotonic()
+                    await self.requeue_stale()
                 busy = await self.reconcile_once()
             except (DatabaseError, *TRANSIENT_DATABASE) as error:
                 _log(
@@ -448,6 +453,22 @@ class Consumer:
                 busy = 0
             if not busy:
                 await self._sleep(self.settings.reconcile_interval)
+
+    async def requeue_stale(self) -> list[Any]:
+        """Queue again prepared operations that no message has reached for
+        ``requeue_stale_after`` (their message was dead-lettered or lost)."""
+        requeued = await self._run_plan(
+            store.requeue_stale_prepared(
+                self.settings.requeue_stale_after, self.settings.reconcile_batch
+            )
+        )
+        if requeued:
+            _log(
+                logging.WARNING,
+                "consumer.requeued_stale",
+                f"consumer.requeued_stale operations={len(requeued)}",
+            )
+        return requeued
 
     async def reconcile_once(self) -> int:
         """One reconciler pass; returns how many operations it took up."""

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     reconcile_interval: float = Field(
         default=0.5, gt=0, description="seconds between reconciler scans"
     )
+    requeue_stale_after: timedelta = Field(
+        default=timedelta(minutes=10),
+        description="a prepared operation no message reached for this long is queued again",
+    )
     reconcile_batch: int = Field(
         default=50, ge=1, le=1000, description="operations one reconciler scan takes"
     )

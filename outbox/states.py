@@ -66,6 +66,7 @@ class EventName(StrEnum):
     OUTCOME_UNKNOWN = "operation.outcome_unknown"
     RECONCILED = "operation.reconciled"
     RECONCILE_DEFERRED = "operation.reconcile_deferred"
+    REQUEUED = "operation.requeued"
     ESCALATED = "operation.escalated"
     RESOLVED = "operation.resolved"
     APPROVAL_GRANTED = "operation.approval_granted"

@@ -685,3 +685,14 @@ def defer_reconciliation(
         {"reason": reason, "reconcile_attempt": operation.reconcile_attempts},
     )
     return operation
+
+
+def requeue_stale_prepared(stale_after: timedelta, limit: int) -> Plan[list[UUID]]:
+    """Give prepared operations whose message never led anywhere a new outbox row.
+
+    A message can be dead-lettered (a database outage outlasting its delivery limit) or
+    lost with a broker's disk; the operation row stays ``prepared`` and would otherwise
+    wait forever. Operations waiting for an approval are left to their grant.
+    """
+    rows = yield Step("requeue_stale_prepared", {"stale_after": stale_after, "limit": limit})
+    return [row["operation_id"] for row in rows]

@@ -232,3 +232,35 @@ WITH deferred AS (
     FROM deferred
 )
 SELECT * FROM deferred
+
+-- name: requeue_stale_prepared
+-- Queue a fresh outbox row for prepared operations that no message has reached for a long time (their message was dead-lettered or lost), except those waiting for an approval.
+WITH stale AS (
+    SELECT o.id, o.tool_name, o.tool_version
+    FROM operations o
+    WHERE o.state = 'prepared'
+      AND o.next_attempt_at < clock_timestamp() - %(stale_after)s::interval
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox b
+          WHERE b.operation_id = o.id
+            AND (b.published_at IS NULL
+                 OR b.published_at > clock_timestamp() - %(stale_after)s::interval)
+      )
+      AND NOT EXISTS (
+          SELECT 1 FROM operation_events e
+          WHERE e.id = (SELECT max(x.id) FROM operation_events x WHERE x.operation_id = o.id)
+            AND e.name = 'operation.approval_required'
+      )
+    ORDER BY o.next_attempt_at
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key)
+    SELECT id, tool_name || '.v' || tool_version FROM stale
+    RETURNING operation_id
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT operation_id, 'operation.requeued', jsonb_build_object('reason', 'no_delivery')
+    FROM queued
+)
+SELECT operation_id FROM queued

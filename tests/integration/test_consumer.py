@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from consumer.worker import Consumer
 from outbox import OperationState, Registry, Settings, grant_approval, record_decision
 
 from support.broker_helpers import read_raw
@@ -19,6 +20,7 @@ from support.consume_helpers import (
     publish_raw,
     running_consumer,
 )
+from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value, running_dispatcher
 from support.sample_tools import Ledger
 from support.waiting import eventually
@@ -315,3 +317,48 @@ async def test_approval_gates_the_effect_and_binds_to_the_intent(
         )
 
     assert ledger.calls.count(str(op.id)) == 1
+
+
+async def test_a_prepared_operation_whose_message_was_lost_is_queued_again(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    lost = decide(engine, registry)  # its message was dead-lettered an hour ago
+    pending = decide(engine, registry, payment_id="pay_2")  # its row is still unpublished
+    fresh = decide(engine, registry, payment_id="pay_3")  # published a moment ago
+    waiting = decide(engine, registry, payment_id="pay_4", amount_cents=75_000)
+    hour_ago = "now() - interval '1 hour'"
+    execute_admin(
+        database_url,
+        f"UPDATE outbox SET published_at = {hour_ago} WHERE operation_id = ANY(%s)",
+        ([lost.id, waiting.id],),
+    )
+    execute_admin(
+        database_url, "UPDATE outbox SET published_at = now() WHERE operation_id = %s", (fresh.id,)
+    )
+    execute_admin(
+        database_url,
+        f"UPDATE operations SET next_attempt_at = {hour_ago} WHERE id = ANY(%s)",
+        ([lost.id, pending.id, fresh.id, waiting.id],),
+    )
+    execute_admin(
+        database_url,
+        "INSERT INTO operation_events (operation_id, name, attributes) "
+        "VALUES (%s, 'operation.approval_required', '{}')",
+        (waiting.id,),
+    )
+    sweeping = fast.model_copy(update={"requeue_stale_after": timedelta(minutes=1)})
+    consumer = Consumer(sweeping, registry)
+    try:
+        requeued = await consumer.requeue_stale()
+        again = await consumer.requeue_stale()
+    finally:
+        await consumer.close()
+
+    assert requeued == [lost.id]
+    assert again == []  # its new row is pending now
+    assert event_names(database_url, lost.id)[-1] == "operation.requeued"
+    async with running_dispatcher(fast), running_consumer(fast, registry):
+        await eventually(
+            in_state(database_url, lost.id, S.COMMITTED), within=20, what="the lost one executed"
+        )
+    assert ledger.calls.count(str(lost.id)) == 1
