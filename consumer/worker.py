@@ -34,6 +34,7 @@ from outbox import store
 from outbox.broker import OperationMessage, Topology, amqp_url_with_heartbeat, declare_topology
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
 from outbox.errors import (
+    ConfigurationError,
     DatabaseError,
     IllegalTransition,
     ToolNotRegistered,
@@ -98,7 +99,9 @@ class Consumer:
         self, settings: Settings, registry: Registry, metrics: ConsumerMetrics | None = None
     ) -> None:
         if not len(registry):
-            raise ValueError("a consumer needs at least one registered tool")
+            raise ConfigurationError(
+                "a consumer needs at least one registered tool: the --tools modules hold none"
+            )
         self.settings = settings
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
