@@ -35,8 +35,8 @@ from outbox.broker import OperationMessage, Topology, amqp_url_with_heartbeat, d
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
 from outbox.errors import (
     ConfigurationError,
-    DatabaseError,
     IllegalTransition,
+    OutboxError,
     ToolNotRegistered,
     TransientDatabaseError,
 )
@@ -233,6 +233,25 @@ class Consumer:
             self._handlers.add(task)
         try:
             await self.handle(message)
+        except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError) as error:
+            # The outcome is already recorded; the broker will redeliver the unacked
+            # message and the claim will see it as a duplicate.
+            _log(
+                logging.WARNING,
+                "consumer.ack_failed",
+                f"consumer.ack_failed error={type(error).__name__}",
+            )
+        except Exception as error:
+            # Anything unforeseen: leave the message to the broker (redelivered, and
+            # dead-lettered past the delivery limit) rather than lose track of it.
+            _log(
+                logging.ERROR,
+                "consumer.delivery_failed",
+                f"consumer.delivery_failed error={type(error).__name__}",
+            )
+            await self._sleep(1.0)  # no hot loop of redeliveries while it persists
+            with contextlib.suppress(Exception):
+                await message.nack(requeue=True)
         finally:
             if task is not None:
                 self._handlers.discard(task)
@@ -253,7 +272,7 @@ class Consumer:
             return await self._later(message, error)
         if isinstance(prepared, _Skip):
             if prepared.dead_letter_reason is not None:
-                return await self._dead_letter(message, prepared.dead_letter_reason, envelope)
+                return await self._dead_letter(message, prepared.dead_letter_reason)
             self.metrics.deliveries.labels(prepared.result).inc()
             await message.ack()
             return prepared.result
@@ -447,7 +466,8 @@ class Consumer:
                     last_sweep = time.monotonic()
                     await self.requeue_stale()
                 busy = await self.reconcile_once()
-            except (DatabaseError, *TRANSIENT_DATABASE) as error:
+            except (OutboxError, *TRANSIENT_DATABASE) as error:
+                # The loop outlives any one failure: it is what settles unknown outcomes.
                 _log(
                     logging.WARNING,
                     "consumer.reconcile_failed",

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from consumer.worker import Consumer
+from dispatcher.daemon import Dispatcher
 from outbox import OperationState, Registry, Settings, grant_approval, record_decision
 
 from support.broker_helpers import read_raw
@@ -362,3 +363,33 @@ async def test_a_prepared_operation_whose_message_was_lost_is_queued_again(
             in_state(database_url, lost.id, S.COMMITTED), within=20, what="the lost one executed"
         )
     assert ledger.calls.count(str(lost.id)) == 1
+
+
+async def test_an_unforeseen_database_failure_leaves_the_message_for_later(
+    fast: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    op = decide(engine, registry)
+    await Dispatcher(fast).drain()  # the message waits in the queue
+    # A schema that suddenly lacks its table is no transient error, and no effect may
+    # come of it; the message must survive it.
+    execute_admin(database_url, "ALTER TABLE operations RENAME TO operations_away")
+    try:
+        async with running_consumer(fast, registry):
+
+            async def failed() -> bool:
+                return "consumer.delivery_failed error=SchemaMissing" in caplog.text
+
+            await eventually(failed, within=20, what="the delivery to fail")
+            assert ledger.calls == []
+            execute_admin(database_url, "ALTER TABLE operations_away RENAME TO operations")
+            await eventually(
+                in_state(database_url, op.id, S.COMMITTED), within=20, what="executed afterwards"
+            )
+    finally:
+        execute_admin(database_url, "ALTER TABLE IF EXISTS operations_away RENAME TO operations")
+    assert ledger.calls == [str(op.id)]
