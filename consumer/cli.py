@@ -9,8 +9,7 @@ from typing import Any
 
 from consumer.worker import DEFAULT_METRICS_PORT, Consumer
 from outbox.cli import add_setting_flags, run_async, run_command
-from outbox.errors import ConfigurationError
-from outbox.loading import load_registry
+from outbox.loading import load_registry, module_list
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled
 
@@ -52,13 +51,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    modules = [m.strip() for m in settings.tools.split(",") if m.strip()]
-    if not modules:
-        raise ConfigurationError(
-            "no tools to execute: pass --tools your.module (a module exposing a Registry) "
-            "or set OUTBOX_TOOLS"
-        )
-    consumer = Consumer(settings, load_registry(modules))
+    consumer = Consumer(settings, load_registry(module_list([settings.tools])))
     run_async(
         run_until_signalled(
             "consumer", consumer.run, consumer.stop, finishing="finishing the effects in hand"

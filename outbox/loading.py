@@ -35,7 +35,7 @@ def load_registry(module_paths: Sequence[str]) -> Registry:
     """
     if not module_paths:
         raise ConfigurationError(
-            "no tools modules given: pass --tools MODULE (repeatable) or set "
+            "no tools modules given: pass --tools MODULE[,MODULE...] or set "
             f"{TOOLS_ENV}=module[,module...]"
         )
     merged = Registry()

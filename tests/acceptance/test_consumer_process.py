@@ -369,3 +369,30 @@ def test_poison_messages_are_dead_lettered_with_no_effect(
     for reason in ("malformed", "fingerprint_mismatch", "unknown_operation"):
         assert f"consumer.dead_lettered reason={reason}" in output
     assert "canary-poison-1" not in output
+
+
+@pytest.mark.parametrize(
+    ("tools", "message"),
+    [
+        ("", "no tools modules given"),
+        ("no.such.module", "cannot import tools module 'no.such.module': ModuleNotFoundError"),
+    ],
+)
+def test_a_consumer_without_usable_tools_refuses_to_start(tools: str, message: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "outbox"), "consumer"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUTBOX_TOOLS": tools},
+        timeout=60,
+        check=False,
+    )
+
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
