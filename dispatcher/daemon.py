@@ -304,9 +304,13 @@ class Dispatcher:
 
     async def refresh_backlog(self, database: psycopg.AsyncConnection[Any]) -> store.Backlog:
         async with database.transaction():
-            backlog = await (await AsyncStore.on(database)).run(store.outbox_backlog())
+            runner = await AsyncStore.on(database)
+            backlog = await runner.run(store.outbox_backlog())
+            by_state = await runner.run(store.operations_by_state())
         self.metrics.backlog.set(backlog.pending)
         self.metrics.oldest_pending_age.set(backlog.oldest_age_seconds)
+        for state, count in by_state.items():
+            self.metrics.operations.labels(str(state)).set(count)
         self._last_backlog_refresh = asyncio.get_running_loop().time()
         return backlog
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import SecretStr
 
-from outbox import dlq
+from outbox import dlq, ops
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="only messages with these ids (repeatable)",
     )
     dlq_requeue.set_defaults(handler=cmd_dlq_requeue)
+
+    # Operator commands (ops, approvals, stats): ops cannot import this module back.
+    ops.add_commands(commands, add_setting_flags)
 
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)

@@ -53,6 +53,7 @@ class MetricNames:
     RECONCILIATIONS = f"{PREFIX}_reconciliations"
     ESCALATIONS = f"{PREFIX}_escalations"
     CONSUMER_RECONNECTS = f"{PREFIX}_consumer_reconnects"
+    OPERATIONS = f"{PREFIX}_operations"
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class DispatcherMetrics:
     commit_to_confirm: Histogram
     retention_deleted: Counter
     reconnects: Counter
+    operations: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DispatcherMetrics:
@@ -116,6 +118,14 @@ class DispatcherMetrics:
                 names.DISPATCHER_RECONNECTS,
                 "Sessions restarted after losing Postgres or RabbitMQ",
                 ["peer"],
+                registry=registry,
+            ),
+            # Only the dispatcher exports it: one exporter per database, so a sum over
+            # scrape targets does not count every operation once per consumer replica.
+            operations=Gauge(
+                names.OPERATIONS,
+                "Operations by state (refreshed with the backlog, every few seconds)",
+                ["state"],
                 registry=registry,
             ),
         )

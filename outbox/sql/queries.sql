@@ -264,3 +264,38 @@ WITH stale AS (
     FROM queued
 )
 SELECT operation_id FROM queued
+
+-- name: list_operation_summaries
+-- Operations for `outbox ops list`, newest change first, filtered by state, tool and age; never the input.
+SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
+       state, attempts, reconcile_attempts, provider_reference, last_error_class,
+       created_at, updated_at
+FROM operations
+WHERE (%(states)s::text[] IS NULL OR state = ANY(%(states)s::text[]))
+  AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
+  AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
+  AND (%(ago)s::interval IS NULL OR updated_at >= now() - %(ago)s::interval)
+ORDER BY updated_at DESC, id
+LIMIT %(limit)s
+
+-- name: list_approval_candidates
+-- Prepared operations that need an approval, oldest first; each is then checked like the consumer checks it. Never the input.
+SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
+       state, attempts, reconcile_attempts, provider_reference, last_error_class,
+       created_at, updated_at
+FROM operations
+WHERE state = 'prepared' AND requires_approval
+ORDER BY created_at, id
+
+-- name: count_operations_by_tool_and_state
+-- How many operations each tool has in each state, for `outbox stats`.
+SELECT tool_name, state, count(*)::bigint AS operations
+FROM operations
+GROUP BY tool_name, state
+ORDER BY tool_name, state
+
+-- name: operations_by_state
+-- How many operations are in each state, for the outbox_operations gauge; states with no rows are absent.
+SELECT state, count(*)::bigint AS operations
+FROM operations
+GROUP BY state

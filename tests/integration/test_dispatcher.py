@@ -391,7 +391,7 @@ async def test_metrics_and_health_are_served_over_http(
     assert latency_count[0].value == 30.0
     for family in families.values():
         for sample in family.samples:
-            assert set(sample.labels) <= {"tool", "reason", "peer", "le"}
+            assert set(sample.labels) <= {"tool", "state", "reason", "peer", "le"}
 
 
 def fetch(url: str) -> tuple[int, str]:

@@ -1,0 +1,112 @@
+"""The operator commands as a person on call runs them: `outbox` subprocesses against a
+running system (dispatcher, consumer, payment sandbox)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from outbox import OperationState, Settings
+from outbox.sandbox.provider import Faults
+
+from support.system import SETTLED, System, running_system
+
+S = OperationState
+OUTBOX = Path(sys.executable).parent / "outbox"
+
+
+def outbox(system: System, *argv: str) -> str:
+    result = subprocess.run(
+        [str(OUTBOX), *argv],
+        env=system.environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def timeline(show_output: str) -> list[str]:
+    events = show_output.split("\n\n", 1)[1].splitlines()[1:]
+    return [line.split()[1] for line in events]
+
+
+def test_an_escalation_is_found_examined_and_resolved_from_the_command_line(
+    settings: Settings,
+) -> None:
+    faults = Faults(drop_response_every=1, lookups_unavailable=True)
+    with running_system(settings, faults=faults) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide(reason="do-not-print-this-reason")
+        assert system.wait_for(op.id, *SETTLED, within=45).state is S.ESCALATED
+
+        listing = outbox(system, "ops", "list", "--state", "escalated")
+        assert op.display_id in listing
+        assert "escalated" in listing
+
+        shown = outbox(system, "ops", "show", op.display_id)
+        names = timeline(shown)
+        assert names[:3] == [
+            "operation.prepared",
+            "operation.attempted",
+            "operation.outcome_unknown",
+        ]
+        assert set(names[3:-1]) == {"operation.reconcile_deferred"}
+        assert names[-1] == "operation.escalated"
+        assert "reason=reconcile_budget_exhausted" in shown
+
+        refund_id = system.provider.ledger()["refunds"][0]["id"]
+        resolved = outbox(
+            system,
+            "ops",
+            "resolve",
+            op.display_id,
+            "--committed",
+            "--provider-ref",
+            refund_id,
+            "--evidence",
+            "checked the provider dashboard",
+            "--by",
+            "oncall@example.com",
+        )
+        assert f"escalated -> committed, provider reference {refund_id}" in resolved
+        final = system.operation(op.id)
+        assert (final.state, final.provider_reference) == (S.COMMITTED, refund_id)
+        assert system.events(op.id)[-1] == "operation.resolved"
+        assert system.refunds_for(op.id) == 1
+
+        stats: dict[str, Any] = json.loads(outbox(system, "stats", "--json"))
+        assert stats["by_state"]["committed"] == 1
+        assert stats["by_state"]["escalated"] == 0
+        assert stats["escalations_waiting"] == 0
+        assert stats["by_tool"]["send_refund"]["committed"] == 1
+
+        everything = listing + shown + resolved + outbox(system, "ops", "show", op.display_id)
+        assert "do-not-print-this-reason" not in everything
+
+
+def test_show_tells_how_a_lost_response_was_reconciled(settings: Settings) -> None:
+    with running_system(settings, faults=Faults(drop_response_every=1)) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide()
+        assert system.wait_for(op.id, *SETTLED).state is S.COMMITTED
+
+        shown = outbox(system, "ops", "show", op.display_id)
+        print(shown)  # the README's sample; visible with pytest -s
+
+    assert timeline(shown) == [
+        "operation.prepared",
+        "operation.attempted",
+        "operation.outcome_unknown",
+        "operation.reconciled",
+    ]
+    reconciled = shown.splitlines()[-1]
+    assert "result=committed" in reconciled
+    assert f"provider_reference={system.operation(op.id).provider_reference}" in reconciled
