@@ -39,6 +39,7 @@ from outbox.errors import (
     TransientDatabaseError,
 )
 from outbox.fingerprint import intent_fingerprint
+from outbox.lifecycle import agent_completed
 from outbox.models import (
     Approval,
     ApprovalCheck,
@@ -96,6 +97,7 @@ __all__ = [
     "ToolContract",
     "ToolNotRegistered",
     "TransientDatabaseError",
+    "agent_completed",
     "check_approval",
     "check_approval_async",
     "grant_approval",

@@ -236,3 +236,20 @@ def test_json_formatter_includes_the_traceback() -> None:
 
     assert "\n" not in line
     assert "RuntimeError: broker gone" in json.loads(line)["exc"]
+
+
+def test_agent_completed_logs_one_lifecycle_line(caplog: pytest.LogCaptureFixture) -> None:
+    from outbox import agent_completed
+
+    with caplog.at_level("INFO", logger="outbox.lifecycle"):
+        line = agent_completed("run_12", "refund_confirmed")
+
+    assert line == "agent.completed id=run_12 outcome=refund_confirmed"
+    assert [r.getMessage() for r in caplog.records] == [line]
+
+
+def test_agent_completed_refuses_free_text_outcomes() -> None:
+    from outbox import agent_completed
+
+    with pytest.raises(ValueError, match="outcome must match"):
+        agent_completed("run_12", "the customer said: thanks!")
