@@ -127,6 +127,23 @@ BEGIN
         RAISE EXCEPTION 'operation % is terminal (%)', OLD.id, OLD.state
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_terminal';
     END IF;
+    -- Nobody but an operator resolves an escalation. The consumer holds UPDATE on
+    -- operations for its own transitions, so no grant can stop it here; this does, once
+    -- roles.sql has created outbox_operator (before that, there are no roles to tell
+    -- apart). Nested IFs: pg_has_role() raises for a role that does not exist, and SQL
+    -- does not promise to evaluate AND left to right. Superusers are members of every
+    -- role. current_user, not session_user: a SET ROLE to outbox_operator is what
+    -- acting as an operator means.
+    IF OLD.state = 'escalated' THEN
+        IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_operator') THEN
+            IF NOT pg_has_role(current_user, 'outbox_operator', 'MEMBER') THEN
+                RAISE EXCEPTION 'operation % is escalated: only a member of outbox_operator may resolve it, and % is not', OLD.id, current_user
+                    USING ERRCODE = 'insufficient_privilege',
+                          CONSTRAINT = 'operations_escalation_operator_only',
+                          HINT = 'resolve it with `outbox ops resolve`, connected as an operator';
+            END IF;
+        END IF;
+    END IF;
     NEW.updated_at := now();
     RETURN NEW;
 END;

@@ -30,7 +30,7 @@ import pydantic
 from aio_pika.abc import AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox import store
+from outbox import store, tracing
 from outbox.broker import OperationMessage, Topology, amqp_url_with_heartbeat, declare_topology
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
 from outbox.errors import (
@@ -276,7 +276,11 @@ class Consumer:
             self.metrics.deliveries.labels(prepared.result).inc()
             await message.ack()
             return prepared.result
-        attempt = await self._attempt(prepared)
+        # Only a well-formed W3C traceparent may parent the span; any other header is ignored.
+        headers = message.headers or {}
+        attempt = await self._attempt(
+            prepared, tracing.valid_traceparent(headers.get("traceparent"))
+        )
         try:
             await self._record(prepared, attempt)
         except TRANSIENT_DATABASE as error:
@@ -328,7 +332,25 @@ class Consumer:
                 return _Skip("duplicate")
             return _Claimed(claimed, contract)
 
-    async def _attempt(self, claimed: _Claimed) -> _Attempt:
+    async def _attempt(self, claimed: _Claimed, traceparent: str | None = None) -> _Attempt:
+        """:meth:`_execute` in a span that continues the decision's trace."""
+        operation, contract = claimed.operation, claimed.contract
+        with tracing.span(
+            f"outbox.attempt {contract.name}",
+            parent_traceparent=traceparent,
+            attributes=_span_attributes(operation, contract),
+            kind="consumer",
+        ) as traced:
+            attempt = await self._execute(claimed)
+            traced.set_attributes({"outbox.outcome": attempt.outcome, "outbox.code": attempt.code})
+            if attempt.effect is not None:
+                traced.set_attributes(
+                    {"outbox.provider_reference": attempt.effect.provider_reference}
+                )
+            traced.set_status(attempt.outcome == "committed", attempt.code)
+        return attempt
+
+    async def _execute(self, claimed: _Claimed) -> _Attempt:
         operation, contract = claimed.operation, claimed.contract
         seconds = contract.deadline.total_seconds()
         context = ExecutionContext(
@@ -588,22 +610,37 @@ class Consumer:
             deadline=time.monotonic() + seconds,
         )
         result: Reconciliation
-        try:
-            tool_input = contract.input_model.model_validate(operation.input)
-            async with asyncio.timeout(seconds):
-                result = await contract.reconcile(tool_input, context)
-        except TimeoutError:
-            result = StillUnknown("lookup_timeout")
-        except Exception as error:
-            _log(
-                logging.WARNING,
-                "consumer.lookup_error",
-                f"consumer.lookup_error id={operation.display_id} error={type(error).__name__}",
-            )
-            result = StillUnknown("lookup_error")
-        label = {Found: "committed", NotFound: "not_found", StillUnknown: "still_unknown"}[
-            type(result)
-        ]
+        # No message here to carry a traceparent: a new trace, tied to the operation by id.
+        with tracing.span(
+            f"outbox.reconcile {contract.name}",
+            parent_traceparent=None,
+            attributes={
+                **_span_attributes(operation, contract),
+                "outbox.reconcile_attempt": operation.reconcile_attempts + 1,
+            },
+        ) as traced:
+            try:
+                tool_input = contract.input_model.model_validate(operation.input)
+                async with asyncio.timeout(seconds):
+                    result = await contract.reconcile(tool_input, context)
+            except TimeoutError:
+                result = StillUnknown("lookup_timeout")
+            except Exception as error:
+                _log(
+                    logging.WARNING,
+                    "consumer.lookup_error",
+                    f"consumer.lookup_error id={operation.display_id} error={type(error).__name__}",
+                )
+                result = StillUnknown("lookup_error")
+            label = {Found: "committed", NotFound: "not_found", StillUnknown: "still_unknown"}[
+                type(result)
+            ]
+            traced.set_attributes({"outbox.result": label})
+            if isinstance(result, Found):
+                traced.set_attributes({"outbox.provider_reference": result.provider_reference})
+            if isinstance(result, StillUnknown):
+                traced.set_attributes({"outbox.code": result.code})
+            traced.set_status(not isinstance(result, StillUnknown), label)
         self.metrics.reconciliations.labels(contract.name, label).inc()
         try:
             async with self.engine.begin() as connection:
@@ -672,6 +709,19 @@ class Consumer:
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+
+def _span_attributes(
+    operation: Operation, contract: ToolContract[Any]
+) -> dict[str, tracing.AttributeValue]:
+    # Ids, counters and the sanitized fingerprint only: never the tool input.
+    return {
+        "outbox.operation_id": str(operation.id),
+        "outbox.tool": contract.name,
+        "outbox.tool_version": contract.version,
+        "outbox.attempt": operation.attempts,
+        "outbox.fingerprint": operation.sanitized_fingerprint,
+    }
 
 
 def _unknown_outcome_policy(operation: Operation, contract: ToolContract[Any]) -> str:

@@ -72,10 +72,15 @@ def _settings_from(args: argparse.Namespace) -> Settings:
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     url = settings.libpq_url
-    report = migrate(url)
+    report = migrate(url, roles=args.roles)
     if report.created_database:
         print(f"database {report.database!r} did not exist: created it")
     print(f"schema version {report.schema_version} is applied to {redact_url(url)}")
+    if report.roles:
+        print(
+            f"roles {', '.join(report.roles)} are granted what their components run; "
+            "GRANT each to the login role that component connects as"
+        )
     if args.broker:
         topology = run_async(declare_broker_topology(settings))
         print(
@@ -144,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         action="store_true",
         help="also declare the RabbitMQ exchanges, quorum queue and dead-letter queue",
+    )
+    migrate_parser.add_argument(
+        "--roles",
+        action="store_true",
+        help="also apply roles.sql in the same transaction: create the NOLOGIN group roles "
+        "outbox_agent, outbox_dispatcher, outbox_consumer and outbox_operator if missing "
+        "(needs CREATEROLE the first time) and grant each exactly what its component runs",
     )
     migrate_parser.set_defaults(handler=cmd_migrate)
 

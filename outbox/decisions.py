@@ -6,7 +6,6 @@ the database; bad input raises :class:`InputRejected` and writes nothing.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -15,7 +14,7 @@ from uuid import UUID
 import pydantic
 from pydantic import BaseModel
 
-from outbox import store
+from outbox import store, tracing
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import InputRejected
 from outbox.fingerprint import canonical_json, intent_fingerprint
@@ -24,7 +23,6 @@ from outbox.store import AsyncConnection, AsyncStore, NewDecision, Store, SyncCo
 
 MAX_INPUT_BYTES = 256 * 1024
 MAX_ID_LENGTH = 200
-_TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 def prepare_decision(
@@ -44,7 +42,7 @@ def prepare_decision(
         _check_identifier("decision_key", decision_key)
     headers: dict[str, str] = {}
     if traceparent is not None:
-        if not _TRACEPARENT.fullmatch(traceparent):
+        if tracing.valid_traceparent(traceparent) is None:
             raise InputRejected(
                 "traceparent is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)",
                 problems=["traceparent"],
@@ -139,6 +137,12 @@ def _check_identifier(name: str, value: str) -> None:
         raise InputRejected(f"{name} holds a NUL character", problems=[name])
 
 
+def _traceparent_or_current(traceparent: str | None) -> str | None:
+    # An explicit traceparent wins; otherwise an agent running inside an OpenTelemetry
+    # span propagates it without passing anything (None when OTel is absent).
+    return traceparent if traceparent is not None else tracing.current_traceparent()
+
+
 def record_decision(
     connection: SyncConnection,
     registry: Registry,
@@ -157,7 +161,8 @@ def record_decision(
     vanish together if it rolls back. With a ``decision_key`` the call is idempotent per
     ``(run_id, decision_key)``: the same intent returns the existing operation
     (``created=False``), a different intent raises :class:`DecisionConflict`.
-    ``tool_version`` None means the latest registered version.
+    ``tool_version`` None means the latest registered version. ``traceparent`` None
+    takes the active OpenTelemetry span's, if the ``otel`` extra is installed.
     """
     decision = prepare_decision(
         registry,
@@ -166,7 +171,7 @@ def record_decision(
         run_id=run_id,
         decision_key=decision_key,
         tool_version=tool_version,
-        traceparent=traceparent,
+        traceparent=_traceparent_or_current(traceparent),
     )
     return Store(connection).run(store.record_decision(decision))
 
@@ -190,7 +195,7 @@ async def record_decision_async(
         run_id=run_id,
         decision_key=decision_key,
         tool_version=tool_version,
-        traceparent=traceparent,
+        traceparent=_traceparent_or_current(traceparent),
     )
     return await (await AsyncStore.on(connection)).run(store.record_decision(decision))
 

@@ -1,4 +1,5 @@
-"""``outbox migrate``: create the database if it is missing, then apply ``schema.sql``."""
+"""``outbox migrate``: create the database if it is missing, then apply ``schema.sql``
+(and, with ``--roles``, ``roles.sql``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class MigrationReport:
     database: str
     created_database: bool
     schema_version: int
+    roles: tuple[str, ...] = ()
+    """The group roles granted, when roles.sql was applied."""
 
 
 def ensure_database(url: str) -> bool:
@@ -50,15 +53,23 @@ def _unreachable(url: str, failure: psycopg.OperationalError) -> ConfigurationEr
     )
 
 
-def migrate(url: str) -> MigrationReport:
+def migrate(url: str, *, roles: bool = False) -> MigrationReport:
     created = ensure_database(url)
+    granted: tuple[str, ...] = ()
     try:
+        # One transaction for both files: the grants never name a table that is not
+        # there yet, and a failure leaves neither half applied.
         with psycopg.connect(libpq_url(url), connect_timeout=10) as connection:
             version = store.apply_schema(connection)
+            if roles:
+                granted = store.apply_roles(connection)
     except psycopg.OperationalError as failure:
         raise _unreachable(libpq_url(url), failure) from None
     return MigrationReport(
-        database=database_name(libpq_url(url)), created_database=created, schema_version=version
+        database=database_name(libpq_url(url)),
+        created_database=created,
+        schema_version=version,
+        roles=granted,
     )
 
 

@@ -51,7 +51,7 @@ from outbox.models import (
     OutboxRow,
     RecordedDecision,
 )
-from outbox.sql import QUERIES, schema_sql
+from outbox.sql import QUERIES, roles_sql, schema_sql
 from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
 
 Row = dict[str, Any]
@@ -507,6 +507,23 @@ def apply_schema(connection: psycopg.Connection[Any]) -> int:
         connection.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         connection.execute(schema_sql().encode())
         return schema_version(connection) or 0
+
+
+# The NOLOGIN group roles roles.sql creates, one per component.
+ROLES = ("outbox_agent", "outbox_dispatcher", "outbox_consumer", "outbox_operator")
+
+
+def apply_roles(connection: psycopg.Connection[Any]) -> tuple[str, ...]:
+    """Apply ``roles.sql`` in the connection's transaction; returns the group roles.
+
+    Run it after :func:`apply_schema` (the grants name its tables), usually in the same
+    transaction. It queues on the same advisory lock, so it never interleaves with a
+    migration of this database.
+    """
+    with wrap_database_errors("apply_roles"):
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        connection.execute(roles_sql().encode())
+    return ROLES
 
 
 def schema_version(connection: psycopg.Connection[Any]) -> int | None:

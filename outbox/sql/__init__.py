@@ -49,10 +49,22 @@ def parse_queries(text: str) -> dict[str, Query]:
 
 def schema_sql() -> str:
     """The DDL: the copy packaged in a wheel, else ``schema.sql`` at the repository root."""
-    packaged = resources.files("outbox").joinpath("schema.sql")
+    return _root_sql("schema.sql")
+
+
+def roles_sql() -> str:
+    """The group roles and their grants: the copy packaged in a wheel, else ``roles.sql``
+    at the repository root."""
+    return _root_sql("roles.sql")
+
+
+def _root_sql(name: str) -> str:
+    # The files live at the repository root, where operators and DBAs read them; a
+    # wheel carries copies inside the package (pyproject.toml's force-include).
+    packaged = resources.files("outbox").joinpath(name)
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
-    checkout = Path(__file__).resolve().parents[2] / "schema.sql"
+    checkout = Path(__file__).resolve().parents[2] / name
     return checkout.read_text(encoding="utf-8")
 
 

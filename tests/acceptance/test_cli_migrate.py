@@ -102,7 +102,7 @@ def test_the_readme_shows_the_quickstart_as_it_is() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_the_wheel_carries_the_schema_and_the_queries(tmp_path: Path) -> None:
+def test_the_wheel_carries_the_schema_the_roles_and_the_queries(tmp_path: Path) -> None:
     import zipfile
 
     built = subprocess.run(
@@ -127,7 +127,14 @@ def test_the_wheel_carries_the_schema_and_the_queries(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("effect_outbox-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
 
-    assert {"outbox/schema.sql", "outbox/sql/queries.sql", "outbox/py.typed"} <= names
+    assert {
+        "outbox/schema.sql",
+        "outbox/roles.sql",
+        "outbox/sql/queries.sql",
+        "outbox/py.typed",
+    } <= names
     assert {"dispatcher/__main__.py", "consumer/__main__.py"} <= names
-    packaged = zipfile.ZipFile(wheel).read("outbox/schema.sql").decode()
-    assert packaged == (REPOSITORY / "schema.sql").read_text(encoding="utf-8")
+    # `outbox migrate --roles` from an installed wheel reads the packaged copy.
+    for name in ("schema.sql", "roles.sql"):
+        packaged = zipfile.ZipFile(wheel).read(f"outbox/{name}").decode()
+        assert packaged == (REPOSITORY / name).read_text(encoding="utf-8")

@@ -1,0 +1,110 @@
+-- effect-outbox: least privilege in Postgres (DESIGN.md section 7).
+--
+-- Applied by `outbox migrate --roles`, after schema.sql, in the same transaction and
+-- under the same advisory lock. Idempotent: applying it again changes nothing.
+--
+-- Four NOLOGIN group roles, one per component. Grant one to each login role a
+-- component connects as (`GRANT outbox_agent TO refund_agent_service;`). Each group
+-- gets exactly what the statements in outbox/sql/queries.sql that its component runs
+-- need, and nothing more:
+--
+--   outbox_agent       record_decision: insert_decision, get_operation_by_decision_key
+--   outbox_dispatcher  claim_outbox_batch, mark_outbox_published, mark_outbox_failed,
+--                      outbox_backlog, operations_by_state, delete_published_outbox_rows,
+--                      listen_outbox_pending
+--   outbox_consumer    get_operation, latest_approval, insert_event, claim_operation,
+--                      transition_operation, requeue_stale_prepared,
+--                      claim_reconciliation_batch, lease_for_reconciliation,
+--                      defer_reconciliation
+--   outbox_operator    the `outbox ops` and `outbox approvals` commands: reads, plus
+--                      transition_operation (resolve) and insert_approval
+--
+-- Not granted, because nothing needs it:
+-- - USAGE on the identity sequences of outbox and operation_events: an identity
+--   column draws its value without a sequence privilege check.
+-- - REFERENCES or SELECT for the foreign keys: Postgres checks them as the table owner.
+-- - EXECUTE on the trigger functions: triggers fire without an EXECUTE check, and
+--   pg_notify() is executable by PUBLIC.
+-- - UPDATE or DELETE on operation_events, to anyone: it is append-only evidence (its
+--   trigger refuses too; the grants say it first).
+--
+-- The consumer needs UPDATE on operations to move operations through execution, so a
+-- grant cannot stop it from touching an escalated one; the transition trigger in
+-- schema.sql does: once outbox_operator exists, only its members (and superusers) may
+-- change an escalated operation.
+--
+-- Creating the roles needs CREATEROLE (or a superuser) the first time; later runs only
+-- grant, which the tables' owner may do.
+
+-- Roles are cluster-wide, so a migration of another database of this cluster may be
+-- creating the same role at the same moment (the advisory lock is per database): the
+-- loser of that race sees the winner's role and carries on.
+DO $$
+DECLARE
+    role_name text;
+BEGIN
+    FOREACH role_name IN ARRAY ARRAY['outbox_agent', 'outbox_dispatcher', 'outbox_consumer',
+                                     'outbox_operator']
+    LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = role_name) THEN
+            BEGIN
+                EXECUTE format('CREATE ROLE %I NOLOGIN', role_name);
+            EXCEPTION WHEN duplicate_object OR unique_violation THEN
+                NULL;
+            END;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+-- Tables are only reachable through their schema. PUBLIC usually has USAGE on it, but
+-- a hardened cluster may have revoked that; say what the roles need instead of relying
+-- on it. current_schema() is where schema.sql created the tables.
+DO $$
+BEGIN
+    EXECUTE format(
+        'GRANT USAGE ON SCHEMA %I TO outbox_agent, outbox_dispatcher, outbox_consumer, '
+        'outbox_operator',
+        current_schema()
+    );
+END;
+$$;
+
+-- Start from nothing on every outbox table, then grant: an older roles.sql's wider
+-- grant does not survive a migration, and PUBLIC (every role, present and future)
+-- holds nothing. One transaction, so no session ever sees the gap.
+REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version
+    FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
+
+-- The agent service records decisions and reads them back. insert_decision's
+-- ON CONFLICT ... RETURNING * and get_operation_by_decision_key read operations; the
+-- outbox row and the event are inserted without reading anything back. No UPDATE or
+-- DELETE anywhere: an agent can decide, never execute, settle or erase.
+GRANT SELECT, INSERT ON operations TO outbox_agent;
+GRANT INSERT ON outbox TO outbox_agent;
+GRANT INSERT ON operation_events TO outbox_agent;
+
+-- The dispatcher publishes outbox rows. claim_outbox_batch joins operations for the
+-- message envelope (and operations_by_state feeds a gauge): SELECT only. Its FOR UPDATE
+-- on outbox needs UPDATE; marking rows needs UPDATE; retention needs DELETE.
+GRANT SELECT ON operations TO outbox_dispatcher;
+GRANT SELECT, UPDATE, DELETE ON outbox TO outbox_dispatcher;
+
+-- The consumer moves operations through execution: claim, transition, reconcile (the
+-- FOR UPDATE of claim_reconciliation_batch and requeue_stale_prepared needs UPDATE
+-- too). requeue_stale_prepared reads outbox and operation_events and inserts with
+-- RETURNING; transitions append events and queue retries; the approval check reads
+-- approvals. It never writes approvals and never deletes anything.
+GRANT SELECT, UPDATE ON operations TO outbox_consumer;
+GRANT SELECT, INSERT ON outbox TO outbox_consumer;
+GRANT SELECT, INSERT ON operation_events TO outbox_consumer;
+GRANT SELECT ON approvals TO outbox_consumer;
+
+-- A person at the `outbox ops` / `outbox approvals` commands: reads everything,
+-- resolves (UPDATE operations, its event, a retry's outbox row) and records grants
+-- and denials (insert_approval ... RETURNING *).
+GRANT SELECT, UPDATE ON operations TO outbox_operator;
+GRANT SELECT, INSERT ON outbox TO outbox_operator;
+GRANT SELECT, INSERT ON operation_events TO outbox_operator;
+GRANT SELECT, INSERT ON approvals TO outbox_operator;
+GRANT SELECT ON outbox_schema_version TO outbox_operator;

@@ -1,0 +1,658 @@
+"""roles.sql: each component's group role can run exactly what that component runs.
+
+Every test applies roles.sql to its own database, then connects as LOGIN users made
+for it (members of one group role each) and drops them afterwards: roles are
+cluster-wide, so nothing of a test may outlive it. The group roles themselves stay,
+as they would in a real cluster; without grants in a database they can do nothing
+there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import psycopg.errors
+import pytest
+from psycopg import sql
+from pydantic import SecretStr
+
+from dispatcher.daemon import Dispatcher
+from outbox import Operation, OperationState, Registry, Settings, record_decision
+from outbox import store as outbox_store
+from outbox.cli import run_command
+from outbox.errors import DatabaseError, DecisionConflict, SchemaMissing
+from outbox.models import ApprovalDecision, ApprovalStatus
+from outbox.sql import QUERIES, roles_sql
+from outbox.states import EventName
+from outbox.store import Plan, Store
+
+from support.broker_helpers import read_all
+from support.db_helpers import execute_admin
+
+S = OperationState
+LEASE = timedelta(seconds=60)
+AGENT, DISPATCHER, CONSUMER, OPERATOR = outbox_store.ROLES
+OUTBOX = str(Path(sys.executable).parent / "outbox")
+TABLES = ("operations", "outbox", "operation_events", "approvals", "outbox_schema_version")
+
+# Which statements of queries.sql each component runs. A query nobody claims fails
+# test_every_query_belongs_to_a_component: whoever adds one decides who needs it,
+# and the test of that component below proves the grants cover it.
+COMPONENT_QUERIES: dict[str, set[str]] = {
+    AGENT: {"insert_decision", "get_operation_by_decision_key"},
+    DISPATCHER: {
+        "listen_outbox_pending",
+        "claim_outbox_batch",
+        "mark_outbox_published",
+        "mark_outbox_failed",
+        "outbox_backlog",
+        "operations_by_state",
+        "delete_published_outbox_rows",
+    },
+    CONSUMER: {
+        "get_operation",
+        "latest_approval",
+        "insert_event",
+        "claim_operation",
+        "transition_operation",
+        "requeue_stale_prepared",
+        "claim_reconciliation_batch",
+        "lease_for_reconciliation",
+        "defer_reconciliation",
+    },
+    OPERATOR: {
+        "list_operation_summaries",
+        "get_operation",
+        "list_events",
+        "list_outbox_rows",
+        "latest_approval",
+        "transition_operation",
+        "list_approval_candidates",
+        "insert_approval",
+        "count_operations_by_tool_and_state",
+        "outbox_backlog",
+    },
+}
+
+# What each group holds, table by table; everything else is refused.
+GRANTS: dict[str, dict[str, set[str]]] = {
+    AGENT: {
+        "operations": {"SELECT", "INSERT"},
+        "outbox": {"INSERT"},
+        "operation_events": {"INSERT"},
+    },
+    DISPATCHER: {"operations": {"SELECT"}, "outbox": {"SELECT", "UPDATE", "DELETE"}},
+    CONSUMER: {
+        "operations": {"SELECT", "UPDATE"},
+        "outbox": {"SELECT", "INSERT"},
+        "operation_events": {"SELECT", "INSERT"},
+        "approvals": {"SELECT"},
+    },
+    OPERATOR: {
+        "operations": {"SELECT", "UPDATE"},
+        "outbox": {"SELECT", "INSERT"},
+        "operation_events": {"SELECT", "INSERT"},
+        "approvals": {"SELECT", "INSERT"},
+        "outbox_schema_version": {"SELECT"},
+    },
+}
+PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+
+# Statements a superuser could run on the seeded data (so "nothing changed" means the
+# refusal stopped them), refused to the roles that do not need them.
+TAMPER_OPERATION = "UPDATE operations SET last_error_class = 'tampered'"
+FORGE_OPERATION = (
+    "INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, input, "
+    "input_fingerprint) SELECT gen_random_uuid(), 'forged', tool_name, tool_version, "
+    "side_effect, input, input_fingerprint FROM operations"
+)
+FORGE_OUTBOX_ROW = (
+    "INSERT INTO outbox (operation_id, routing_key) SELECT id, 'x.v1' FROM operations"
+)
+FORGE_EVENT = (
+    "INSERT INTO operation_events (operation_id, name) "
+    "SELECT id, 'operation.committed' FROM operations"
+)
+FORGE_APPROVAL = (
+    "INSERT INTO approvals (id, operation_id, intent_hash, approved_by, expires_at) "
+    "SELECT gen_random_uuid(), id, input_fingerprint, 'mallory', now() + interval '1 day' "
+    "FROM operations"
+)
+MARK_PUBLISHED = "UPDATE outbox SET published_at = now()"
+EVERYONE_REFUSED = [
+    # operation_events is evidence: its trigger refuses UPDATE and DELETE, but not
+    # TRUNCATE, which fires no row triggers; only the missing grant stops that.
+    "UPDATE operation_events SET name = 'operation.committed'",
+    "DELETE FROM operation_events",
+    "TRUNCATE operation_events",
+    "DELETE FROM operations",
+    "TRUNCATE operations CASCADE",
+    "UPDATE approvals SET expires_at = now() + interval '1 year'",
+    "DELETE FROM approvals",
+    "DELETE FROM outbox_schema_version",
+]
+REFUSED: dict[str, list[str]] = {
+    AGENT: [
+        TAMPER_OPERATION,
+        "UPDATE operations SET state = 'in_flight' WHERE state = 'prepared'",
+        MARK_PUBLISHED,
+        "DELETE FROM outbox",
+        "SELECT count(*) FROM outbox",
+        "SELECT count(*) FROM operation_events",
+        "SELECT count(*) FROM approvals",
+        FORGE_APPROVAL,
+    ],
+    DISPATCHER: [
+        TAMPER_OPERATION,
+        FORGE_OPERATION,
+        FORGE_OUTBOX_ROW,
+        FORGE_EVENT,
+        "SELECT count(*) FROM operation_events",
+        "SELECT count(*) FROM approvals",
+        FORGE_APPROVAL,
+    ],
+    CONSUMER: [FORGE_OPERATION, MARK_PUBLISHED, "DELETE FROM outbox", FORGE_APPROVAL],
+    OPERATOR: [FORGE_OPERATION, MARK_PUBLISHED, "DELETE FROM outbox"],
+}
+
+
+# --- fixtures and helpers --------------------------------------------------------------
+
+
+def as_user(url: str, user: str) -> str:
+    """The same server and database, as ``user`` (the test cluster trusts local users)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{user}@{parts.hostname}:{parts.port}"))
+
+
+@pytest.fixture
+def roles_database(database_url: str) -> str:
+    with psycopg.connect(database_url) as connection:
+        assert outbox_store.apply_roles(connection) == outbox_store.ROLES
+    return database_url
+
+
+Login = Callable[[str], str]
+
+
+@pytest.fixture
+def login(postgres_server_url: str, roles_database: str) -> Iterator[Login]:
+    """Makes a LOGIN user in one group role; returns its URL for this test's database."""
+    made: list[tuple[str, str]] = []
+
+    def make(group: str) -> str:
+        user = f"outbox_test_{group.removeprefix('outbox_')}_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(postgres_server_url, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                    sql.Identifier(user), sql.Identifier(group)
+                )
+            )
+        made.append((user, group))
+        return as_user(roles_database, user)
+
+    try:
+        yield make
+    finally:
+        with psycopg.connect(postgres_server_url, autocommit=True) as admin:
+            for user, group in made:
+                admin.execute(
+                    sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(group), sql.Identifier(user))
+                )
+                admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(user)))
+
+
+Ran = list[tuple[str, str]]
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> Ran:
+    """(database user, query name) of every statement the store runs in this test.
+
+    The executors are the one place SQL runs, so watching them sees every statement a
+    component sends, and which user sent it.
+    """
+    seen: Ran = []
+    sync_fetch = outbox_store._PsycopgExecutor.fetch
+    async_fetch = outbox_store._PsycopgAsyncExecutor.fetch
+
+    def fetch(self: Any, step: outbox_store.Step) -> list[dict[str, Any]]:
+        seen.append((self._connection.info.user, step.query))
+        return sync_fetch(self, step)
+
+    async def fetch_async(self: Any, step: outbox_store.Step) -> list[dict[str, Any]]:
+        seen.append((self._connection.info.user, step.query))
+        return await async_fetch(self, step)
+
+    monkeypatch.setattr(outbox_store._PsycopgExecutor, "fetch", fetch)
+    monkeypatch.setattr(outbox_store._PsycopgAsyncExecutor, "fetch", fetch_async)
+    return seen
+
+
+def queries_run_by(ran: Ran, url: str) -> set[str]:
+    user = urlsplit(url).username
+    return {query for who, query in ran if who == user}
+
+
+def run(url: str, plan: Plan[Any]) -> Any:
+    """One plan in its own committed transaction, connected as ``url``'s user."""
+    with psycopg.connect(url) as connection:
+        return Store(connection).run(plan)
+
+
+def snapshot(database_url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every outbox table, as a superuser sees them."""
+    return {
+        table: execute_admin(database_url, f"SELECT * FROM {table} ORDER BY 1") for table in TABLES
+    }
+
+
+def new_operation(url: str, registry: Registry, amount_cents: int = 100) -> Operation:
+    with psycopg.connect(url) as connection:
+        recorded = record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": f"pay_{uuid.uuid4().hex[:8]}", "amount_cents": amount_cents},
+            run_id="run",
+        )
+    return recorded.operation
+
+
+def advance(url: str, operation: Operation, *targets: OperationState) -> Operation:
+    """Move an operation along legal edges, as ``url``'s user, one commit per edge."""
+    for target in targets:
+        if target is S.IN_FLIGHT:
+            claimed = run(url, outbox_store.claim(operation.id, owner="w", lease=LEASE))
+            assert claimed is not None
+            operation = claimed
+        else:
+            operation = run(
+                url,
+                outbox_store.transition(
+                    operation.id,
+                    source=operation.state,
+                    target=target,
+                    lease_token=operation.lease_token,
+                    error_class="lookups_unavailable" if target is S.ESCALATED else None,
+                ),
+            )
+    return operation
+
+
+def escalated(url: str, registry: Registry) -> Operation:
+    return advance(url, new_operation(url, registry), S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED)
+
+
+@pytest.fixture
+def seeded(roles_database: str, registry: Registry) -> dict[str, Operation]:
+    """A prepared operation waiting for an approval (with a denial on it), and an
+    escalated one, written by a superuser."""
+    waiting = new_operation(roles_database, registry, amount_cents=60_000)
+    run(
+        roles_database,
+        outbox_store.decide_approval(
+            waiting.id,
+            decision=ApprovalDecision.DENIED,
+            approved_by="lead@example.com",
+            ttl=timedelta(hours=1),
+        ),
+    )
+    return {"waiting": waiting, "escalated": escalated(roles_database, registry)}
+
+
+# --- what roles.sql sets up ----------------------------------------------------------
+
+
+def test_every_query_belongs_to_a_component() -> None:
+    claimed = set().union(*COMPONENT_QUERIES.values())
+
+    assert set(QUERIES) - claimed == set(), "decide which role runs it and grant what it needs"
+    assert claimed - set(QUERIES) == set()
+
+
+def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_database: str) -> None:
+    held = {
+        (role, table, privilege)
+        for role in outbox_store.ROLES
+        for table in TABLES
+        for privilege in PRIVILEGES
+        if execute_admin(
+            roles_database, "SELECT has_table_privilege(%s, %s, %s)", (role, table, privilege)
+        )[0][0]
+    }
+    public = execute_admin(
+        roles_database,
+        "SELECT c.relname, a.privilege_type FROM pg_class c, aclexplode(c.relacl) a "
+        "WHERE c.relname = ANY(%s) AND a.grantee = 0",
+        (list(TABLES),),
+    )
+    groups = execute_admin(
+        roles_database,
+        "SELECT rolname, rolcanlogin, rolsuper, rolcreaterole, rolcreatedb, rolbypassrls "
+        "FROM pg_roles WHERE rolname = ANY(%s) ORDER BY rolname",
+        (list(outbox_store.ROLES),),
+    )
+
+    assert held == {
+        (role, table, privilege)
+        for role, tables in GRANTS.items()
+        for table, privileges in tables.items()
+        for privilege in privileges
+    }
+    assert public == []
+    assert groups == [
+        (role, False, False, False, False, False) for role in sorted(outbox_store.ROLES)
+    ]
+
+
+def test_the_roles_need_the_schema_first(empty_database_url: str) -> None:
+    with psycopg.connect(empty_database_url) as connection, pytest.raises(SchemaMissing):
+        outbox_store.apply_roles(connection)
+
+
+def test_roles_sql_is_the_file_at_the_repository_root() -> None:
+    root = Path(__file__).resolve().parents[2] / "roles.sql"
+
+    assert roles_sql() == root.read_text(encoding="utf-8")
+
+
+def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
+    database_url: str,
+) -> None:
+    acl = (
+        "SELECT relname, relacl::text FROM pg_class WHERE relname = ANY(%s) ORDER BY relname",
+        (list(TABLES),),
+    )
+    first = subprocess.run(
+        [OUTBOX, "migrate", "--roles", "--database-url", database_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+        check=False,
+    )
+    granted = execute_admin(database_url, *acl)
+    second = subprocess.run(
+        [OUTBOX, "migrate", "--roles"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OUTBOX_DATABASE_URL": database_url},
+        check=False,
+    )
+
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    for result in (first, second):
+        assert "schema version 1 is applied" in result.stdout
+        assert (
+            "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
+            in result.stdout
+        )
+    assert execute_admin(database_url, *acl) == granted
+    assert all(grants is not None and "outbox_operator" in grants for _, grants in granted)
+
+
+def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
+    for _ in range(2):
+        with psycopg.connect(roles_database) as connection:
+            assert outbox_store.apply_schema(connection) == 1
+            outbox_store.apply_roles(connection)
+
+
+# --- each component does its job with its own role --------------------------------
+
+
+def test_the_agent_records_decisions_and_reads_them_back(
+    login: Login, registry: Registry, roles_database: str, ran: Ran
+) -> None:
+    agent = login(AGENT)
+    refund = {"payment_id": "pay_1", "amount_cents": 100}
+
+    with psycopg.connect(agent) as connection:
+        first = record_decision(
+            connection, registry, "send_refund", refund, run_id="r", decision_key="k"
+        )
+    with psycopg.connect(agent) as connection:
+        again = record_decision(
+            connection, registry, "send_refund", refund, run_id="r", decision_key="k"
+        )
+    with psycopg.connect(agent) as connection, pytest.raises(DecisionConflict):
+        record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {**refund, "amount_cents": 101},
+            run_id="r",
+            decision_key="k",
+        )
+
+    assert (first.created, again.created) == (True, False)
+    assert again.operation.id == first.operation.id
+    assert execute_admin(roles_database, "SELECT state FROM operations") == [("prepared",)]
+    assert execute_admin(roles_database, "SELECT count(*) FROM outbox") == [(1,)]
+    assert execute_admin(roles_database, "SELECT name FROM operation_events") == [
+        ("operation.prepared",)
+    ]
+    assert queries_run_by(ran, agent) == COMPONENT_QUERIES[AGENT]
+
+
+async def test_the_dispatcher_publishes_what_the_agent_recorded(
+    login: Login,
+    registry: Registry,
+    roles_database: str,
+    settings: Settings,
+    amqp_server_url: str,
+    ran: Ran,
+) -> None:
+    agent, dispatcher_url = login(AGENT), login(DISPATCHER)
+    recorded = [new_operation(agent, registry) for _ in range(3)]
+    dispatcher = Dispatcher(settings.model_copy(update={"database_url": SecretStr(dispatcher_url)}))
+
+    report = await dispatcher.drain()
+    messages = await read_all(amqp_server_url, settings.queue, expect=3)
+    async with await psycopg.AsyncConnection.connect(dispatcher_url) as database:
+        backlog = await dispatcher.refresh_backlog(database)
+    async with await psycopg.AsyncConnection.connect(dispatcher_url, autocommit=True) as listener:
+        await (await outbox_store.AsyncStore.on(listener, require_transaction=False)).run(
+            outbox_store.listen_outbox_pending()
+        )
+    await dispatcher.prune()  # under the default retention: nothing is old enough yet
+    # A publish that failed, then retention with no grace: the dispatcher's other writes.
+    ((first_row,),) = execute_admin(roles_database, "SELECT min(id) FROM outbox")
+    failed = outbox_store.FailedPublish(first_row, "broker said no", timedelta(0))
+    run(dispatcher_url, outbox_store.mark_outbox_failed([failed]))
+    deleted = run(dispatcher_url, outbox_store.delete_published_outbox_rows(timedelta(0), 10))
+
+    assert (report.published, report.failed) == (3, 0)
+    assert sorted(m.body.operation_id for m in messages) == sorted(o.id for o in recorded)
+    assert backlog.pending == 0
+    assert deleted == 3
+    assert execute_admin(roles_database, "SELECT count(*) FROM outbox") == [(0,)]
+    assert queries_run_by(ran, dispatcher_url) == COMPONENT_QUERIES[DISPATCHER]
+
+
+def test_the_consumer_executes_reconciles_and_escalates(
+    login: Login, registry: Registry, roles_database: str, ran: Ran
+) -> None:
+    consumer = login(CONSUMER)
+    waiting = new_operation(roles_database, registry, amount_cents=60_000)
+    executed = new_operation(roles_database, registry)
+    unknown = advance(roles_database, new_operation(roles_database, registry), S.IN_FLIGHT)
+    unknown = advance(roles_database, unknown, S.OUTCOME_UNKNOWN)
+    stale = new_operation(roles_database, registry)
+    execute_admin(
+        roles_database,
+        "UPDATE outbox SET published_at = now() - interval '1 hour' WHERE operation_id = %s",
+        (stale.id,),
+    )
+
+    # A message arrives: load, check the approval, note the wait.
+    assert run(consumer, outbox_store.find_operation(waiting.id)) == waiting
+    check = run(consumer, outbox_store.check_approval(waiting.id))
+    assert check.status is ApprovalStatus.MISSING
+    run(consumer, outbox_store.append_event(waiting, EventName.APPROVAL_REQUIRED, {}))
+    # Claim and execute: prepared -> in_flight -> committed.
+    committed = advance(consumer, executed, S.IN_FLIGHT, S.COMMITTED)
+    # The reconciler: requeue a lost message, lease an unknown outcome, defer a lookup,
+    # then give up on it: outcome_unknown -> escalated.
+    requeued = run(consumer, outbox_store.requeue_stale_prepared(timedelta(0), 10))
+    with psycopg.connect(consumer) as connection:
+        runner = Store(connection)
+        (due,) = runner.run(outbox_store.claim_reconciliation_batch(10))
+        leased = runner.run(outbox_store.lease_for_reconciliation(due, owner="r", lease=LEASE))
+        assert leased is not None
+        runner.run(
+            outbox_store.defer_reconciliation(
+                leased.id, lease_token=leased.lease_token, reason="lookup_failed", delay=LEASE
+            )
+        )
+    gave_up = advance(consumer, run(consumer, outbox_store.get_operation(unknown.id)), S.ESCALATED)
+
+    assert committed.state is S.COMMITTED
+    assert requeued == [stale.id]
+    assert due.id == unknown.id
+    assert gave_up.state is S.ESCALATED
+    assert queries_run_by(ran, consumer) == COMPONENT_QUERIES[CONSUMER]
+
+
+@pytest.mark.parametrize("target", [S.COMMITTED, S.REJECTED, S.PREPARED])
+def test_the_consumer_cannot_resolve_an_escalation(
+    login: Login, roles_database: str, seeded: dict[str, Operation], target: OperationState
+) -> None:
+    consumer = login(CONSUMER)
+    operation = seeded["escalated"]
+    before = snapshot(roles_database)
+
+    with pytest.raises(DatabaseError) as refused:
+        run(consumer, outbox_store.transition(operation.id, source=S.ESCALATED, target=target))
+
+    assert type(refused.value) is DatabaseError
+    assert isinstance(refused.value.driver_error, psycopg.errors.InsufficientPrivilege)
+    assert "operations_escalation_operator_only" in str(refused.value)
+    assert "only a member of outbox_operator may resolve it" in str(
+        refused.value.driver_error.diag.message_primary
+    )
+    assert snapshot(roles_database) == before
+
+
+def test_the_operator_resolves_escalations_and_decides_approvals(
+    login: Login,
+    roles_database: str,
+    seeded: dict[str, Operation],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ran: Ran,
+) -> None:
+    operator = login(OPERATOR)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", operator)
+    waiting, stuck = seeded["waiting"], seeded["escalated"]
+
+    codes = [
+        run_command(["ops", "list"]),
+        run_command(["ops", "show", stuck.display_id]),
+        run_command(["stats"]),
+        run_command(["approvals", "pending"]),
+        run_command(
+            [
+                "ops",
+                "resolve",
+                stuck.display_id,
+                "--committed",
+                "--provider-ref",
+                "re_found",
+                "--evidence",
+                "seen on the provider dashboard",
+                "--by",
+                "oncall@example.com",
+            ]
+        ),
+        run_command(["approvals", "grant", waiting.display_id, "--by", "lead@example.com"]),
+    ]
+    rows = run(operator, outbox_store.outbox_rows(waiting.id))
+
+    assert codes == [0] * len(codes), capsys.readouterr().err
+    assert run(roles_database, outbox_store.get_operation(stuck.id)).state is S.COMMITTED
+    assert run(roles_database, outbox_store.check_approval(waiting.id)).is_valid
+    assert len(rows) == 2  # the decision's row and the one the grant queued
+    assert queries_run_by(ran, operator) == COMPONENT_QUERIES[OPERATOR]
+
+
+# --- and nothing more ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("group", "statement"),
+    [(group, statement) for group in outbox_store.ROLES for statement in EVERYONE_REFUSED]
+    + [(group, statement) for group, statements in REFUSED.items() for statement in statements],
+)
+def test_a_role_is_refused_what_its_component_never_does(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str, statement: str
+) -> None:
+    user = login(group)
+    before = snapshot(roles_database)
+
+    # "permission denied": the grant refused it, not a trigger further down (the
+    # append-only trigger raises the same SQLSTATE).
+    with (
+        psycopg.connect(user) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match=r"^permission denied for "),
+    ):
+        connection.execute(statement)
+
+    assert snapshot(roles_database) == before
+
+
+def test_the_agent_cannot_mark_an_operation_committed(
+    login: Login, roles_database: str, registry: Registry
+) -> None:
+    agent = login(AGENT)
+    claimed = advance(roles_database, new_operation(agent, registry), S.IN_FLIGHT)
+    before = snapshot(roles_database)
+
+    with pytest.raises(DatabaseError) as refused:
+        run(
+            agent,
+            outbox_store.transition(
+                claimed.id,
+                source=S.IN_FLIGHT,
+                target=S.COMMITTED,
+                lease_token=claimed.lease_token,
+                provider_reference="re_forged",
+            ),
+        )
+
+    assert isinstance(refused.value.driver_error, psycopg.errors.InsufficientPrivilege)
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize("group", [AGENT, DISPATCHER, CONSUMER])
+def test_only_the_operator_grants_approvals(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str
+) -> None:
+    user = login(group)
+    before = snapshot(roles_database)
+
+    with pytest.raises(DatabaseError) as refused:
+        run(
+            user,
+            outbox_store.decide_approval(
+                seeded["waiting"].id,
+                decision=ApprovalDecision.GRANTED,
+                approved_by="mallory",
+                ttl=timedelta(days=1),
+            ),
+        )
+
+    assert isinstance(refused.value.driver_error, psycopg.errors.InsufficientPrivilege)
+    assert snapshot(roles_database) == before
