@@ -13,6 +13,7 @@ from outbox import OperationState, Settings
 from outbox.sandbox.provider import Faults
 
 from support.system import SETTLED, System, running_system
+from support.waiting import eventually_sync
 
 S = OperationState
 OUTBOX = Path(sys.executable).parent / "outbox"
@@ -110,3 +111,55 @@ def test_show_tells_how_a_lost_response_was_reconciled(settings: Settings) -> No
     reconciled = shown.splitlines()[-1]
     assert "result=committed" in reconciled
     assert f"provider_reference={system.operation(op.id).provider_reference}" in reconciled
+
+
+def test_an_approval_is_listed_denied_and_granted_from_the_command_line(
+    settings: Settings,
+) -> None:
+    with running_system(settings) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        op = system.decide(amount_cents=75_000, reason="canary-approval-6b2e")
+        eventually_sync(
+            lambda: "operation.approval_required" in system.events(op.id),
+            within=20,
+            what="the refund to wait for approval",
+        )
+
+        pending = json.loads(outbox(system, "approvals", "pending", "--json"))
+        assert [entry["id"] for entry in pending] == [op.display_id]
+
+        denied = outbox(system, "approvals", "deny", op.display_id, "--by", "lead@example.com")
+        assert system.operation(op.id).state is OperationState.PREPARED
+        assert system.refunds_for(op.id) == 0
+
+        granted = outbox(
+            system,
+            "approvals",
+            "grant",
+            op.display_id,
+            "--by",
+            "oncall@example.com",
+            "--ttl",
+            "15m",
+        )
+        final = system.wait_for(op.id, *SETTLED)
+        assert final.state is OperationState.COMMITTED
+        assert system.refunds_for(op.id) == 1
+        assert json.loads(outbox(system, "approvals", "pending", "--json")) == []
+        for output in (denied, granted):
+            assert "canary-approval-6b2e" not in output
+
+
+def test_contract_cards_print_from_the_command_line(settings: Settings) -> None:
+    with running_system(settings) as system:
+        cards = outbox(system, "contracts", "--tools", "outbox.sandbox.tools")
+        listed = json.loads(
+            outbox(system, "contracts", "--tools", "outbox.sandbox.tools", "--json")
+        )
+
+    assert "send_refund v1" in cards
+    assert "deduplicated_write" in cards
+    assert "send_email v1" in cards
+    assert "non_repeatable_write" in cards
+    assert {entry["name"] for entry in listed} == {"send_refund", "get_refund", "send_email"}
