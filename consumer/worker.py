@@ -55,6 +55,7 @@ from outbox.outcomes import (
     StillUnknown,
 )
 from outbox.settings import Settings, redact_url
+from outbox.signals import Stoppable
 from outbox.states import EventName, OperationState
 from outbox.store import AsyncStore, Plan
 
@@ -94,7 +95,7 @@ class _Attempt:
     effect: EffectResult | None = None
 
 
-class Consumer:
+class Consumer(Stoppable):
     def __init__(
         self, settings: Settings, registry: Registry, metrics: ConsumerMetrics | None = None
     ) -> None:
@@ -102,25 +103,18 @@ class Consumer:
             raise ConfigurationError(
                 "a consumer needs at least one registered tool: the --tools modules hold none"
             )
+        super().__init__()
         self.settings = settings
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
         self.metrics_port: int | None = None
         self._topology = Topology.from_settings(settings)
-        self._stop = asyncio.Event()
         self._broker_ready = False
         self._handlers: set[asyncio.Task[Any]] = set()
         self._engine: AsyncEngine | None = None
 
     # --- control ---------------------------------------------------------------------
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def healthy(self) -> bool:
         return self._broker_ready and not self.stopping
@@ -211,7 +205,7 @@ class Consumer:
             tag = await declared.queue.consume(self._on_message)
             self._broker_ready = True
             _log(logging.INFO, "consumer.session_ready", "consumer.session_ready")
-            stop = asyncio.ensure_future(self._stop.wait())
+            stop = asyncio.ensure_future(self.wait_for_stop())
             lost = asyncio.ensure_future(closed.wait())
             try:
                 await asyncio.wait([stop, lost], return_when=asyncio.FIRST_COMPLETED)
@@ -705,10 +699,6 @@ class Consumer:
                     delay=contract.retry.backoff(operation.reconcile_attempts + 1),
                 )
             )
-
-    async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
 
 
 def _span_attributes(

@@ -34,6 +34,7 @@ from outbox.errors import ConfigurationError, TransientDatabaseError
 from outbox.metrics import DispatcherMetrics
 from outbox.observability import serve_http
 from outbox.settings import Settings, redact_url
+from outbox.signals import Stoppable
 from outbox.store import AsyncStore, FailedPublish
 
 logger = logging.getLogger(__name__)
@@ -75,14 +76,14 @@ def _log(level: int, action: str, message: str, **fields: Any) -> None:
     logger.log(level, message, extra={"action": action, **fields})
 
 
-class Dispatcher:
+class Dispatcher(Stoppable):
     def __init__(self, settings: Settings, metrics: DispatcherMetrics | None = None) -> None:
+        super().__init__()
         self.settings = settings
         self.metrics = metrics or DispatcherMetrics.create()
         # pid plus a per-instance suffix: several dispatchers may share one process (tests).
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
         self._topology = Topology.from_settings(settings)
-        self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._healthy = False
         self._last_tick = 0.0
@@ -92,14 +93,6 @@ class Dispatcher:
         """None: a daemon keeps trying to connect until stopped; a drain gives up."""
 
     # --- control ---------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Finish the batch in hand, then return from :meth:`run`."""
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def healthy(self) -> bool:
         if not self._healthy:
@@ -222,7 +215,7 @@ class Dispatcher:
     async def _wait_for_work(self, notifications: asyncio.Task[None]) -> None:
         waiters = [
             asyncio.ensure_future(self._wake.wait()),
-            asyncio.ensure_future(self._stop.wait()),
+            asyncio.ensure_future(self.wait_for_stop()),
         ]
         try:
             await asyncio.wait(
@@ -414,11 +407,6 @@ class Dispatcher:
                 "(OUTBOX_QUEUE, OUTBOX_EXCHANGE, ...)"
             ) from None
         return connected
-
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep, but wake up at once when stopped."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
 
 
 def _jittered(seconds: float) -> float:

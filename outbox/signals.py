@@ -4,6 +4,7 @@ stop, a second one exits at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -44,3 +45,27 @@ async def run_until_signalled(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     await run()
+
+
+class Stoppable:
+    """The stop switch both daemons share: ``stop()`` asks, loops check ``stopping``,
+    and every wait is cut short by a stop instead of running out its time."""
+
+    def __init__(self) -> None:
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        """Finish the work in hand, then return from ``run()``."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def wait_for_stop(self) -> None:
+        await self._stop.wait()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake up at once when stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)

@@ -11,76 +11,18 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
 
-import psycopg
 import pytest
 
-from outbox import LeaseLost, Operation, OperationState, Registry, record_decision
+from outbox import LeaseLost, Operation, OperationState, Registry
 from outbox import store as outbox_store
 from outbox.cli import run_command
 from outbox.models import ApprovalStatus, OperationEvent
-from outbox.store import Plan, Store
+
+from support.ops_helpers import LEASE, Ops
 
 S = OperationState
-LEASE = timedelta(seconds=60)
 # Planted in every input's free-text field: it must never reach any command's output.
 CANARY = f"canary-{uuid4().hex}"
-PATH_TO = {
-    S.PREPARED: [],
-    S.IN_FLIGHT: [S.IN_FLIGHT],
-    S.COMMITTED: [S.IN_FLIGHT, S.COMMITTED],
-    S.REJECTED: [S.IN_FLIGHT, S.REJECTED],
-    S.OUTCOME_UNKNOWN: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN],
-    S.ESCALATED: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED],
-}
-
-
-class Ops:
-    """Builds operations along legal edges, each step its own committed transaction."""
-
-    def __init__(self, database_url: str, registry: Registry) -> None:
-        self.database_url = database_url
-        self.registry = registry
-
-    def run(self, plan: Plan[Any]) -> Any:
-        with psycopg.connect(self.database_url) as connection:
-            return Store(connection).run(plan)
-
-    def new(self, amount_cents: int = 100, tool: str = "send_refund") -> Operation:
-        tool_input: dict[str, Any] = (
-            {"payment_id": "pay_1", "amount_cents": amount_cents, "reason": CANARY}
-            if tool == "send_refund"
-            else {"title": CANARY, "body": CANARY}
-        )
-        with psycopg.connect(self.database_url) as connection:
-            recorded = record_decision(connection, self.registry, tool, tool_input, run_id="run")
-        return recorded.operation
-
-    def get(self, operation_id: UUID) -> Operation:
-        operation: Operation = self.run(outbox_store.get_operation(operation_id))
-        return operation
-
-    def events(self, operation_id: UUID) -> list[OperationEvent]:
-        events: list[OperationEvent] = self.run(outbox_store.events(operation_id))
-        return events
-
-    def at(self, state: OperationState, **new: Any) -> Operation:
-        operation = self.new(**new)
-        for target in PATH_TO[state]:
-            if target is S.IN_FLIGHT:
-                operation = self.run(outbox_store.claim(operation.id, owner="w", lease=LEASE))
-            else:
-                operation = self.run(
-                    outbox_store.transition(
-                        operation.id,
-                        source=operation.state,
-                        target=target,
-                        lease_token=operation.lease_token,
-                        provider_reference="re_found" if target is S.COMMITTED else None,
-                        error_class="lookups_unavailable" if target is S.ESCALATED else None,
-                    )
-                )
-        assert operation.state is state
-        return operation
 
 
 class Cli:
@@ -109,7 +51,7 @@ class Cli:
 @pytest.fixture
 def ops(database_url: str, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> Ops:
     monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
-    return Ops(database_url, registry)
+    return Ops(database_url, registry, free_text=CANARY)
 
 
 @pytest.fixture

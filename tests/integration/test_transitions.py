@@ -3,8 +3,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
-from uuid import UUID, uuid4
+from uuid import uuid4
 
 import psycopg
 import pytest
@@ -16,82 +15,17 @@ from outbox import (
     OperationNotFound,
     OperationState,
     Registry,
-    record_decision,
 )
 from outbox import store as outbox_store
 from outbox.states import LEGAL_TRANSITIONS
-from outbox.store import Plan, Store
+from outbox.store import Store
 
 from support.db_helpers import execute_admin
+from support.ops_helpers import LEASE, Ops
 
 S = OperationState
-LEASE = timedelta(seconds=60)
 ALL_PAIRS = [(source, target) for source in S for target in S if source is not target]
 ILLEGAL_PAIRS = [pair for pair in ALL_PAIRS if pair not in LEGAL_TRANSITIONS]
-
-# How to bring a fresh operation to each state along legal edges only.
-PATH_TO = {
-    S.PREPARED: [],
-    S.IN_FLIGHT: [S.IN_FLIGHT],
-    S.COMMITTED: [S.IN_FLIGHT, S.COMMITTED],
-    S.REJECTED: [S.IN_FLIGHT, S.REJECTED],
-    S.OUTCOME_UNKNOWN: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN],
-    S.ESCALATED: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED],
-}
-
-
-class Ops:
-    """Runs store plans, each in its own committed transaction."""
-
-    def __init__(self, database_url: str, registry: Registry) -> None:
-        self.database_url = database_url
-        self.registry = registry
-
-    def run(self, plan: Plan[Any]) -> Any:
-        with psycopg.connect(self.database_url) as connection:
-            return Store(connection).run(plan)
-
-    def new(self) -> Operation:
-        with psycopg.connect(self.database_url) as connection:
-            recorded = record_decision(
-                connection,
-                self.registry,
-                "send_refund",
-                {"payment_id": "pay_1", "amount_cents": 100},
-                run_id="run",
-            )
-        return recorded.operation
-
-    def get(self, operation_id: UUID) -> Operation:
-        operation: Operation = self.run(outbox_store.get_operation(operation_id))
-        return operation
-
-    def event_names(self, operation_id: UUID) -> list[str]:
-        return [e.name for e in self.run(outbox_store.events(operation_id))]
-
-    def move(self, operation: Operation, target: OperationState) -> Operation:
-        if target is S.IN_FLIGHT:
-            claimed: Operation | None = self.run(
-                outbox_store.claim(operation.id, owner="worker-a", lease=LEASE)
-            )
-            assert claimed is not None
-            return claimed
-        moved: Operation = self.run(
-            outbox_store.transition(
-                operation.id,
-                source=operation.state,
-                target=target,
-                lease_token=operation.lease_token,
-            )
-        )
-        return moved
-
-    def at(self, state: OperationState) -> Operation:
-        operation = self.new()
-        for step in PATH_TO[state]:
-            operation = self.move(operation, step)
-        assert operation.state is state
-        return operation
 
 
 @pytest.fixture

@@ -1,0 +1,88 @@
+"""Building operations in any state along legal edges, for tests of the state machine
+and of the operator commands."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from outbox import Operation, OperationEvent, OperationState, Registry, record_decision
+from outbox import store as outbox_store
+from outbox.store import Plan, Store
+
+S = OperationState
+LEASE = timedelta(seconds=60)
+
+# How to bring a fresh operation to each state along legal edges only.
+PATH_TO = {
+    S.PREPARED: [],
+    S.IN_FLIGHT: [S.IN_FLIGHT],
+    S.COMMITTED: [S.IN_FLIGHT, S.COMMITTED],
+    S.REJECTED: [S.IN_FLIGHT, S.REJECTED],
+    S.OUTCOME_UNKNOWN: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN],
+    S.ESCALATED: [S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED],
+}
+
+
+class Ops:
+    """Runs store plans, each in its own committed transaction. ``free_text`` goes into
+    every input's free-text field (a canary that must never surface)."""
+
+    def __init__(self, database_url: str, registry: Registry, *, free_text: str = "") -> None:
+        self.database_url = database_url
+        self.registry = registry
+        self.free_text = free_text
+
+    def run(self, plan: Plan[Any]) -> Any:
+        with psycopg.connect(self.database_url) as connection:
+            return Store(connection).run(plan)
+
+    def new(self, amount_cents: int = 100, tool: str = "send_refund") -> Operation:
+        tool_input: dict[str, Any] = (
+            {"payment_id": "pay_1", "amount_cents": amount_cents, "reason": self.free_text}
+            if tool == "send_refund"
+            else {"title": self.free_text or "ticket", "body": self.free_text}
+        )
+        with psycopg.connect(self.database_url) as connection:
+            recorded = record_decision(connection, self.registry, tool, tool_input, run_id="run")
+        return recorded.operation
+
+    def get(self, operation_id: UUID) -> Operation:
+        operation: Operation = self.run(outbox_store.get_operation(operation_id))
+        return operation
+
+    def events(self, operation_id: UUID) -> list[OperationEvent]:
+        events: list[OperationEvent] = self.run(outbox_store.events(operation_id))
+        return events
+
+    def event_names(self, operation_id: UUID) -> list[str]:
+        return [event.name for event in self.events(operation_id)]
+
+    def move(self, operation: Operation, target: OperationState) -> Operation:
+        if target is S.IN_FLIGHT:
+            claimed: Operation | None = self.run(
+                outbox_store.claim(operation.id, owner="worker-a", lease=LEASE)
+            )
+            assert claimed is not None
+            return claimed
+        moved: Operation = self.run(
+            outbox_store.transition(
+                operation.id,
+                source=operation.state,
+                target=target,
+                lease_token=operation.lease_token,
+                provider_reference="re_found" if target is S.COMMITTED else None,
+                error_class="lookups_unavailable" if target is S.ESCALATED else None,
+            )
+        )
+        return moved
+
+    def at(self, state: OperationState, **new: Any) -> Operation:
+        operation = self.new(**new)
+        for step in PATH_TO[state]:
+            operation = self.move(operation, step)
+        assert operation.state is state
+        return operation
