@@ -887,3 +887,20 @@ def resolve_operation(
     operation = Operation.model_validate(rows[0])
     lifecycle.emit(EventName.RESOLVED, operation, logged)
     return operation
+
+
+# --- chaos: ending the daemons' database sessions -------------------------------------
+
+
+def terminate_backends(connection: psycopg.Connection[Any], application_names: list[str]) -> int:
+    """End every session of these applications in the connection's own database; how
+    many ended. For ``outbox chaos``: another database's sessions, and the caller's own,
+    are never touched, because other work shares the server."""
+    statement = psycopg.sql.SQL(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND application_name = ANY(%s) "
+        "AND pid <> pg_backend_pid()"
+    )
+    with wrap_database_errors("terminate_backends"):
+        row = connection.execute(statement, (application_names,)).fetchone()
+    return int(row[0]) if row else 0

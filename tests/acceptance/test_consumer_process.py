@@ -360,10 +360,12 @@ def test_poison_messages_are_dead_lettered_with_no_effect(
                 await publish_raw(amqp_server_url, settings.exchange, body, routing_key="x.v1")
 
         asyncio.run(publish_all())
-        dead = asyncio.run(read_raw(amqp_server_url, settings.dead_letter_queue, expect=3))
+        dead = asyncio.run(
+            read_raw(amqp_server_url, settings.dead_letter_queue, expect=3, within=30)
+        )
         output = consumer.output()
 
-    assert sorted(m.body for m in dead) == sorted(poison)
+    assert sorted(m.body for m in dead) == sorted(poison), output
     assert refunds_in_ledger(system) == 0
     assert system.operation(op.id).state is S.PREPARED
     for reason in ("malformed", "fingerprint_mismatch", "unknown_operation"):
