@@ -81,8 +81,6 @@ FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
 }
 SETTLED = (OperationState.COMMITTED, OperationState.REJECTED, OperationState.ESCALATED)
 
-logger = logging.getLogger(__name__)
-
 
 def register(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
@@ -150,7 +148,7 @@ class ScheduledFault:
             "dispatcher_kill": f"dispatcher#{self.slot}",
             "consumer_kill": f"consumer#{self.slot}",
             "consumer_stop": f"consumer#{self.slot} for {STOP_SECONDS:g} s",
-            "broker_connection_close": f"{_slot_kind(self.slot)}#{self.slot // 2}",
+            "broker_connection_close": f"{_slot_kind(self.slot)}#{self.slot % 2}",
             "db_connection_kill": "every daemon's sessions",
         }[self.kind]
 
@@ -200,7 +198,6 @@ class Daemon:
     log: IO[bytes] | None = None
     generation: int = 0
     stopped_until: float | None = None
-    planned_exit: bool = False
 
     @property
     def name(self) -> str:
@@ -221,7 +218,6 @@ class Daemon:
             stderr=subprocess.STDOUT,
         )
         self.stopped_until = None
-        self.planned_exit = False
 
     @property
     def pid(self) -> int:
@@ -230,7 +226,6 @@ class Daemon:
 
     def kill_and_restart(self) -> None:
         assert self.process is not None
-        self.planned_exit = True
         self.process.kill()  # SIGKILL ends a stopped process too
         self.process.wait(timeout=30)
         self._close_log()
