@@ -308,7 +308,7 @@ class Consumer(Stoppable):
                 )
                 return _Skip("invalid", "unknown_tool")
             if operation.state is not S.PREPARED:
-                return _Skip("duplicate")
+                return await _suppressed(runner, operation)
             if operation.requires_approval:
                 check = await runner.run(store.check_approval(operation.id))
                 if not check.is_valid:
@@ -323,7 +323,9 @@ class Consumer(Stoppable):
             lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)
             claimed = await runner.run(store.claim(operation.id, owner=self.worker_id, lease=lease))
             if claimed is None:
-                return _Skip("duplicate")
+                # Another worker claimed it between the read and the claim.
+                current = await runner.run(store.find_operation(operation.id))
+                return await _suppressed(runner, current or operation)
             return _Claimed(claimed, contract)
 
     async def _attempt(self, claimed: _Claimed, traceparent: str | None = None) -> _Attempt:
@@ -699,6 +701,18 @@ class Consumer(Stoppable):
                     delay=contract.retry.backoff(operation.reconcile_attempts + 1),
                 )
             )
+
+
+async def _suppressed(runner: AsyncStore, operation: Operation) -> _Skip:
+    """A duplicate delivery, written down: the event is the durable count of what the
+    dedupe stopped (metrics die with the process), and an operator reading the timeline
+    sees the broker's redeliveries beside the one attempt."""
+    await runner.run(
+        store.append_event(
+            operation, EventName.DELIVERY_SUPPRESSED, {"state": str(operation.state)}
+        )
+    )
+    return _Skip("duplicate")
 
 
 def _span_attributes(

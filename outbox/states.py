@@ -72,3 +72,5 @@ class EventName(StrEnum):
     APPROVAL_GRANTED = "operation.approval_granted"
     APPROVAL_DENIED = "operation.approval_denied"
     APPROVAL_REQUIRED = "operation.approval_required"
+    # A delivery for an operation already past ``prepared``: acked, never executed.
+    DELIVERY_SUPPRESSED = "operation.delivery_suppressed"

@@ -16,11 +16,11 @@ from urllib.parse import urlsplit
 import pytest
 
 from outbox import Registry, Settings
+from outbox.sandbox.proxy import tcp_proxy
 
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import publish_state, record_many
-from support.tcp_proxy import tcp_proxy
 from support.waiting import eventually, eventually_sync
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")

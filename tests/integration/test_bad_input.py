@@ -16,7 +16,7 @@ from outbox import (
     record_decision,
 )
 
-from support.consume_helpers import operation, publish_raw, running_consumer
+from support.consume_helpers import events, operation, publish_raw, running_consumer
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value, running_dispatcher
 from support.sample_tools import Ledger, refund_contract
@@ -166,6 +166,17 @@ async def test_forged_and_replayed_messages_for_settled_operations_cause_no_effe
 
     assert ledger.calls == calls_before
     assert {op.id: operation(database_url, op.id).state for op in (done, refused)} == settled_as
+    # Each suppressed delivery is on the record, with the state that stopped it.
+    suppressed = {
+        op.id: [
+            event.attributes
+            for event in events(database_url, op.id)
+            if event.name == "operation.delivery_suppressed"
+        ]
+        for op in (done, refused)
+    }
+    # Which of the two the ledger refused depends on delivery order; each got 2 replays.
+    assert suppressed == {op.id: [{"state": str(settled_as[op.id])}] * 2 for op in (done, refused)}
 
 
 async def test_a_version_this_consumer_does_not_have_is_dead_lettered(

@@ -209,6 +209,7 @@ async def test_the_same_message_twice_executes_once(
 
     assert ledger.calls == [str(op.id)]
     assert operation(database_url, op.id).state is S.COMMITTED
+    assert event_names(database_url, op.id).count("operation.delivery_suppressed") == 1
 
 
 @pytest.mark.parametrize(

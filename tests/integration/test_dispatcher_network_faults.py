@@ -10,6 +10,7 @@ import pytest
 from pydantic import SecretStr
 
 from outbox import Registry, Settings
+from outbox.sandbox.proxy import TcpProxy, tcp_proxy
 
 from support.broker_helpers import read_all
 from support.dispatch_helpers import (
@@ -19,7 +20,6 @@ from support.dispatch_helpers import (
     record_many,
     running_dispatcher,
 )
-from support.tcp_proxy import TcpProxy, tcp_proxy
 from support.waiting import eventually
 
 

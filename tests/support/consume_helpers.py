@@ -14,6 +14,7 @@ import psycopg
 from consumer.worker import Consumer
 from outbox import Operation, OperationState, Registry, Settings
 from outbox import store as outbox_store
+from outbox.models import OperationEvent
 from outbox.store import Store
 
 from support.waiting import eventually
@@ -43,9 +44,13 @@ def operation(database_url: str, operation_id: UUID) -> Operation:
         return Store(connection).run(outbox_store.get_operation(operation_id))
 
 
-def event_names(database_url: str, operation_id: UUID) -> list[str]:
+def events(database_url: str, operation_id: UUID) -> list[OperationEvent]:
     with psycopg.connect(database_url) as connection:
-        return [e.name for e in Store(connection).run(outbox_store.events(operation_id))]
+        return Store(connection).run(outbox_store.events(operation_id))
+
+
+def event_names(database_url: str, operation_id: UUID) -> list[str]:
+    return [event.name for event in events(database_url, operation_id)]
 
 
 def in_state(database_url: str, operation_id: UUID, *states: OperationState) -> Any:

@@ -1,0 +1,130 @@
+"""The fault-injection TCP proxy, against an echo server of its own (no services)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from outbox.sandbox.proxy import ThreadedProxy
+
+from support.waiting import eventually_sync
+
+
+class EchoServer:
+    """Echoes every byte back; counts what it received, so a test can see what passed."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.received = bytearray()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(connection,), daemon=True).start()
+
+    def _echo(self, connection: socket.socket) -> None:
+        with connection:
+            while chunk := _recv(connection):
+                with self._lock:
+                    self.received.extend(chunk)
+                connection.sendall(chunk)
+
+    def bytes_received(self) -> bytes:
+        with self._lock:
+            return bytes(self.received)
+
+
+def _recv(connection: socket.socket) -> bytes:
+    try:
+        return connection.recv(65536)
+    except OSError:
+        return b""
+
+
+def read_exactly(client: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = client.recv(size - len(data))
+        if not chunk:
+            break
+        data.extend(chunk)
+    return bytes(data)
+
+
+@pytest.fixture
+def echo() -> Iterator[EchoServer]:
+    server = EchoServer()
+    yield server
+    server.listener.close()
+
+
+@pytest.fixture
+def proxy(echo: EchoServer) -> Iterator[ThreadedProxy]:
+    with ThreadedProxy("127.0.0.1", echo.port) as running:
+        yield running
+
+
+def connect(proxy: ThreadedProxy) -> socket.socket:
+    client = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    eventually_sync(lambda: proxy.open_connections >= 1, within=10, what="proxy connected")
+    return client
+
+
+def test_bytes_pass_through_intact_and_in_order(proxy: ThreadedProxy) -> None:
+    payload = bytes(range(256)) * 1024  # 256 KiB: several chunks each way
+    with connect(proxy) as client:
+        client.sendall(payload)
+        assert read_exactly(client, len(payload)) == payload
+
+
+def test_a_delayed_link_still_delivers_everything_in_order(proxy: ThreadedProxy) -> None:
+    proxy.delay(0.01)
+    with connect(proxy) as client:
+        for n in range(5):
+            client.sendall(b"%d;" % n)
+        assert read_exactly(client, 10) == b"0;1;2;3;4;"
+
+
+def test_a_black_hole_holds_traffic_until_restored(proxy: ThreadedProxy, echo: EchoServer) -> None:
+    with connect(proxy) as client:
+        client.sendall(b"before")
+        assert read_exactly(client, 6) == b"before"
+        proxy.blackhole()
+        client.sendall(b"during")
+        # The connection stays open while silent; what was sent arrives after restore.
+        assert proxy.open_connections == 1
+        assert echo.bytes_received() == b"before"
+        proxy.restore()
+        assert read_exactly(client, 6) == b"during"
+    assert echo.bytes_received() == b"beforeduring"
+
+
+def test_cut_aborts_every_open_connection_and_reports_how_many(proxy: ThreadedProxy) -> None:
+    first, second = connect(proxy), connect(proxy)
+    eventually_sync(lambda: proxy.open_connections == 2, within=10, what="two connections")
+    with first, second:
+        assert proxy.cut() == 2
+        for client in (first, second):
+            assert _recv(client) == b""  # reset or end of stream: the link is gone
+    assert proxy.open_connections == 0
+    with connect(proxy) as again:  # the proxy itself still accepts
+        again.sendall(b"x")
+        assert read_exactly(again, 1) == b"x"
+
+
+def test_a_closed_proxy_refuses_connections_and_closes_again_quietly(echo: EchoServer) -> None:
+    running = ThreadedProxy("127.0.0.1", echo.port).start()
+    port = running.port
+    running.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10)
+    running.close()
