@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-import aio_pika
 import aiormq.exceptions
 import psycopg
 import pydantic
@@ -31,7 +30,13 @@ from aio_pika.abc import AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox import store, tracing
-from outbox.broker import OperationMessage, Topology, amqp_url_with_heartbeat, declare_topology
+from outbox.broker import (
+    OperationMessage,
+    Topology,
+    amqp_url_with_heartbeat,
+    declare_topology,
+)
+from outbox.broker import connect as connect_to_broker
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
 from outbox.errors import (
     ConfigurationError,
@@ -191,10 +196,8 @@ class Consumer(Stoppable):
         url = amqp_url_with_heartbeat(
             self.settings.amqp_url.get_secret_value(), self.settings.amqp_heartbeat
         )
-        connection = await aio_pika.connect(
-            url,
-            timeout=10,
-            client_properties={"connection_name": f"{APPLICATION_NAME} {self.worker_id}"},
+        connection = await connect_to_broker(
+            url, connection_name=f"{APPLICATION_NAME} {self.worker_id}"
         )
         closed = asyncio.Event()
         connection.close_callbacks.add(lambda *_: closed.set())

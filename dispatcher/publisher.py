@@ -27,6 +27,9 @@ from outbox.broker import (
     declare_topology,
     message_id,
 )
+from outbox.broker import (
+    connect as connect_to_broker,
+)
 from outbox.store import ClaimedRow
 
 logger = logging.getLogger(__name__)
@@ -126,9 +129,7 @@ class Publisher:
 
     async def connect(self) -> None:
         # The name shows in the management UI and `rabbitmqctl list_connections`.
-        self._connection = await aio_pika.connect(
-            self._url, timeout=10, client_properties={"connection_name": self._connection_name}
-        )
+        self._connection = await connect_to_broker(self._url, connection_name=self._connection_name)
         self._channel = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
         )

@@ -14,6 +14,7 @@ from uuid import UUID
 import aio_pika
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
+from pamqp.common import FieldTable
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import ConfigurationError
@@ -22,6 +23,7 @@ from outbox.settings import Settings, redact_url
 CONTENT_TYPE = "application/json"
 MESSAGE_TYPE = "outbox.operation.v1"
 APP_ID = "effect-outbox"
+CONNECT_TIMEOUT_SECONDS = 10
 
 
 class OperationMessage(BaseModel):
@@ -111,14 +113,30 @@ def amqp_url_with_heartbeat(url: str, heartbeat: int) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+async def connect(url: str, *, connection_name: str | None = None) -> AbstractConnection:
+    """``aio_pika.connect``, with a handshake the peer cut short reported as the
+    connection error it is. aiormq raises StopAsyncIteration when the socket reaches end
+    of file before the first frame (a broker starting or stopping, a proxy whose upstream
+    refused); a daemon's reconnect loop would not recognise that and die."""
+    client_properties: FieldTable | None = (
+        {"connection_name": connection_name} if connection_name else None
+    )
+    try:
+        return await aio_pika.connect(
+            url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties=client_properties
+        )
+    except StopAsyncIteration as cut:
+        raise aiormq.exceptions.AMQPConnectionError(
+            "the broker closed the connection during the handshake"
+        ) from cut
+
+
 async def connect_for_command(settings: Settings) -> AbstractConnection:
     """A broker connection for a one-shot command; an unreachable broker is a clear
     configuration error, with the password redacted."""
     url = settings.amqp_url.get_secret_value()
     try:
-        return await aio_pika.connect(
-            amqp_url_with_heartbeat(url, settings.amqp_heartbeat), timeout=10
-        )
+        return await connect(amqp_url_with_heartbeat(url, settings.amqp_heartbeat))
     except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
         raise ConfigurationError(
             f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "

@@ -1,22 +1,28 @@
 """``outbox chaos``: many refunds through the whole system while it is being broken.
 
 Two dispatchers and two consumers run as real subprocesses against a database, broker
-names and payment sandbox of their own. The main process records ``send_refund``
-decisions at a steady pace while a fault schedule drawn from the seed kills daemons,
-pauses a consumer past its lease, closes one daemon's broker connections and ends the
-daemons' database sessions; the sandbox meanwhile drops responses after committing and
-fails before committing. When every operation has settled, a checker reads the event
-log and the provider's ledger and prints a verdict.
+names and payment sandbox of their own; one daemon of each kind reaches the broker and
+the database through TCP proxies. The main process records ``send_refund`` decisions at
+a steady pace while a fault schedule drawn from the seed kills daemons (one of them
+while the provider holds the response of a refund it has just committed), pauses a
+consumer past its lease, restarts the broker, closes one daemon's broker connections,
+ends the daemons' database sessions, slows, silences and cuts the proxied links, and
+turns provider faults on for a while (409 conflicts, lookups unavailable, idempotency
+keys forgotten); throughout, the sandbox drops responses after committing and fails
+before committing. When every operation has settled, a checker reads the event log and
+the provider's ledger and prints a verdict.
 
 The same seed gives the same schedule (the daemons' own timing still varies). Exit
 status 0 only if nothing was lost, no decision had two effects, no operation was
-retried after an unknown outcome that was never proven absent, and every operation's
-events follow the state machine. Everything is removed at the end.
+retried after an unknown outcome that was never proven absent, every operation's
+events follow the state machine, and nothing stayed in flight past its lease.
+Everything is removed at the end, and a broker the run stopped is started again.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import random
@@ -29,9 +35,12 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 
@@ -43,6 +52,7 @@ from outbox.migrate import migrate
 from outbox.models import OperationEvent
 from outbox.sandbox.demo import DemoNames, clean_up
 from outbox.sandbox.provider import Faults, SandboxProvider
+from outbox.sandbox.proxy import ThreadedProxy
 from outbox.settings import Settings, redact_url, with_database
 from outbox.states import EventName, OperationState, is_legal
 from outbox.store import Store
@@ -59,25 +69,49 @@ STREAM_SECONDS_PER_OPERATION = 0.1
 MIN_STREAM_SECONDS = 15.0
 # One fault every this many seconds of stream, beyond the one of each kind.
 FAULT_SPACING_SECONDS = 3.0
-# A broker or database fault that found nothing to close (the daemon was between
-# connections) is tried again this much later, this many times.
+# A fault that found nothing to act on (the daemon was between connections, the broker
+# already down) is tried again this much later, this many times.
 FAULT_RETRY_SECONDS = 1.0
 FAULT_RETRIES = 20
 DEFAULT_DRAIN_SECONDS = 120.0
 LOOP_SECONDS = 0.05
 MAX_AMOUNT_CENTS = 49_999  # under the sandbox tool's approval threshold (50,000)
 
+# How long each fault that lasts a while lasts.
+BROKER_DOWN_SECONDS = 3.0
+LINK_FAULT_SECONDS = 5.0
+# Longer than the daemons' heartbeat timeout below, so the silent broker is noticed.
+LINK_BLACKHOLE_SECONDS = 8.0
+LINK_DELAY_PER_CHUNK_SECONDS = 0.05
+AMQP_HEARTBEAT_SECONDS = 2
+PROVIDER_FAULT_SECONDS = 5.0
+PROVIDER_CONFLICT_PROBABILITY = 0.5
+# Keys older than this are forgotten while the fault lasts: longer than any lease here,
+# so only a runtime that re-sends long after an effect (a blind retry) pays for it, with
+# a second refund at the ledger.
+PRUNE_KEYS_OLDER_THAN_SECONDS = 3 * STOP_SECONDS
+# Killing a consumer between the provider's commit and the outcome record: the provider
+# holds committed refunds' responses this long, and the harness waits this long for one.
+HOLD_RESPONSE_MS = 4_000
+HOLD_WAIT_SECONDS = 3.0
+
 # The daemons' application and connection names (dispatcher/daemon.py and
 # consumer/worker.py); spelled out because the base package never imports the daemons.
 APPLICATION_NAMES = {"dispatcher": "outbox-dispatcher", "consumer": "outbox-consumer"}
 DAEMONS = ("dispatcher", "dispatcher", "consumer", "consumer")
+# Which of each kind reaches the broker and the database through the proxies.
+PROXIED_INDEX = 1
+LINKS = ("broker", "database")
 
-PROCESS_FAULTS = ("dispatcher_kill", "consumer_kill", "consumer_stop")
+PROCESS_FAULTS = ("dispatcher_kill", "consumer_kill", "consumer_kill_in_effect", "consumer_stop")
 FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
     "process": PROCESS_FAULTS,
-    "broker": ("broker_connection_close",),
+    "broker": ("broker_connection_close", "broker_restart"),
     "database": ("db_connection_kill",),
-    "provider": (),  # the sandbox's own faults, not on the schedule
+    "network": ("link_delay", "link_blackhole", "link_cut"),
+    # Besides these windows the sandbox drops responses and fails before committing
+    # throughout the run.
+    "provider": ("provider_conflicts", "lookups_unavailable", "keys_pruned"),
 }
 SETTLED = (OperationState.COMMITTED, OperationState.REJECTED, OperationState.ESCALATED)
 
@@ -100,7 +134,7 @@ def register(commands: Any) -> None:
         "--faults",
         type=_fault_categories,
         default=_fault_categories("all"),
-        help="all, or a comma-separated subset of process,broker,database,provider (all)",
+        help=f"all, or a comma-separated subset of {','.join(FAULT_CATEGORIES)} (all)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -144,17 +178,25 @@ class ScheduledFault:
         return f"t=+{self.at:5.1f}s {self.kind:<24} {self.target()}"
 
     def target(self) -> str:
+        link = LINKS[self.slot % 2]
         return {
             "dispatcher_kill": f"dispatcher#{self.slot}",
             "consumer_kill": f"consumer#{self.slot}",
+            "consumer_kill_in_effect": "the consumer whose refund the provider holds",
             "consumer_stop": f"consumer#{self.slot} for {STOP_SECONDS:g} s",
-            "broker_connection_close": f"{_slot_kind(self.slot)}#{self.slot % 2}",
+            "broker_connection_close": f"{DAEMONS[self.slot]}#{self.slot % 2}",
+            "broker_restart": f"stop_app, start_app {BROKER_DOWN_SECONDS:g} s later",
             "db_connection_kill": "every daemon's sessions",
+            "link_delay": f"{link} link +{LINK_DELAY_PER_CHUNK_SECONDS * 1000:g} ms a chunk "
+            f"for {LINK_FAULT_SECONDS:g} s",
+            "link_blackhole": f"{link} link silent for {LINK_BLACKHOLE_SECONDS:g} s",
+            "link_cut": f"{link} link reset",
+            "provider_conflicts": f"409 to {PROVIDER_CONFLICT_PROBABILITY:.0%} of refunds "
+            f"for {PROVIDER_FAULT_SECONDS:g} s",
+            "lookups_unavailable": f"503 to lookups for {PROVIDER_FAULT_SECONDS:g} s",
+            "keys_pruned": f"keys older than {PRUNE_KEYS_OLDER_THAN_SECONDS:g} s forgotten "
+            f"for {PROVIDER_FAULT_SECONDS:g} s",
         }[self.kind]
-
-
-def _slot_kind(slot: int) -> str:
-    return DAEMONS[slot]
 
 
 def stream_seconds(operations: int) -> float:
@@ -277,10 +319,18 @@ class Daemon:
 @dataclass
 class Tally:
     dispatcher_kills: int = 0
-    consumer_kills: int = 0
+    consumer_kills: int = 0  # every SIGKILL of a consumer, the in-effect ones included
+    consumer_kills_in_effect: int = 0
     consumer_stops: int = 0
+    broker_restarts: int = 0
     broker_connection_closes: int = 0
     db_connection_kills: int = 0
+    link_delays: int = 0
+    link_blackholes: int = 0
+    link_cuts: int = 0
+    provider_conflict_windows: int = 0
+    lookup_outages: int = 0
+    key_prunings: int = 0
     unplanned_exits: int = 0
     faults_that_found_nothing: int = 0
 
@@ -293,12 +343,15 @@ class Verdict:
     escalated: int = 0
     lost: int = 0
     duplicate_effects: int = 0
+    duplicate_deliveries_suppressed: int = 0
     committed_without_one_refund: int = 0
     refunds_without_an_effect_state: int = 0
     outcome_unknown_opened: int = 0
     reconciled: int = 0
     blind_retries: int = 0
     illegal_sequences: int = 0
+    in_flight_past_lease: int = 0
+    escalation_reasons: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -308,6 +361,7 @@ class Verdict:
             or self.duplicate_effects
             or self.blind_retries
             or self.illegal_sequences
+            or self.in_flight_past_lease
             or self.committed_without_one_refund
             or self.refunds_without_an_effect_state
         )
@@ -335,16 +389,20 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if "provider" in categories
         else Faults()
     )
+    amqp_url = settings.amqp_url.get_secret_value()
     with (
         SandboxProvider(faults=provider_faults) as provider,
         tempfile.TemporaryDirectory(prefix="outbox-chaos-") as log_dir,
+        _proxy_to(amqp_url, 5672) as broker_link,
+        _proxy_to(names.database_url, 5432) as database_link,
     ):
         try:
             migrate(names.database_url)
             chaos = Chaos(
                 names=names,
-                amqp_url=settings.amqp_url.get_secret_value(),
+                amqp_url=amqp_url,
                 provider=provider,
+                links={"broker": broker_link, "database": database_link},
                 log_dir=Path(log_dir),
                 operations=args.operations,
                 schedule=schedule,
@@ -358,36 +416,65 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             verdict = check(names.database_url, args.operations, provider)
         finally:
             clean_up(settings, names)
-    tally = chaos.tally
+    report(verdict, chaos.tally, drain_s)
+    return 0 if verdict.held else 1
+
+
+def report(verdict: Verdict, tally: Tally, drain_s: float | None) -> None:
     say(
         f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
         f"escalated={verdict.escalated} lost={verdict.lost} "
         f"duplicate_effects={verdict.duplicate_effects}"
     )
-    # Skipped deliveries are only counted in the consumers' metrics, which a SIGKILL loses.
     say(
-        "duplicate_deliveries_suppressed=n/a "
+        f"duplicate_deliveries_suppressed={verdict.duplicate_deliveries_suppressed} "
         f"outcome_unknown_opened={verdict.outcome_unknown_opened} "
         f"reconciled={verdict.reconciled} blind_retries={verdict.blind_retries}"
     )
     say(
         f"dispatcher_kills={tally.dispatcher_kills} consumer_kills={tally.consumer_kills} "
-        f"consumer_stops={tally.consumer_stops} "
-        f"broker_connection_closes={tally.broker_connection_closes} "
+        f"broker_restarts={tally.broker_restarts} "
         f"db_connection_kills={tally.db_connection_kills} "
         f"drain_s={'timeout' if drain_s is None else f'{drain_s:.1f}'}"
     )
     say(
+        f"consumer_kills_in_effect={tally.consumer_kills_in_effect} "
+        f"consumer_stops={tally.consumer_stops} "
+        f"broker_connection_closes={tally.broker_connection_closes} "
+        f"link_delays={tally.link_delays} link_blackholes={tally.link_blackholes} "
+        f"link_cuts={tally.link_cuts} "
+        f"provider_conflict_windows={tally.provider_conflict_windows} "
+        f"lookup_outages={tally.lookup_outages} key_prunings={tally.key_prunings}"
+    )
+    say(
         f"illegal_sequences={verdict.illegal_sequences} "
+        f"in_flight_past_lease={verdict.in_flight_past_lease} "
         f"committed_without_one_refund={verdict.committed_without_one_refund} "
         f"refunds_without_an_effect_state={verdict.refunds_without_an_effect_state} "
         f"unplanned_exits={tally.unplanned_exits} "
         f"faults_that_found_nothing={tally.faults_that_found_nothing}"
     )
+    if verdict.escalation_reasons:
+        reasons = ", ".join(f"{r}={n}" for r, n in sorted(verdict.escalation_reasons.items()))
+        say(f"escalated by reason: {reasons}")
     for example in verdict.examples[:10]:
         say(f"  {example}")
     say("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
-    return 0 if verdict.held else 1
+
+
+@contextlib.contextmanager
+def _proxy_to(url: str, default_port: int) -> Iterator[ThreadedProxy]:
+    parts = urlsplit(url)
+    with ThreadedProxy(parts.hostname or "127.0.0.1", parts.port or default_port) as proxy:
+        yield proxy
+
+
+def _through(url: str, proxy: ThreadedProxy) -> str:
+    """The URL with its host and port replaced by the proxy's, credentials kept."""
+    parts = urlsplit(url)
+    credentials, _, _ = parts.netloc.rpartition("@")
+    netloc = f"127.0.0.1:{proxy.port}"
+    return urlunsplit(parts._replace(netloc=f"{credentials}@{netloc}" if credentials else netloc))
 
 
 def say(line: str) -> None:
@@ -410,6 +497,7 @@ class Chaos:
     names: DemoNames
     amqp_url: str
     provider: SandboxProvider
+    links: dict[str, ThreadedProxy]
     log_dir: Path
     operations: int
     schedule: list[ScheduledFault]
@@ -417,12 +505,19 @@ class Chaos:
     drain_timeout: float
     tally: Tally = field(default_factory=Tally)
     daemons: list[Daemon] = field(default_factory=list)
+    # Faults that last a while, by kind: when each ends and what ends it.
+    endings: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, proxied: bool) -> dict[str, str]:
+        database_url, amqp_url = self.names.database_url, self.amqp_url
+        if proxied:
+            database_url = _through(database_url, self.links["database"])
+            amqp_url = _through(amqp_url, self.links["broker"])
         return {
             **os.environ,
-            "OUTBOX_DATABASE_URL": self.names.database_url,
-            "OUTBOX_AMQP_URL": self.amqp_url,
+            "OUTBOX_DATABASE_URL": database_url,
+            "OUTBOX_AMQP_URL": amqp_url,
+            "OUTBOX_AMQP_HEARTBEAT": str(AMQP_HEARTBEAT_SECONDS),
             "OUTBOX_EXCHANGE": self.names.exchange,
             "OUTBOX_QUEUE": self.names.queue,
             "OUTBOX_DEAD_LETTER_EXCHANGE": self.names.dead_letter_exchange,
@@ -441,11 +536,11 @@ class Chaos:
     def run(self) -> float | None:
         """Stream the decisions and the faults, then wait for every operation to settle;
         the seconds that took after the stream ended, None past the drain deadline."""
-        environment = self.environment()
         counts: Counter[str] = Counter()
         for kind in DAEMONS:
-            daemon = Daemon(kind, counts[kind], environment, self.log_dir)
+            index = counts[kind]
             counts[kind] += 1
+            daemon = Daemon(kind, index, self.environment(index == PROXIED_INDEX), self.log_dir)
             daemon.start()
             self.daemons.append(daemon)
         registry = load_registry([TOOLS_MODULE])
@@ -455,7 +550,7 @@ class Chaos:
         recorded = 0
         start = time.monotonic()
         with psycopg.connect(self.names.database_url) as connection:
-            while recorded < self.operations or pending or self._any_stopped():
+            while recorded < self.operations or pending or self._faults_last():
                 elapsed = time.monotonic() - start
                 due = min(self.operations, int(elapsed * rate) + 1)
                 for n in range(recorded, due):
@@ -494,12 +589,17 @@ class Chaos:
             time.sleep(LOOP_SECONDS * 4)  # polling the database, with the deadline above
         return None
 
-    def _any_stopped(self) -> bool:
-        return any(daemon.stopped_until is not None for daemon in self.daemons)
+    def _faults_last(self) -> bool:
+        return bool(self.endings) or any(d.stopped_until is not None for d in self.daemons)
 
     def _tend(self, now: float) -> None:
-        """Wake paused consumers when due; restart a daemon that died on its own (and
-        count it: the schedule never kills without saying so)."""
+        """End faults that are due to end; wake paused consumers when due; restart a
+        daemon that died on its own (and count it: the schedule never kills without
+        saying so)."""
+        for kind, (ends_at, end) in list(self.endings.items()):
+            if now >= ends_at:
+                del self.endings[kind]
+                end()
         for daemon in self.daemons:
             daemon.resume_if_due(now)
             if daemon.exited_unplanned():
@@ -509,38 +609,155 @@ class Chaos:
                 daemon.stop()
                 daemon.start()
 
+    def _lasting(self, kind: str, seconds: float, end: Callable[[], None]) -> bool:
+        """Register how a fault that lasts ends; False if one of its kind still lasts."""
+        if kind in self.endings:
+            return False
+        self.endings[kind] = (time.monotonic() + seconds, end)
+        return True
+
     def _of_kind(self, kind: str) -> list[Daemon]:
         return [daemon for daemon in self.daemons if daemon.kind == kind]
 
     def _inject(self, fault: ScheduledFault, elapsed: float) -> bool:
         """Apply one fault; False if it found nothing to act on (try again later)."""
-        tally = self.tally
-        if fault.kind == "dispatcher_kill":
-            self._of_kind("dispatcher")[fault.slot].kill_and_restart()
-            tally.dispatcher_kills += 1
-        elif fault.kind == "consumer_kill":
-            self._of_kind("consumer")[fault.slot].kill_and_restart()
-            tally.consumer_kills += 1
-        elif fault.kind == "consumer_stop":
-            consumers = self._of_kind("consumer")
-            # Never both at once: the point is a zombie waking beside a live worker.
-            awake = [c for c in consumers if c.stopped_until is None]
-            if len(awake) < len(consumers):
+        acted = getattr(self, f"_fault_{fault.kind}")(fault)
+        if acted:
+            say(f"  at +{elapsed:5.1f}s {fault.kind:<24} {fault.target()}")
+        return bool(acted)
+
+    # --- the faults, one method each (named after the kind) -------------------------
+
+    def _fault_dispatcher_kill(self, fault: ScheduledFault) -> bool:
+        self._of_kind("dispatcher")[fault.slot].kill_and_restart()
+        self.tally.dispatcher_kills += 1
+        return True
+
+    def _fault_consumer_kill(self, fault: ScheduledFault) -> bool:
+        self._of_kind("consumer")[fault.slot].kill_and_restart()
+        self.tally.consumer_kills += 1
+        return True
+
+    def _fault_consumer_kill_in_effect(self, fault: ScheduledFault) -> bool:
+        """SIGKILL the consumer whose refund the provider has committed but not answered:
+        the effect exists, its outcome record never will."""
+        if "lookups_unavailable" in self.endings:
+            return False  # keep the provider's faults apart: one window at a time
+        self.provider.set_faults(delay_ms=HOLD_RESPONSE_MS)
+        try:
+            victim = self._holder_of_a_committed_refund(time.monotonic() + HOLD_WAIT_SECONDS)
+            if victim is None:
                 return False
-            consumers[fault.slot].pause(time.monotonic() + STOP_SECONDS)
-            tally.consumer_stops += 1
-        elif fault.kind == "broker_connection_close":
-            closed = self._close_broker_connections(self.daemons[fault.slot])
-            if not closed:
-                return False
-            tally.broker_connection_closes += closed
-        elif fault.kind == "db_connection_kill":
-            with psycopg.connect(self.names.database_url, autocommit=True) as connection:
-                ended = store.terminate_backends(connection, list(APPLICATION_NAMES.values()))
-            if not ended:
-                return False
-            tally.db_connection_kills += ended
-        say(f"  at +{elapsed:5.1f}s {fault.kind:<24} {fault.target()}")
+            victim.kill_and_restart()
+        finally:
+            self.provider.set_faults(delay_ms=0)  # releases the held responses
+        self.tally.consumer_kills += 1
+        self.tally.consumer_kills_in_effect += 1
+        return True
+
+    def _holder_of_a_committed_refund(self, deadline: float) -> Daemon | None:
+        consumers = {daemon.pid: daemon for daemon in self._of_kind("consumer")}
+        with psycopg.connect(self.names.database_url) as connection:
+            runner = Store(connection)
+            while time.monotonic() < deadline:
+                for key in self.provider.executing_keys():
+                    try:
+                        operation = runner.run(store.find_operation(uuid.UUID(key)))
+                    except ValueError:
+                        continue
+                    owner = operation.lease_owner if operation is not None else None
+                    # lease owner: host:pid:instance (consumer/worker.py)
+                    pid = owner.split(":")[-2] if owner and owner.count(":") >= 2 else ""
+                    if pid.isdigit() and int(pid) in consumers:
+                        return consumers[int(pid)]
+                time.sleep(LOOP_SECONDS / 2)  # polling the provider, with the deadline above
+        return None
+
+    def _fault_consumer_stop(self, fault: ScheduledFault) -> bool:
+        consumers = self._of_kind("consumer")
+        # Never both at once: the point is a zombie waking beside a live worker.
+        if any(c.stopped_until is not None for c in consumers):
+            return False
+        consumers[fault.slot].pause(time.monotonic() + STOP_SECONDS)
+        self.tally.consumer_stops += 1
+        return True
+
+    def _fault_broker_connection_close(self, fault: ScheduledFault) -> bool:
+        if "broker_restart" in self.endings:
+            return False  # nothing to close while the broker is down
+        closed = self._close_broker_connections(self.daemons[fault.slot])
+        self.tally.broker_connection_closes += closed
+        return closed > 0
+
+    def _fault_broker_restart(self, fault: ScheduledFault) -> bool:
+        assert self.rabbitmqctl is not None
+        if "broker_restart" in self.endings:
+            return False
+        if _rabbitmqctl(self.rabbitmqctl, "stop_app") is None:
+            return False
+        executable = self.rabbitmqctl
+        self._lasting("broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(executable))
+        self.tally.broker_restarts += 1
+        return True
+
+    def _fault_db_connection_kill(self, fault: ScheduledFault) -> bool:
+        with psycopg.connect(self.names.database_url, autocommit=True) as connection:
+            ended = store.terminate_backends(connection, list(APPLICATION_NAMES.values()))
+        self.tally.db_connection_kills += ended
+        return ended > 0
+
+    def _fault_link_delay(self, fault: ScheduledFault) -> bool:
+        link = self.links[LINKS[fault.slot % 2]]
+        if not self._lasting(f"link_{fault.slot % 2}", LINK_FAULT_SECONDS, link.restore):
+            return False
+        link.delay(LINK_DELAY_PER_CHUNK_SECONDS)
+        self.tally.link_delays += 1
+        return True
+
+    def _fault_link_blackhole(self, fault: ScheduledFault) -> bool:
+        link = self.links[LINKS[fault.slot % 2]]
+        if not self._lasting(f"link_{fault.slot % 2}", LINK_BLACKHOLE_SECONDS, link.restore):
+            return False
+        link.blackhole()
+        self.tally.link_blackholes += 1
+        return True
+
+    def _fault_link_cut(self, fault: ScheduledFault) -> bool:
+        cut = self.links[LINKS[fault.slot % 2]].cut()
+        self.tally.link_cuts += cut > 0
+        return cut > 0
+
+    def _fault_provider_conflicts(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "provider_conflicts",
+            {"conflict_probability": PROVIDER_CONFLICT_PROBABILITY},
+            "provider_conflict_windows",
+        )
+
+    def _fault_lookups_unavailable(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "lookups_unavailable", {"lookups_unavailable": True}, "lookup_outages"
+        )
+
+    def _fault_keys_pruned(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "keys_pruned",
+            {"prune_keys_older_than_s": PRUNE_KEYS_OLDER_THAN_SECONDS},
+            "key_prunings",
+        )
+
+    def _provider_window(self, kind: str, fault_fields: dict[str, Any], counter: str) -> bool:
+        base = self.provider.faults
+        normal = {name: getattr(base, name) for name in fault_fields}
+        provider = self.provider
+
+        def end() -> None:
+            provider.set_faults(**normal)
+
+        if not self._lasting(kind, PROVIDER_FAULT_SECONDS, end):
+            return False
+        self.provider.set_faults(**fault_fields)
+        setattr(self.tally, counter, getattr(self.tally, counter) + 1)
         return True
 
     def _close_broker_connections(self, daemon: Daemon) -> int:
@@ -557,7 +774,7 @@ class Chaos:
             "client_properties",
         )
         closed = 0
-        for line in listing.splitlines():
+        for line in (listing or "").splitlines():
             pid, _, properties = line.partition("\t")
             if marker in properties:
                 _rabbitmqctl(self.rabbitmqctl, "close_connection", pid.strip(), "outbox chaos")
@@ -576,11 +793,25 @@ class Chaos:
         )
 
     def stop(self) -> None:
+        """End every fault still lasting (above all: start a broker this run stopped),
+        then stop the daemons."""
+        for kind, (_, end) in list(self.endings.items()):
+            del self.endings[kind]
+            try:
+                end()
+            except Exception as error:  # keep ending the others
+                say(f"  ! could not end {kind}: {type(error).__name__}")
         for daemon in self.daemons:
             daemon.stop()
 
 
-def _rabbitmqctl(executable: str, *args: str) -> str:
+def _start_app(executable: str) -> None:
+    if _rabbitmqctl(executable, "start_app") is None:
+        raise RuntimeError("rabbitmqctl start_app failed; start the broker by hand")
+
+
+def _rabbitmqctl(executable: str, *args: str) -> str | None:
+    """What the command printed; None (and a line saying why) if it failed."""
     # The executable is the one found on PATH; the arguments are this module's own.
     result = subprocess.run(  # noqa: S603
         [executable, *args], capture_output=True, text=True, timeout=60, check=False
@@ -588,7 +819,7 @@ def _rabbitmqctl(executable: str, *args: str) -> str:
     if result.returncode != 0:
         first_line = (result.stderr.strip().splitlines() or [""])[0]
         say(f"  (rabbitmqctl {args[0]} failed: {first_line[:200]})")
-        return ""
+        return None
     return result.stdout
 
 
@@ -618,6 +849,12 @@ def check(database_url: str, decisions: int, provider: SandboxProvider) -> Verdi
                 verdict.rejected += 1
             elif state is OperationState.ESCALATED:
                 verdict.escalated += 1
+            elif state is OperationState.IN_FLIGHT:
+                operation = runner.run(store.get_operation(summary.id))
+                expires = operation.lease_expires_at
+                if expires is not None and expires < datetime.now(UTC):
+                    verdict.in_flight_past_lease += 1
+                    verdict.examples.append(f"{summary.id} in flight past its lease")
             if state in (OperationState.COMMITTED, OperationState.ESCALATED):
                 effect_states.add(str(summary.id))
             events = runner.run(store.events(summary.id))
@@ -644,6 +881,10 @@ def _check_sequence(
             verdict.outcome_unknown_opened += 1
         elif name == EventName.RECONCILED:
             verdict.reconciled += 1
+        elif name == EventName.DELIVERY_SUPPRESSED:
+            verdict.duplicate_deliveries_suppressed += 1
+        elif name == EventName.ESCALATED:
+            verdict.escalation_reasons[str(event.attributes.get("reason", "unknown"))] += 1
         if name == EventName.PREPARED:
             source, target = None, OperationState.PREPARED
         elif name == EventName.ATTEMPTED:

@@ -237,6 +237,11 @@ class SandboxState:
             self._stopping = stopping
             self._changed.notify_all()
 
+    def executing_keys(self) -> list[str]:
+        """Keys whose refund has committed but whose response is still held (``delay_ms``)."""
+        with self._lock:
+            return list(self._executing)
+
     def ledger(self) -> Json:
         with self._lock:
             refunds = list(self._refunds.values())
@@ -645,6 +650,9 @@ class SandboxProvider:
 
     def ledger(self) -> Json:
         return self.state.ledger()
+
+    def executing_keys(self) -> list[str]:
+        return self.state.executing_keys()
 
     def __enter__(self) -> SandboxProvider:
         self.start()

@@ -32,6 +32,7 @@ class TcpProxy:
         self._flowing.set()
         self._delay_seconds = 0.0
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self.connections_accepted = 0
 
@@ -40,10 +41,13 @@ class TcpProxy:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
-        self.restore()  # release pipes waiting on a black hole so they can end
-        self.cut()
         if self._server is not None:
             self._server.close()
+        self.restore()  # release pipes waiting on a black hole so they can end
+        self.cut()
+        # Wait for every connection's handler, so none is left pending on a closed loop.
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
             await self._server.wait_closed()
 
     @property
@@ -70,6 +74,10 @@ class TcpProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections_accepted += 1
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
         except OSError:
