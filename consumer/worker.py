@@ -70,6 +70,8 @@ T = TypeVar("T")
 DEFAULT_METRICS_PORT = 9465
 APPLICATION_NAME = "outbox-consumer"
 MAX_BODY_BYTES = 4096
+# The code of an attempt a worker gave up before calling: its lease ran out first.
+LEASE_LOST_BEFORE_CALL = "lease_lost_before_call"
 STALE_SWEEP_SECONDS = 30.0
 S = OperationState
 
@@ -85,6 +87,10 @@ def _log(level: int, action: str, message: str, **fields: Any) -> None:
 class _Claimed:
     operation: Operation
     contract: ToolContract[Any]
+    # On this process's monotonic clock, a time by which the lease has surely not yet
+    # expired: the lease runs from the database's transaction start, which is later than
+    # the moment this process began the claim's transaction.
+    lease_safe_until: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,7 @@ class Consumer(Stoppable):
 
     async def _prepare(self, envelope: OperationMessage) -> _Claimed | _Skip:
         """Load, check and claim, in one transaction committed before any external call."""
+        began = time.monotonic()
         async with self.engine.begin() as connection:
             runner = await AsyncStore.on(connection)
             operation = await runner.run(store.find_operation(envelope.operation_id))
@@ -329,7 +336,7 @@ class Consumer(Stoppable):
                 # Another worker claimed it between the read and the claim.
                 current = await runner.run(store.find_operation(operation.id))
                 return await _suppressed(runner, current or operation)
-            return _Claimed(claimed, contract)
+            return _Claimed(claimed, contract, lease_safe_until=began + lease.total_seconds())
 
     async def _attempt(self, claimed: _Claimed, traceparent: str | None = None) -> _Attempt:
         """:meth:`_execute` in a span that continues the decision's trace."""
@@ -351,7 +358,18 @@ class Consumer(Stoppable):
 
     async def _execute(self, claimed: _Claimed) -> _Attempt:
         operation, contract = claimed.operation, claimed.contract
-        seconds = contract.deadline.total_seconds()
+        # The call must end, and its outcome be recorded, within the lease: a process that
+        # stalled after its claim (a pause, a slow link) calls with what is left or, with
+        # nothing left, not at all; another worker may already be reconciling it.
+        left = claimed.lease_safe_until - self.settings.lease_margin - time.monotonic()
+        seconds = min(contract.deadline.total_seconds(), left)
+        if seconds <= 0:
+            _log(
+                logging.WARNING,
+                "consumer.lease_lost_before_call",
+                f"consumer.lease_lost_before_call id={operation.display_id}",
+            )
+            return _Attempt("not_sent", LEASE_LOST_BEFORE_CALL)
         context = ExecutionContext(
             operation_id=operation.id,
             attempt=operation.attempts,
@@ -407,8 +425,10 @@ class Consumer(Stoppable):
                 error_class=attempt.code,
                 **common,
             )
-        elif attempt.outcome == "not_sent" and contract.retry.may_retry(
-            operation.attempts, attempt.code
+        elif attempt.outcome == "not_sent" and (
+            # Never called: neither the tool's retry budget nor its codes apply.
+            attempt.code == LEASE_LOST_BEFORE_CALL
+            or contract.retry.may_retry(operation.attempts, attempt.code)
         ):
             plan = store.transition(
                 operation.id,

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from consumer.worker import Consumer
+from consumer.worker import Consumer, _Claimed
 from dispatcher.daemon import Dispatcher
 from outbox import OperationState, Registry, Settings, grant_approval, record_decision
+from outbox.broker import OperationMessage
 
 from support.broker_helpers import read_raw
 from support.consume_helpers import (
@@ -393,4 +396,38 @@ async def test_an_unforeseen_database_failure_leaves_the_message_for_later(
             )
     finally:
         execute_admin(database_url, "ALTER TABLE IF EXISTS operations_away RENAME TO operations")
+    assert ledger.calls == [str(op.id)]
+
+
+async def test_a_worker_whose_lease_ran_out_before_the_call_does_not_call(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    op = decide(engine, registry)
+    envelope = OperationMessage(
+        operation_id=op.id,
+        outbox_id=1,
+        tool=op.tool_name,
+        tool_version=op.tool_version,
+        input_fingerprint=op.input_fingerprint,
+    )
+    consumer = Consumer(fast, registry)
+    try:
+        claimed = await consumer._prepare(envelope)
+        assert isinstance(claimed, _Claimed)
+        # As if the process stalled between its claim and the call for the whole lease.
+        stalled = dataclasses.replace(claimed, lease_safe_until=time.monotonic() - 0.001)
+        attempt = await consumer._execute(stalled)
+        await consumer._record(stalled, attempt)
+    finally:
+        await consumer.close()
+
+    assert (attempt.outcome, attempt.code) == ("not_sent", "lease_lost_before_call")
+    assert ledger.calls == []
+    after = operation(database_url, op.id)
+    assert (after.state, after.last_error_class) == (S.PREPARED, "lease_lost_before_call")
+    assert event_names(database_url, op.id)[-1] == "operation.retry_scheduled"
+    async with running_dispatcher(fast), running_consumer(fast, registry):
+        await eventually(
+            in_state(database_url, op.id, S.COMMITTED), within=20, what="the retry executed"
+        )
     assert ledger.calls == [str(op.id)]
