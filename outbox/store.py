@@ -904,3 +904,24 @@ def terminate_backends(connection: psycopg.Connection[Any], application_names: l
     with wrap_database_errors("terminate_backends"):
         row = connection.execute(statement, (application_names,)).fetchone()
     return int(row[0]) if row else 0
+
+
+def session_snapshot(connection: psycopg.Connection[Any]) -> list[str]:
+    """Every other session in the connection's own database, one line each: who, in what
+    state, how long in its transaction, what it waits for, and the head of its statement
+    (parameters are sent apart, so no values). For ``outbox chaos``'s evidence when a run
+    does not settle: a session idle in a transaction for minutes holds locks."""
+    statement = psycopg.sql.SQL(
+        "SELECT pid, application_name, state, "
+        "round(extract(epoch FROM clock_timestamp() - xact_start)::numeric, 1), "
+        "wait_event_type, wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 160) "
+        "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "ORDER BY xact_start NULLS LAST"
+    )
+    with wrap_database_errors("session_snapshot"):
+        rows = connection.execute(statement).fetchall()
+    return [
+        f"pid={pid} app={app or '-'} state={state} in_transaction_s={age} "
+        f"waits={wait_type or '-'}:{wait or '-'} query={query!r}"
+        for pid, app, state, age, wait_type, wait, query in rows
+    ]

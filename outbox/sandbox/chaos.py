@@ -46,7 +46,7 @@ import psycopg
 
 from outbox import store
 from outbox.decisions import record_decision
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import load_registry
 from outbox.migrate import migrate
 from outbox.models import OperationEvent
@@ -390,6 +390,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         else Faults()
     )
     amqp_url = settings.amqp_url.get_secret_value()
+    evidence: Path | None = None
     with (
         SandboxProvider(faults=provider_faults) as provider,
         tempfile.TemporaryDirectory(prefix="outbox-chaos-") as log_dir,
@@ -412,12 +413,29 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             try:
                 drain_s = chaos.run()
             finally:
+                sessions = chaos.sessions()
                 chaos.stop()
             verdict = check(names.database_url, args.operations, provider)
+            if not verdict.held or drain_s is None:
+                evidence = _keep_evidence(names, Path(log_dir), sessions)
         finally:
-            clean_up(settings, names)
+            if evidence is None:
+                clean_up(settings, names)
     report(verdict, chaos.tally, drain_s)
+    if evidence is not None:
+        say(f"evidence kept: the daemons' logs and sessions in {evidence}; the database")
+        say(f"  {redact_url(names.database_url)} and the queues {names.queue}, ")
+        say(f"  {names.dead_letter_queue} stay until you drop them.")
     return 0 if verdict.held else 1
+
+
+def _keep_evidence(names: DemoNames, log_dir: Path, sessions: list[str]) -> Path:
+    """Copy the daemons' logs (and the database sessions seen as the run ended) out of
+    the temporary directory; the caller then leaves the database and queues in place."""
+    kept = Path(tempfile.mkdtemp(prefix=f"outbox-chaos-evidence-{names.queue.split('.')[1]}-"))
+    shutil.copytree(log_dir, kept, dirs_exist_ok=True)
+    (kept / "sessions.txt").write_text("\n".join(sessions) + "\n")
+    return kept
 
 
 def report(verdict: Verdict, tally: Tally, drain_s: float | None) -> None:
@@ -791,6 +809,14 @@ class Chaos:
             sum(counts[state] for state in SETTLED) == self.operations
             and counts[OperationState.IN_FLIGHT] == 0
         )
+
+    def sessions(self) -> list[str]:
+        """The run database's sessions now (evidence if the run did not settle)."""
+        try:
+            with psycopg.connect(self.names.database_url, autocommit=True) as connection:
+                return store.session_snapshot(connection)
+        except (psycopg.Error, OutboxError) as failure:
+            return [f"(no snapshot: {type(failure).__name__})"]
 
     def stop(self) -> None:
         """End every fault still lasting (above all: start a broker this run stopped),
