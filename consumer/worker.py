@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import aiormq.exceptions
 import psycopg
 import pydantic
+import sqlalchemy.exc
 from aio_pika.abc import AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -76,7 +78,16 @@ STALE_SWEEP_SECONDS = 30.0
 S = OperationState
 
 # Database failures a later attempt may not meet: leave the message for redelivery.
-TRANSIENT_DATABASE = (TransientDatabaseError, psycopg.OperationalError, OSError)
+# A database that is away: what the store raises, and what SQLAlchemy raises when it
+# cannot even open a connection for a transaction (that happens before the store runs).
+TRANSIENT_DATABASE = (
+    TransientDatabaseError,
+    psycopg.OperationalError,
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    OSError,
+)
+RECONCILER_BACKOFF_SECONDS = 1.0
 
 
 def _log(level: int, action: str, message: str, **fields: Any) -> None:
@@ -515,6 +526,18 @@ class Consumer(Stoppable):
                     f"consumer.reconcile_failed error={type(error).__name__}",
                 )
                 busy = 0
+            except Exception as error:
+                # Nor an unforeseen one: a reconciler that died while this process goes
+                # on consuming would leave expired leases and unknown outcomes unsettled
+                # with nothing to show for it. Loudly, then again after a pause.
+                _log(
+                    logging.ERROR,
+                    "consumer.reconcile_crashed",
+                    f"consumer.reconcile_crashed error={type(error).__name__} "
+                    f"where={_raised_at(error)}",
+                )
+                await self._sleep(RECONCILER_BACKOFF_SECONDS)
+                busy = 0
             if not busy:
                 await self._sleep(self.settings.reconcile_interval)
 
@@ -736,6 +759,16 @@ async def _suppressed(runner: AsyncStore, operation: Operation) -> _Skip:
         )
     )
     return _Skip("duplicate")
+
+
+def _raised_at(error: BaseException) -> str:
+    """File and line where an error was raised: a place in code, never the message, which
+    may quote inputs."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "unknown"
+    last = frames[-1]
+    return f"{os.path.basename(last.filename)}:{last.lineno}"
 
 
 def _span_attributes(

@@ -367,7 +367,14 @@ class Verdict:
         )
 
 
+def _exit_on_terminate(signum: int, frame: object) -> None:
+    # A SIGTERM would otherwise end the process without its finally blocks: the broker
+    # left stopped, the daemons and the run's database left behind.
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_terminate)
     for noisy in ("outbox.sandbox.provider", "outbox.lifecycle", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     rabbitmqctl = shutil.which("rabbitmqctl")

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy.exc
 
 from consumer.worker import Consumer, _Claimed
 from dispatcher.daemon import Dispatcher
@@ -431,3 +432,41 @@ async def test_a_worker_whose_lease_ran_out_before_the_call_does_not_call(
             in_state(database_url, op.id, S.COMMITTED), within=20, what="the retry executed"
         )
     assert ledger.calls == [str(op.id)]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        # What SQLAlchemy raises when it cannot open a connection for a transaction.
+        sqlalchemy.exc.OperationalError("connect", {}, OSError("connection refused")),
+        RuntimeError("a failure nobody foresaw"),
+    ],
+    ids=["database_unreachable", "unforeseen"],
+)
+async def test_the_reconciler_outlives_a_failed_pass(
+    fast: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: Exception,
+) -> None:
+    failures_left = [3]
+    real_pass = Consumer.reconcile_once
+
+    async def failing_at_first(self: Consumer) -> int:
+        if failures_left[0]:
+            failures_left[0] -= 1
+            raise failure
+        return await real_pass(self)
+
+    monkeypatch.setattr(Consumer, "reconcile_once", failing_at_first)
+    ledger.faults.append("drop_response")
+    op = decide(engine, registry)
+
+    await settle(fast, registry, database_url, op.id, S.COMMITTED)
+
+    assert failures_left == [0]
+    assert ledger.calls == [str(op.id)]
+    assert event_names(database_url, op.id)[-1] == "operation.reconciled"
