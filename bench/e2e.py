@@ -362,7 +362,7 @@ async def writer_for(system: str, url: str) -> tuple[Enqueue, Close]:
 
         return enqueue, connection.close
     if system == "pgqueuer":
-        import asyncpg  # type: ignore[import-untyped]
+        import asyncpg
         from pgqueuer import Queries
 
         pg = await asyncpg.connect(url)
@@ -410,7 +410,7 @@ def recreate_database(admin_url: str, url: str, name: str, system: str) -> None:
 
 
 async def install_pgqueuer(url: str) -> None:
-    import asyncpg  # type: ignore[import-untyped]
+    import asyncpg
     from pgqueuer import Queries
 
     connection = await asyncpg.connect(url)
@@ -450,7 +450,7 @@ def insert_backlog(system: str, url: str, count: int) -> None:
 
 
 async def backlog_pgqueuer(url: str, count: int) -> None:
-    import asyncpg  # type: ignore[import-untyped]
+    import asyncpg
     from pgqueuer import Queries
 
     connection = await asyncpg.connect(url)
