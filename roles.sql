@@ -12,7 +12,8 @@
 --   outbox_dispatcher  claim_outbox_batch, mark_outbox_published, mark_outbox_failed,
 --                      outbox_backlog, operations_by_state, delete_published_outbox_rows,
 --                      listen_outbox_pending
---   outbox_consumer    get_operation, latest_approval, insert_event, claim_operation,
+--   outbox_consumer    get_operation, get_operations, latest_approval, insert_event,
+--                      claim_operations, commit_operations,
 --                      transition_operation, requeue_stale_prepared,
 --                      claim_reconciliation_batch, lease_for_reconciliation,
 --                      defer_reconciliation

@@ -20,9 +20,11 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
+from uuid import UUID
 
 import aiormq.exceptions
 import psycopg
@@ -68,6 +70,8 @@ from outbox.store import AsyncStore, Plan
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
 
 DEFAULT_METRICS_PORT = 9465
 APPLICATION_NAME = "outbox-consumer"
@@ -117,6 +121,48 @@ class _Attempt:
     effect: EffectResult | None = None
 
 
+class _Batcher(Generic[ItemT, ResultT]):
+    """Group commit: what is submitted while a flush runs goes together into the next.
+
+    A flush of one item starts as soon as one is submitted, so an idle consumer adds no
+    wait; under load each flush takes everything that queued up meanwhile (up to
+    ``limit``). A flush that raises raises in every submitter of its batch.
+    """
+
+    def __init__(
+        self, flush: Callable[[list[ItemT]], Awaitable[list[ResultT]]], *, limit: int
+    ) -> None:
+        self._flush = flush
+        self._limit = max(1, limit)
+        self._queue: list[tuple[ItemT, asyncio.Future[ResultT]]] = []
+        self._running: asyncio.Task[None] | None = None
+
+    async def submit(self, item: ItemT) -> ResultT:
+        future: asyncio.Future[ResultT] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, future))
+        if self._running is None or self._running.done():
+            self._running = asyncio.create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
+            try:
+                results = await self._flush([item for item, _ in batch])
+            except asyncio.CancelledError:
+                for _, future in batch:
+                    future.cancel()
+                raise
+            except Exception as error:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+
+
 class Consumer(Stoppable):
     def __init__(
         self, settings: Settings, registry: Registry, metrics: ConsumerMetrics | None = None
@@ -135,6 +181,10 @@ class Consumer(Stoppable):
         self._broker_ready = False
         self._handlers: set[asyncio.Task[Any]] = set()
         self._engine: AsyncEngine | None = None
+        # Group commit: the deliveries in hand share their claim transaction and their
+        # outcome transaction, instead of two transactions each.
+        self._claims = _Batcher(self._prepare_many, limit=settings.prefetch)
+        self._commits = _Batcher(self._record_many, limit=settings.prefetch)
 
     # --- control ---------------------------------------------------------------------
 
@@ -306,48 +356,84 @@ class Consumer(Stoppable):
         return "processed"
 
     async def _prepare(self, envelope: OperationMessage) -> _Claimed | _Skip:
-        """Load, check and claim, in one transaction committed before any external call."""
+        """Load, check and claim; shares its transaction with the deliveries that arrive
+        in the same burst (see :meth:`_prepare_many`)."""
+        return await self._claims.submit(envelope)
+
+    async def _prepare_many(self, envelopes: list[OperationMessage]) -> list[_Claimed | _Skip]:
+        """Load, check and claim a burst of deliveries in one transaction, committed
+        before any of their external calls: one round trip loads them all, one statement
+        claims them all, each with its own lease and a new fencing token."""
         began = time.monotonic()
         async with self.engine.begin() as connection:
             runner = await AsyncStore.on(connection)
-            operation = await runner.run(store.find_operation(envelope.operation_id))
-            if operation is None:
-                return _Skip("invalid", "unknown_operation")
-            if (
-                operation.input_fingerprint != envelope.input_fingerprint
-                or operation.tool_name != envelope.tool
-                or operation.tool_version != envelope.tool_version
-            ):
-                return _Skip("invalid", "fingerprint_mismatch")
-            try:
-                contract = self.registry.get(operation.tool_name, operation.tool_version)
-            except ToolNotRegistered as missing:
-                _log(
-                    logging.ERROR,
-                    "consumer.unknown_tool",
-                    f"consumer.unknown_tool id={operation.display_id} {missing}",
-                )
-                return _Skip("invalid", "unknown_tool")
-            if operation.state is not S.PREPARED:
-                return await _suppressed(runner, operation)
-            if operation.requires_approval:
-                check = await runner.run(store.check_approval(operation.id))
-                if not check.is_valid:
-                    await runner.run(
-                        store.append_event(
-                            operation,
-                            EventName.APPROVAL_REQUIRED,
-                            {"status": str(check.status), "policy": "approval_required"},
-                        )
+            operations = await runner.run(
+                store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
+            )
+            verdicts: list[_Skip | ToolContract[Any]] = []
+            wanted: dict[UUID, timedelta] = {}
+            for envelope in envelopes:
+                verdict = await self._check(runner, envelope, operations.get(envelope.operation_id))
+                verdicts.append(verdict)
+                if not isinstance(verdict, _Skip):
+                    lease = verdict.deadline + timedelta(seconds=self.settings.lease_margin)
+                    wanted.setdefault(envelope.operation_id, lease)
+            claimed = await runner.run(
+                store.claim_many(sorted(wanted.items()), owner=self.worker_id)
+            )
+            results: list[_Claimed | _Skip] = []
+            for envelope, verdict in zip(envelopes, verdicts, strict=True):
+                if isinstance(verdict, _Skip):
+                    results.append(verdict)
+                    continue
+                # One claim per operation: a second delivery of it in this burst, or one
+                # whose claim another worker won since the read, is a duplicate.
+                operation = claimed.pop(envelope.operation_id, None)
+                if operation is None:
+                    current = await runner.run(store.find_operation(envelope.operation_id))
+                    results.append(
+                        await _suppressed(runner, current or operations[envelope.operation_id])
                     )
-                    return _Skip("awaiting_approval")
-            lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)
-            claimed = await runner.run(store.claim(operation.id, owner=self.worker_id, lease=lease))
-            if claimed is None:
-                # Another worker claimed it between the read and the claim.
-                current = await runner.run(store.find_operation(operation.id))
-                return await _suppressed(runner, current or operation)
-            return _Claimed(claimed, contract, lease_safe_until=began + lease.total_seconds())
+                    continue
+                lease_seconds = wanted[envelope.operation_id].total_seconds()
+                results.append(_Claimed(operation, verdict, lease_safe_until=began + lease_seconds))
+        return results
+
+    async def _check(
+        self, runner: AsyncStore, envelope: OperationMessage, operation: Operation | None
+    ) -> _Skip | ToolContract[Any]:
+        """Why this delivery must not run (a skip), or the contract to claim it under."""
+        if operation is None:
+            return _Skip("invalid", "unknown_operation")
+        if (
+            operation.input_fingerprint != envelope.input_fingerprint
+            or operation.tool_name != envelope.tool
+            or operation.tool_version != envelope.tool_version
+        ):
+            return _Skip("invalid", "fingerprint_mismatch")
+        try:
+            contract = self.registry.get(operation.tool_name, operation.tool_version)
+        except ToolNotRegistered as missing:
+            _log(
+                logging.ERROR,
+                "consumer.unknown_tool",
+                f"consumer.unknown_tool id={operation.display_id} {missing}",
+            )
+            return _Skip("invalid", "unknown_tool")
+        if operation.state is not S.PREPARED:
+            return await _suppressed(runner, operation)
+        if operation.requires_approval:
+            check = await runner.run(store.check_approval(operation.id))
+            if not check.is_valid:
+                await runner.run(
+                    store.append_event(
+                        operation,
+                        EventName.APPROVAL_REQUIRED,
+                        {"status": str(check.status), "policy": "approval_required"},
+                    )
+                )
+                return _Skip("awaiting_approval")
+        return contract
 
     async def _attempt(self, claimed: _Claimed, traceparent: str | None = None) -> _Attempt:
         """:meth:`_execute` in a span that continues the decision's trace."""
@@ -415,6 +501,33 @@ class Consumer(Stoppable):
         return attempt
 
     async def _record(self, claimed: _Claimed, attempt: _Attempt) -> None:
+        """Record the outcome under the claim's fencing token. Confirmed effects share
+        one transaction with those that finish in the same burst."""
+        if attempt.outcome == "committed":
+            await self._commits.submit((claimed, attempt))
+        else:
+            await self._record_one(claimed, attempt)
+
+    async def _record_many(self, done: list[tuple[_Claimed, _Attempt]]) -> list[None]:
+        effects = []
+        for claimed, attempt in done:
+            assert attempt.effect is not None
+            effects.append(
+                store.ConfirmedEffect(
+                    operation=claimed.operation,
+                    provider_reference=attempt.effect.provider_reference,
+                    result=attempt.effect.result,
+                    attributes={"attempt": claimed.operation.attempts},
+                )
+            )
+        committed = await self._run_plan(store.commit_many(effects))
+        for claimed, attempt in done:
+            if claimed.operation.id not in committed:
+                # Fenced or moved meanwhile: the single-row write finds out which, and logs it.
+                await self._record_one(claimed, attempt)
+        return [None] * len(done)
+
+    async def _record_one(self, claimed: _Claimed, attempt: _Attempt) -> None:
         operation, contract = claimed.operation, claimed.contract
         common: dict[str, Any] = {"lease_token": operation.lease_token, "source": S.IN_FLIGHT}
         attributes = {"attempt": operation.attempts}

@@ -13,7 +13,7 @@ what makes an operation, its outbox row and its event exist, together or not at 
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -317,18 +317,99 @@ def claim(operation_id: UUID, *, owner: str, lease: timedelta) -> Plan[Operation
     Commit this before calling the provider: the claim is what makes a second worker
     (or a redelivered message) see the operation as taken.
     """
-    if lease <= timedelta(0):
+    claimed = yield from claim_many([(operation_id, lease)], owner=owner)
+    return claimed.get(operation_id)
+
+
+def find_operations(operation_ids: Sequence[UUID]) -> Plan[dict[UUID, Operation]]:
+    """Many operations by id in one round trip; ids with no operation are absent."""
+    rows = yield Step("get_operations", {"ids": list(operation_ids)})
+    operations = (Operation.model_validate(row) for row in rows)
+    return {operation.id: operation for operation in operations}
+
+
+def claim_many(
+    claims: Sequence[tuple[UUID, timedelta]], *, owner: str
+) -> Plan[dict[UUID, Operation]]:
+    """:func:`claim` for many operations in one statement, each with its own lease.
+
+    Operations another claim won (or that are not due) are absent from the result. As
+    with :func:`claim`, commit this before calling any provider.
+    """
+    if any(lease <= timedelta(0) for _, lease in claims):
         raise ValueError("lease must be positive")
-    rows = yield Step("claim_operation", {"id": operation_id, "owner": owner, "lease": lease})
-    if not rows:
-        return None
-    operation = Operation.model_validate(rows[0])
-    lifecycle.emit(
-        EventName.ATTEMPTED,
-        operation,
-        {"attempt": operation.attempts, "lease_token": operation.lease_token},
+    if not claims:
+        return {}
+    rows = yield Step(
+        "claim_operations",
+        {
+            "ids": [operation_id for operation_id, _ in claims],
+            "leases": [lease for _, lease in claims],
+            "owner": owner,
+        },
     )
-    return operation
+    claimed: dict[UUID, Operation] = {}
+    for row in rows:
+        operation = Operation.model_validate(row)
+        lifecycle.emit(
+            EventName.ATTEMPTED,
+            operation,
+            {"attempt": operation.attempts, "lease_token": operation.lease_token},
+        )
+        claimed[operation.id] = operation
+    return claimed
+
+
+@dataclass(frozen=True)
+class ConfirmedEffect:
+    """A provider confirmed the effect of an operation this worker holds in flight."""
+
+    operation: Operation
+    """As claimed: in flight, under the lease token the write must still hold."""
+    provider_reference: str | None
+    result: Mapping[str, Any]
+    attributes: Mapping[str, lifecycle.Scalar]
+
+
+def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation]]:
+    """``in_flight -> committed`` for many operations in one statement, each only under
+    its own fencing token, with the event :func:`transition` would append.
+
+    An operation whose token is stale or that left ``in_flight`` is absent from the
+    result and unchanged; settle it with :func:`transition`, which says why.
+    """
+    if not effects:
+        return {}
+    attributes = [
+        {
+            "from": str(OperationState.IN_FLIGHT),
+            "to": str(OperationState.COMMITTED),
+            **effect.attributes,
+            **(
+                {"provider_reference": effect.provider_reference}
+                if effect.provider_reference is not None
+                else {}
+            ),
+        }
+        for effect in effects
+    ]
+    rows = yield Step(
+        "commit_operations",
+        {
+            "ids": [effect.operation.id for effect in effects],
+            "lease_tokens": [effect.operation.lease_token for effect in effects],
+            "provider_references": [effect.provider_reference for effect in effects],
+            "results": [Jsonb(dict(effect.result)) for effect in effects],
+            "event_attributes": [Jsonb(event) for event in attributes],
+        },
+    )
+    events = {effect.operation.id: event for effect, event in zip(effects, attributes, strict=True)}
+    committed: dict[UUID, Operation] = {}
+    for row in rows:
+        operation = Operation.model_validate(row)
+        lifecycle.emit(EventName.COMMITTED, operation, events[operation.id])
+        committed[operation.id] = operation
+    return committed
 
 
 _DEFAULT_EVENTS = {

@@ -27,18 +27,23 @@ SELECT * FROM operations WHERE id = %(id)s
 -- The operation an agent already recorded under (run_id, decision_key).
 SELECT * FROM operations WHERE run_id = %(run_id)s AND decision_key = %(decision_key)s
 
--- name: claim_operation
--- prepared -> in_flight for one worker: bump attempts and the fencing token, set the lease, append operation.attempted.
+-- name: get_operations
+-- Many operations by id, for a consumer checking a burst of deliveries at once.
+SELECT * FROM operations WHERE id = ANY(%(ids)s::uuid[])
+
+-- name: claim_operations
+-- prepared -> in_flight for one worker, for one or many operations in one statement: each one that is due gets its own lease, bumped attempts and fencing token, and its operation.attempted event.
 WITH claimed AS (
     UPDATE operations
     SET state = 'in_flight',
         attempts = attempts + 1,
         lease_token = lease_token + 1,
         lease_owner = %(owner)s,
-        lease_expires_at = now() + %(lease)s::interval,
+        lease_expires_at = now() + c.lease,
         first_attempt_at = COALESCE(first_attempt_at, now())
-    WHERE id = %(id)s AND state = 'prepared' AND next_attempt_at <= clock_timestamp()
-    RETURNING *
+    FROM unnest(%(ids)s::uuid[], %(leases)s::interval[]) AS c (id, lease)
+    WHERE operations.id = c.id AND state = 'prepared' AND next_attempt_at <= clock_timestamp()
+    RETURNING operations.*
 ), event AS (
     INSERT INTO operation_events (operation_id, name, attributes)
     SELECT id, 'operation.attempted',
@@ -46,6 +51,30 @@ WITH claimed AS (
     FROM claimed
 )
 SELECT * FROM claimed
+
+-- name: commit_operations
+-- in_flight -> committed for many operations in one statement, each only under its own fencing token; appends each one's operation.committed event.
+WITH outcome AS (
+    SELECT *
+    FROM unnest(%(ids)s::uuid[], %(lease_tokens)s::bigint[], %(provider_references)s::text[],
+                %(results)s::jsonb[], %(event_attributes)s::jsonb[])
+        AS i (id, lease_token, provider_reference, result, event_attributes)
+), moved AS (
+    UPDATE operations o
+    SET state = 'committed',
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        provider_reference = COALESCE(i.provider_reference, o.provider_reference),
+        result = COALESCE(i.result, o.result)
+    FROM outcome i
+    WHERE o.id = i.id AND o.state = 'in_flight' AND o.lease_token = i.lease_token
+    RETURNING o.*
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT m.id, 'operation.committed', i.event_attributes
+    FROM moved m JOIN outcome i ON i.id = m.id
+)
+SELECT * FROM moved
 
 -- name: transition_operation
 -- Guarded move source -> target (state and, when given, fencing token must match); appends the event and, when asked, a fresh outbox row.

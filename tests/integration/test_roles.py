@@ -62,7 +62,9 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "get_operation",
         "latest_approval",
         "insert_event",
-        "claim_operation",
+        "get_operations",
+        "claim_operations",
+        "commit_operations",
         "transition_operation",
         "requeue_stale_prepared",
         "claim_reconciliation_batch",
@@ -518,6 +520,14 @@ def test_the_consumer_executes_reconciles_and_escalates(
             )
         )
     gave_up = advance(consumer, run(consumer, outbox_store.get_operation(unknown.id)), S.ESCALATED)
+    # A burst of deliveries: loaded, claimed and committed together.
+    burst = new_operation(roles_database, registry)
+    assert run(consumer, outbox_store.find_operations([burst.id])) == {burst.id: burst}
+    (claimed,) = run(consumer, outbox_store.claim_many([(burst.id, LEASE)], owner="w")).values()
+    effect = outbox_store.ConfirmedEffect(
+        operation=claimed, provider_reference="re_burst", result={}, attributes={}
+    )
+    assert run(consumer, outbox_store.commit_many([effect]))[burst.id].state is S.COMMITTED
 
     assert committed.state is S.COMMITTED
     assert requeued == [stale.id]

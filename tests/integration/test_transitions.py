@@ -259,3 +259,83 @@ def test_waiting_for_approval_returns_to_prepared_without_a_new_outbox_row(ops: 
         )
     )
     assert len(ops.run(outbox_store.outbox_rows(operation.id))) == 1
+
+
+def test_claim_many_claims_each_prepared_operation_once_with_its_own_lease(ops: Ops) -> None:
+    fresh, taken = ops.new(), ops.at(S.IN_FLIGHT)
+    short = timedelta(seconds=5)
+
+    claimed = ops.run(
+        outbox_store.claim_many([(fresh.id, short), (taken.id, LEASE)], owner="worker-b")
+    )
+
+    assert list(claimed) == [fresh.id]
+    stored = ops.get(fresh.id)
+    assert claimed[fresh.id] == stored
+    assert (stored.state, stored.attempts, stored.lease_token) == (S.IN_FLIGHT, 1, 1)
+    assert stored.lease_expires_at is not None
+    assert stored.lease_expires_at < stored.updated_at + LEASE - timedelta(seconds=30)
+    assert ops.event_names(fresh.id)[-1] == "operation.attempted"
+    assert ops.get(taken.id) == taken
+    assert ops.run(outbox_store.claim_many([], owner="worker-b")) == {}
+
+
+def test_commit_many_writes_what_transition_writes(ops: Ops) -> None:
+    one, other = ops.at(S.IN_FLIGHT), ops.at(S.IN_FLIGHT)
+    single = ops.run(
+        outbox_store.transition(
+            one.id,
+            source=S.IN_FLIGHT,
+            target=S.COMMITTED,
+            lease_token=one.lease_token,
+            provider_reference="re_1",
+            result={"status": "ok"},
+            attributes={"attempt": 1},
+        )
+    )
+    batched = ops.run(
+        outbox_store.commit_many(
+            [
+                outbox_store.ConfirmedEffect(
+                    operation=other,
+                    provider_reference="re_1",
+                    result={"status": "ok"},
+                    attributes={"attempt": 1},
+                )
+            ]
+        )
+    )[other.id]
+
+    assert batched == ops.get(other.id)
+    assert (batched.state, batched.provider_reference, batched.result) == (
+        single.state,
+        single.provider_reference,
+        single.result,
+    )
+    assert (batched.lease_owner, batched.lease_expires_at) == (None, None)
+    assert ops.events(other.id)[-1].attributes == ops.events(one.id)[-1].attributes
+    assert ops.event_names(other.id) == ops.event_names(one.id)
+
+
+def test_commit_many_refuses_a_stale_lease_token_and_commits_the_rest(ops: Ops) -> None:
+    zombie = ops.at(S.IN_FLIGHT)
+    ops.move(zombie, S.PREPARED)
+    reclaimed = ops.move(ops.get(zombie.id), S.IN_FLIGHT)
+    live = ops.at(S.IN_FLIGHT)
+    events_before = ops.event_names(zombie.id)
+
+    committed = ops.run(
+        outbox_store.commit_many(
+            [
+                outbox_store.ConfirmedEffect(
+                    operation=operation, provider_reference="re_x", result={}, attributes={}
+                )
+                for operation in (zombie, live)
+            ]
+        )
+    )
+
+    assert list(committed) == [live.id]
+    assert ops.get(zombie.id) == reclaimed
+    assert ops.event_names(zombie.id) == events_before
+    assert ops.get(live.id).state is S.COMMITTED

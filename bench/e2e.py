@@ -1,0 +1,1058 @@
+"""End to end, decision to effect: effect-outbox against the physical limit and its peers.
+
+    .venv/bin/pip install -q -e '.[bench]' && .venv/bin/python bench/e2e.py
+        [--operations 5000] [--runs 3] [--rate 500] [--seconds 20] [--systems ...]
+
+Four systems do the same job on the same Postgres and RabbitMQ, one after another:
+
+- ``minimal``: a hand-written pipeline with no guarantees, the physical limit. A relay
+  process claims rows (``FOR UPDATE SKIP LOCKED``, batch 200, LISTEN/NOTIFY), publishes
+  them with every confirm outstanding, marks them, commits; a consumer process (prefetch
+  500) inserts each burst of deliveries into an inbox table in one statement and acks
+  the burst with one ``multiple`` ack. Same quorum queue topology as effect-outbox.
+- ``outbox``: effect-outbox as deployed: ``python -m dispatcher`` and ``python -m
+  consumer --tools bench.e2e_tools`` (a no-op tool) as subprocesses. The effect time
+  is the ``operation.committed`` event's timestamp, written by the statement that
+  records the outcome.
+- ``pgqueuer``: one worker (asyncpg, library defaults: batch 10) whose no-op handler
+  records completion in an inbox table.
+- ``procrastinate``: one worker (psycopg pool, ``--procrastinate-concurrency``) whose
+  no-op task records completion in an inbox table.
+
+Every process runs on uvloop. Two phases per system:
+
+1. throughput: ``--operations`` decisions/jobs committed before anything runs (not
+   timed), then the system's processes start (consumers first, ready, then the relay)
+   and drain them; operations/s = (N - 1) / (last effect - first effect), from the
+   effect timestamps the database recorded. ``--runs`` times each: median and spread.
+2. latency: the processes running and idle, a writer process commits one decision per
+   transaction at ``--rate``/s for ``--seconds`` s (a monotonic schedule, as an agent
+   service would); decision-to-effect = effect timestamp (database clock) - the
+   writer's wall clock just after its commit returned. Same host, same clock.
+
+Each system gets a database of its own (``e2e_<run>_<system>``, dropped at the end) and
+broker names of its own (``bench.e2e.<run>.*``, deleted at the end), on the server of
+``--database-url`` (env ``OUTBOX_BENCH_DATABASE_URL``) and ``--amqp-url`` (env
+``OUTBOX_BENCH_AMQP_URL``). A table on stdout; every figure, settings and the environment
+in ``bench/results/e2e.json``. Exits 1 when a check failed (an operation lost, effected
+twice, or a phase aborted); a broker restarted by someone else aborts that phase only.
+``--py-spy DIR`` also records the effect-outbox daemons with py-spy during their first
+throughput run (needs ptrace rights, e.g. root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TypeVar
+from uuid import UUID, uuid4
+
+import aio_pika
+import psycopg
+
+# Run as a script, this file's directory is sys.path[0], and bench/dispatcher.py would
+# shadow the dispatcher package: drop it. The repository root (on sys.path through the
+# editable install) makes this directory importable as the namespace package `bench`.
+sys.path.remove(str(Path(__file__).resolve().parent))
+
+from bench.e2e_tools import TOOL, build_registry
+from outbox import record_decision, record_decision_async, store
+from outbox.broker import Topology, declare_topology
+from outbox.cli import run_async
+from outbox.settings import libpq_url, with_database
+
+T = TypeVar("T")
+
+SCRIPT = str(Path(__file__).resolve())
+REPOSITORY = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "e2e.json"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+SYSTEMS = ("minimal", "outbox", "pgqueuer", "procrastinate")
+LABELS = {
+    "minimal": "minimal pipeline (no guarantees)",
+    "outbox": "effect-outbox",
+    "pgqueuer": "pgqueuer",
+    "procrastinate": "procrastinate",
+}
+READY = "e2e.ready"
+INSERT_CHUNK = 500
+MINIMAL_BATCH = 200
+MINIMAL_PREFETCH = 500
+LATE_AFTER = 0.010  # a decision written this far behind its schedule counts as late
+SETTLE_SECONDS = 60.0
+PACKAGES = (
+    "aio-pika",
+    "aiormq",
+    "psycopg",
+    "uvloop",
+    "asyncpg",
+    "pgqueuer",
+    "procrastinate",
+)  # after the writer stops, how long effects may still take
+
+
+# --- per-system schema -----------------------------------------------------------------
+
+INBOX_DDL = """
+CREATE TABLE inbox (
+    key           uuid PRIMARY KEY,
+    completed_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+MINIMAL_DDL = """
+CREATE TABLE mini_outbox (
+    id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    key           uuid NOT NULL,
+    created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    published_at  timestamptz
+);
+CREATE INDEX mini_outbox_pending ON mini_outbox (id) WHERE published_at IS NULL;
+CREATE FUNCTION mini_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('mini_pending', '');
+    RETURN NULL;
+END;
+$$;
+CREATE TRIGGER mini_notify AFTER INSERT ON mini_outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION mini_notify();
+"""
+
+MINIMAL_CLAIM = """
+SELECT id, key FROM mini_outbox
+WHERE published_at IS NULL
+ORDER BY id
+LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+MINIMAL_MARK = "UPDATE mini_outbox SET published_at = clock_timestamp() WHERE id = ANY(%s)"
+INBOX_BATCH = "INSERT INTO inbox (key) SELECT unnest(%s::uuid[]) ON CONFLICT DO NOTHING"
+
+EFFECTS_SQL = {
+    "outbox": "SELECT operation_id::text, extract(epoch FROM created_at)::float8 "
+    "FROM operation_events WHERE name = 'operation.committed'",
+    "inbox": "SELECT key::text, extract(epoch FROM completed_at)::float8 FROM inbox",
+}
+COUNT_SQL = {
+    "outbox": "SELECT count(*) FROM operation_events WHERE name = 'operation.committed'",
+    "inbox": "SELECT count(*) FROM inbox",
+}
+
+
+def effect_table(system: str) -> str:
+    return "outbox" if system == "outbox" else "inbox"
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """uvloop, as the daemons run (outbox.cli.run_async)."""
+    return run_async(main)
+
+
+def ready_marker() -> None:
+    print(READY, file=sys.stderr, flush=True)
+
+
+def topology_for(names: str) -> Topology:
+    return Topology(
+        exchange=f"{names}.x",
+        queue=f"{names}.q",
+        dead_letter_exchange=f"{names}.dlx",
+        dead_letter_queue=f"{names}.dlq",
+        delivery_limit=5,
+    )
+
+
+# --- children: the minimal pipeline --------------------------------------------------
+
+
+async def minimal_relay(url: str, amqp_url: str, names: str) -> None:
+    """Claim, publish with every confirm outstanding, mark, commit; woken by NOTIFY."""
+    topology = topology_for(names)
+    listener = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    await listener.execute("LISTEN mini_pending")
+    database = await psycopg.AsyncConnection.connect(url)
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    await declare_topology(channel, topology)
+    raw = await channel.get_underlay_channel()
+    wake = asyncio.Event()
+
+    async def forward() -> None:
+        async for _ in listener.notifies():
+            wake.set()
+
+    forwarding = asyncio.create_task(forward())
+    properties = aio_pika.Message(b"", delivery_mode=aio_pika.DeliveryMode.PERSISTENT).properties
+    ready_marker()
+    while not forwarding.done():
+        wake.clear()
+        while True:
+            async with database.transaction():
+                cursor = await database.execute(MINIMAL_CLAIM, (MINIMAL_BATCH,))
+                rows = await cursor.fetchall()
+                if rows:
+                    await asyncio.gather(
+                        *(
+                            raw.basic_publish(
+                                str(key).encode(),
+                                exchange=topology.exchange,
+                                routing_key="noop.v1",
+                                properties=properties,
+                                mandatory=True,
+                            )
+                            for _, key in rows
+                        )
+                    )
+                    await database.execute(MINIMAL_MARK, ([row_id for row_id, _ in rows],))
+            if len(rows) < MINIMAL_BATCH:
+                break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=1.0)
+    forwarding.result()
+
+
+async def minimal_consumer(url: str, amqp_url: str, names: str) -> None:
+    """Deliveries into the inbox in bursts: one INSERT and one multiple-ack per burst.
+
+    Flushes run one at a time and each takes everything delivered so far, so every
+    delivery tag up to the burst's last one is in this burst or an earlier, committed
+    one: the multiple-ack never acks an uncommitted delivery.
+    """
+    topology = topology_for(names)
+    database = await psycopg.AsyncConnection.connect(url)
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    channel = await connection.channel()
+    await channel.set_qos(prefetch_count=MINIMAL_PREFETCH)
+    declared = await declare_topology(channel, topology)
+    pending: list[aio_pika.abc.AbstractIncomingMessage] = []
+    flushing: list[asyncio.Task[None]] = []
+
+    async def flush() -> None:
+        while pending:
+            burst = pending[:]
+            pending.clear()
+            async with database.transaction():
+                await database.execute(INBOX_BATCH, ([UUID(m.body.decode()) for m in burst],))
+            await burst[-1].ack(multiple=True)
+
+    ready_marker()
+    async with declared.queue.iterator() as deliveries:
+        async for message in deliveries:
+            pending.append(message)
+            if not flushing or flushing[0].done():
+                if flushing:
+                    flushing.pop().result()
+                flushing.append(asyncio.create_task(flush()))
+
+
+# --- children: pgqueuer and procrastinate --------------------------------------------
+
+
+async def pgqueuer_worker(url: str) -> None:
+    import asyncpg  # type: ignore[import-untyped]
+    from pgqueuer import PgQueuer
+    from pgqueuer.models import Job
+
+    connection = await asyncpg.connect(url)
+    pool = await asyncpg.create_pool(url, min_size=2, max_size=10)
+    pgq = PgQueuer.from_asyncpg_connection(connection)
+
+    @pgq.entrypoint("noop")
+    async def noop(job: Job) -> None:
+        assert job.payload is not None
+        await pool.execute(
+            "INSERT INTO inbox (key) VALUES ($1) ON CONFLICT DO NOTHING", UUID(bytes=job.payload)
+        )
+
+    ready_marker()
+    await pgq.run()
+
+
+def procrastinate_app(url: str) -> Any:
+    import procrastinate
+
+    return procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
+
+
+async def procrastinate_worker(url: str, concurrency: int) -> None:
+    app = procrastinate_app(url)
+
+    @app.task(name="noop")  # type: ignore[untyped-decorator]
+    async def noop(key: str) -> None:
+        await app.connector.execute_query_async(
+            "INSERT INTO inbox (key) VALUES (%(key)s::uuid) ON CONFLICT DO NOTHING", key=key
+        )
+
+    async with app.open_async():
+        ready_marker()
+        await app.run_worker_async(concurrency=concurrency)
+
+
+# --- children: the paced writer ------------------------------------------------------
+
+
+async def write_at_rate(system: str, url: str, rate: float, seconds: float) -> dict[str, Any]:
+    """One decision (job) per transaction on a monotonic schedule.
+
+    Returns {"commits": {key: wall clock after commit}, "achieved_per_s", "late"}."""
+    commits: dict[str, float] = {}
+    total = max(1, round(rate * seconds))
+    enqueue, close = await writer_for(system, url)
+    late, worst = 0, 0.0
+    try:
+        began = time.monotonic()
+        for n in range(total):
+            due = began + n / rate
+            now = time.monotonic()
+            if due > now:
+                await asyncio.sleep(due - now)
+            elif now - due > LATE_AFTER:
+                late += 1
+                worst = max(worst, now - due)
+            key = await enqueue(n)
+            commits[key] = time.time()
+        elapsed = time.monotonic() - began
+    finally:
+        await close()
+    return {
+        "commits": commits,
+        "achieved_per_s": total / elapsed,
+        "late": {f"over_{LATE_AFTER * 1000:g}ms": late, "worst_ms": round(worst * 1000, 3)},
+    }
+
+
+Enqueue = Callable[[int], Coroutine[Any, Any, str]]
+Close = Callable[[], Coroutine[Any, Any, None]]
+
+
+async def writer_for(system: str, url: str) -> tuple[Enqueue, Close]:
+    """How each system's user commits one decision in a transaction of their own."""
+    if system in ("minimal", "outbox"):
+        connection = await psycopg.AsyncConnection.connect(url)
+        registry = build_registry()
+        run_id = f"e2e_{uuid4().hex[:8]}"
+
+        async def enqueue(n: int) -> str:
+            async with connection.transaction():
+                if system == "outbox":
+                    recorded = await record_decision_async(
+                        connection, registry, TOOL, {"n": n}, run_id=run_id, decision_key=f"k{n}"
+                    )
+                    return str(recorded.operation.id)
+                key = uuid4()
+                await connection.execute("INSERT INTO mini_outbox (key) VALUES (%s)", (key,))
+                return str(key)
+
+        return enqueue, connection.close
+    if system == "pgqueuer":
+        import asyncpg
+        from pgqueuer import Queries
+
+        pg = await asyncpg.connect(url)
+        queries = Queries.from_asyncpg_connection(pg)
+
+        async def enqueue_pgqueuer(n: int) -> str:
+            key = uuid4()
+            async with pg.transaction():
+                await queries.enqueue("noop", key.bytes)
+            return str(key)
+
+        return enqueue_pgqueuer, pg.close
+    app = procrastinate_app(url)
+    await app.open_async()
+    task = app.configure_task("noop")
+
+    async def enqueue_procrastinate(n: int) -> str:
+        # procrastinate defers on its own pooled connection, in a transaction of its own.
+        key = uuid4()
+        await task.defer_async(key=str(key))
+        return str(key)
+
+    return enqueue_procrastinate, app.close_async
+
+
+# --- setup and backlog (parent) ------------------------------------------------------
+
+
+def recreate_database(admin_url: str, url: str, name: str, system: str) -> None:
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        store.drop_database(admin, name)
+        store.create_database(admin, name)
+    if system == "outbox":
+        with psycopg.connect(url) as connection:
+            store.apply_schema(connection)
+        return
+    with psycopg.connect(url) as connection:
+        connection.execute(INBOX_DDL)
+        if system == "minimal":
+            connection.execute(MINIMAL_DDL)
+    if system == "pgqueuer":
+        run_loop(install_pgqueuer(url))
+    elif system == "procrastinate":
+        run_loop(install_procrastinate(url))
+
+
+async def install_pgqueuer(url: str) -> None:
+    import asyncpg
+    from pgqueuer import Queries
+
+    connection = await asyncpg.connect(url)
+    try:
+        await Queries.from_asyncpg_connection(connection).install()
+    finally:
+        await connection.close()
+
+
+async def install_procrastinate(url: str) -> None:
+    app = procrastinate_app(url)
+    async with app.open_async():
+        await app.schema_manager.apply_schema_async()
+
+
+def insert_backlog(system: str, url: str, count: int) -> None:
+    if system == "outbox":
+        registry = build_registry()
+        with psycopg.connect(url) as connection:
+            for start in range(0, count, INSERT_CHUNK):
+                with connection.transaction():
+                    for n in range(start, min(count, start + INSERT_CHUNK)):
+                        record_decision(
+                            connection, registry, TOOL, {"n": n}, run_id="e2e", decision_key=f"k{n}"
+                        )
+    elif system == "minimal":
+        with psycopg.connect(url) as connection:
+            connection.execute(
+                "INSERT INTO mini_outbox (key) "
+                "SELECT gen_random_uuid() FROM generate_series(1, %s)",
+                (count,),
+            )
+    elif system == "pgqueuer":
+        run_loop(backlog_pgqueuer(url, count))
+    else:
+        run_loop(backlog_procrastinate(url, count))
+
+
+async def backlog_pgqueuer(url: str, count: int) -> None:
+    import asyncpg
+    from pgqueuer import Queries
+
+    connection = await asyncpg.connect(url)
+    try:
+        queries = Queries.from_asyncpg_connection(connection)
+        for start in range(0, count, INSERT_CHUNK):
+            size = min(INSERT_CHUNK, count - start)
+            await queries.enqueue(["noop"] * size, [uuid4().bytes for _ in range(size)], [0] * size)
+    finally:
+        await connection.close()
+
+
+async def backlog_procrastinate(url: str, count: int) -> None:
+    app = procrastinate_app(url)
+    async with app.open_async():
+        task = app.configure_task("noop")
+        for start in range(0, count, INSERT_CHUNK):
+            size = min(INSERT_CHUNK, count - start)
+            await task.batch_defer_async(*({"key": str(uuid4())} for _ in range(size)))
+
+
+async def delete_topology(amqp_url: str, names: str) -> None:
+    topology = topology_for(names)
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(topology.queue)
+        await channel.queue_delete(topology.dead_letter_queue)
+        await channel.exchange_delete(topology.exchange)
+        await channel.exchange_delete(topology.dead_letter_exchange)
+
+
+# --- processes (parent) --------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    marker: str
+
+    def ready(self) -> bool:
+        return self.marker in self.log.read_text(errors="replace")
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class OutboxSettings:
+    """effect-outbox's knobs, as OUTBOX_* variables of the two daemons."""
+
+    consumers: int
+    prefetch: int
+    batch_size: int
+    lanes: int
+    log_level: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "consumer_processes": self.consumers,
+            "prefetch": self.prefetch,
+            "dispatcher_batch_size": self.batch_size,
+            "dispatch_lanes": self.lanes,
+            "log_level": self.log_level,
+            "event_loop": "uvloop",
+        }
+
+
+@dataclass
+class Bench:
+    admin_url: str
+    amqp_url: str
+    run_name: str
+    outbox: OutboxSettings
+    procrastinate_concurrency: int
+    logs: Path
+    failures: list[str] = field(default_factory=list)
+    spawned: int = 0
+
+    def database(self, system: str) -> tuple[str, str]:
+        name = f"e2e_{self.run_name}_{system}"
+        return name, with_database(self.admin_url, name)
+
+    def names(self, system: str) -> str:
+        return f"bench.e2e.{self.run_name}.{system}"
+
+    def fresh(self, system: str) -> str:
+        name, url = self.database(system)
+        recreate_database(self.admin_url, url, name, system)
+        if system in ("minimal", "outbox"):
+            with contextlib.suppress(Exception):
+                run_loop(delete_topology(self.amqp_url, self.names(system)))
+        return url
+
+    def spawn(self, name: str, argv: list[str], marker: str, env: dict[str, str]) -> Child:
+        self.spawned += 1
+        log = self.logs / f"{self.spawned:03d}-{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(  # noqa: S603 - this interpreter, fixed arguments
+                argv, cwd=REPOSITORY, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        return Child(name, process, log, marker)
+
+    def outbox_env(self, url: str) -> dict[str, str]:
+        names = topology_for(self.names("outbox"))
+        return {
+            **os.environ,
+            "OUTBOX_DATABASE_URL": url,
+            "OUTBOX_AMQP_URL": self.amqp_url,
+            "OUTBOX_EXCHANGE": names.exchange,
+            "OUTBOX_QUEUE": names.queue,
+            "OUTBOX_DEAD_LETTER_EXCHANGE": names.dead_letter_exchange,
+            "OUTBOX_DEAD_LETTER_QUEUE": names.dead_letter_queue,
+            "OUTBOX_TOOLS": "bench.e2e_tools",
+            "OUTBOX_PREFETCH": str(self.outbox.prefetch),
+            "OUTBOX_BATCH_SIZE": str(self.outbox.batch_size),
+            "OUTBOX_DISPATCH_LANES": str(self.outbox.lanes),
+            "OUTBOX_LOG_LEVEL": self.outbox.log_level,
+            "OUTBOX_METRICS_HOST": "127.0.0.1",
+            "OUTBOX_METRICS_PORT": "0",
+        }
+
+    def child_argv(self, role: str, url: str, system: str) -> list[str]:
+        return [
+            sys.executable,
+            SCRIPT,
+            "--child",
+            role,
+            "--child-url",
+            url,
+            "--amqp-url",
+            self.amqp_url,
+            "--child-names",
+            self.names(system),
+            "--procrastinate-concurrency",
+            str(self.procrastinate_concurrency),
+        ]
+
+    @contextlib.contextmanager
+    def running(self, system: str, url: str) -> Iterator[list[Child]]:
+        """The system's processes, consumers ready before the relay starts; stopped
+        (SIGTERM, then SIGKILL) on the way out."""
+        stages: list[list[tuple[str, list[str], str, dict[str, str]]]]
+        if system == "outbox":
+            env = self.outbox_env(url)
+            stages = [
+                [
+                    (
+                        f"consumer{n}",
+                        [sys.executable, "-m", "consumer"],
+                        "consumer.session_ready",
+                        env,
+                    )
+                    for n in range(self.outbox.consumers)
+                ],
+                [
+                    (
+                        "dispatcher",
+                        [sys.executable, "-m", "dispatcher"],
+                        "dispatcher.session_ready",
+                        env,
+                    )
+                ],
+            ]
+        elif system == "minimal":
+            env = dict(os.environ)
+            stages = [
+                [("consumer", self.child_argv("minimal-consumer", url, system), READY, env)],
+                [("relay", self.child_argv("minimal-relay", url, system), READY, env)],
+            ]
+        else:
+            env = dict(os.environ)
+            stages = [[("worker", self.child_argv(f"{system}-worker", url, system), READY, env)]]
+        children: list[Child] = []
+        try:
+            for stage in stages:
+                started = [self.spawn(f"{system}-{name}", *rest) for name, *rest in stage]  # type: ignore[arg-type]
+                children += started
+                wait_ready(started)
+            yield children
+        finally:
+            stop(children)
+
+
+def wait_ready(children: Sequence[Child], within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    for child in children:
+        while not child.ready():
+            if child.process.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited ({child.process.returncode}):\n{child.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{child.name} not ready within {within:g} s:\n{child.tail()}")
+            time.sleep(0.05)
+
+
+def stop(children: Sequence[Child]) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait(timeout=10)
+
+
+def count_effects(url: str, system: str) -> int:
+    with psycopg.connect(url, autocommit=True) as connection:
+        row = connection.execute(COUNT_SQL[effect_table(system)]).fetchone()
+        return int(row[0]) if row else 0
+
+
+def effect_times(url: str, system: str) -> dict[str, float]:
+    with psycopg.connect(url, autocommit=True) as connection:
+        rows = connection.execute(EFFECTS_SQL[effect_table(system)]).fetchall()
+    return {key: float(at) for key, at in rows}
+
+
+def check_outbox(url: str, expected: int) -> list[str]:
+    """Every operation committed, exactly one attempt and one committed event each."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT count(*), count(*) FILTER (WHERE state = 'committed'), "
+            "count(*) FILTER (WHERE attempts <> 1), "
+            "(SELECT count(*) FROM (SELECT operation_id FROM operation_events "
+            " WHERE name = 'operation.committed' GROUP BY operation_id HAVING count(*) > 1) d) "
+            "FROM operations"
+        ).fetchone()
+    assert row is not None
+    operations, committed, retried, doubled = (int(v) for v in row)
+    problems = []
+    if (operations, committed) != (expected, expected):
+        problems.append(f"{committed} of {operations} operations committed, expected {expected}")
+    if retried or doubled:
+        problems.append(f"{retried} operations attempted more than once, {doubled} committed twice")
+    return problems
+
+
+def wait_for_effects(url: str, system: str, expected: int, within: float) -> int:
+    deadline = time.monotonic() + within
+    done = count_effects(url, system)
+    while done < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        done = count_effects(url, system)
+    return done
+
+
+# --- phases (parent) -----------------------------------------------------------------
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence."""
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def throughput(bench: Bench, system: str, count: int, py_spy: Path | None) -> dict[str, Any]:
+    url = bench.fresh(system)
+    began = time.monotonic()
+    insert_backlog(system, url, count)
+    inserted = time.monotonic() - began
+    profilers: list[subprocess.Popen[bytes]] = []
+    with bench.running(system, url) as children:
+        if py_spy is not None:
+            profilers = start_py_spy(children, py_spy)
+        done = wait_for_effects(url, system, count, within=max(60.0, count / 50))
+        for profiler in profilers:
+            profiler.send_signal(signal.SIGINT)
+        for profiler in profilers:
+            profiler.wait(timeout=60)
+    times = sorted(effect_times(url, system).values())
+    problems = [] if done == count else [f"{done} of {count} effects recorded"]
+    if system == "outbox":
+        problems += check_outbox(url, count)
+    span = times[-1] - times[0] if len(times) > 1 else math.nan
+    return {
+        "operations": count,
+        "effects": len(times),
+        "seconds": span,
+        "per_s": (len(times) - 1) / span if span and span > 0 else math.nan,
+        "backlog_insert_seconds": inserted,
+        "failures": [f"{system} throughput: {p}" for p in problems],
+    }
+
+
+def start_py_spy(children: Sequence[Child], directory: Path) -> list[subprocess.Popen[bytes]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    py_spy = Path(sys.executable).parent / "py-spy"
+    profilers = []
+    for child in children:
+        for fmt, suffix in (("raw", "txt"),):
+            profilers.append(
+                subprocess.Popen(  # noqa: S603 - the venv's py-spy, fixed arguments
+                    [
+                        str(py_spy),
+                        "record",
+                        "--pid",
+                        str(child.process.pid),
+                        "--rate",
+                        "200",
+                        "--nonblocking",
+                        "--format",
+                        fmt,
+                        "--output",
+                        str(directory / f"{child.name}.{suffix}"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+    return profilers
+
+
+def latency(bench: Bench, system: str, rate: float, seconds: float) -> dict[str, Any]:
+    url = bench.fresh(system)
+    with bench.running(system, url):
+        time.sleep(0.5)  # let the freshly started consumers settle on their queue
+        writer = subprocess.run(  # noqa: S603 - this interpreter, fixed arguments
+            [
+                sys.executable,
+                SCRIPT,
+                "--child",
+                f"{system}-writer",
+                "--child-url",
+                url,
+                "--rate",
+                repr(rate),
+                "--seconds",
+                repr(seconds),
+            ],
+            cwd=REPOSITORY,
+            capture_output=True,
+            check=False,
+        )
+        if writer.returncode != 0:
+            raise RuntimeError(f"the writer failed:\n{writer.stderr.decode()[-2000:]}")
+        written = json.loads(writer.stdout)
+        commits: dict[str, float] = written["commits"]
+        done = wait_for_effects(url, system, len(commits), within=SETTLE_SECONDS)
+    effects = effect_times(url, system)
+    latencies = sorted(effects[key] - at for key, at in commits.items() if key in effects)
+    problems = [] if done >= len(commits) else [f"{len(commits) - done} effects missing"]
+    if system == "outbox":
+        problems += check_outbox(url, len(commits))
+
+    def ms(value: float) -> float:
+        return round(value * 1000, 2)
+
+    return {
+        "offered_per_s": rate,
+        "seconds": seconds,
+        "decisions": len(commits),
+        "achieved_per_s": written["achieved_per_s"],
+        "writer_late": written["late"],
+        "effects": len(latencies),
+        "decision_to_effect_ms": {
+            "p50": ms(percentile(latencies, 0.50)),
+            "p90": ms(percentile(latencies, 0.90)),
+            "p99": ms(percentile(latencies, 0.99)),
+            "max": ms(latencies[-1]) if latencies else math.nan,
+            "min": ms(latencies[0]) if latencies else math.nan,
+        },
+        "failures": [f"{system} latency: {p}" for p in problems],
+    }
+
+
+def run_phase(name: str, failures: list[str], phase: Callable[[], T]) -> T | None:
+    """One phase; one that dies (the broker restarted under it, say) is a failure and
+    the phases after it still run."""
+    try:
+        return phase()
+    except Exception as error:
+        failures.append(f"{name}: aborted by {type(error).__name__}: {error}")
+        print(f"FAILED: {failures[-1]}", flush=True)
+        return None
+
+
+# --- report --------------------------------------------------------------------------
+
+
+def json_safe(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def summarize(results: dict[str, Any]) -> None:
+    for system, entry in results["systems"].items():
+        rates = [run["per_s"] for run in entry["throughput"] if not math.isnan(run["per_s"])]
+        if rates:
+            entry["per_s_median"] = statistics.median(rates)
+            entry["per_s_min"] = min(rates)
+            entry["per_s_max"] = max(rates)
+        else:
+            entry["per_s_median"] = math.nan
+        del system
+    median = {s: e["per_s_median"] for s, e in results["systems"].items()}
+    ratios: dict[str, float] = {}
+    for system in results["systems"]:
+        if "minimal" in median and system != "minimal":
+            ratios[f"{system}/minimal"] = median[system] / median["minimal"]
+    for peer in ("pgqueuer", "procrastinate"):
+        if "outbox" in median and peer in median:
+            ratios[f"outbox/{peer}"] = median["outbox"] / median[peer]
+    results["ratios"] = ratios
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [("system", "operations/s, median (runs)", "decision->effect @rate: p50 / p99 / max")]
+    for system, entry in results["systems"].items():
+        runs = ", ".join(f"{run['per_s']:,.0f}" for run in entry["throughput"])
+        rate = f"{entry['per_s_median']:,.0f} ({runs})" if entry["throughput"] else "-"
+        late = entry.get("latency")
+        if late:
+            figures = late["decision_to_effect_ms"]
+            lat = (
+                f"{figures['p50']:,.1f} / {figures['p99']:,.1f} / {figures['max']:,.1f} ms "
+                f"@{late['achieved_per_s']:,.0f}/s ({late['effects']:,}/{late['decisions']:,})"
+            )
+        else:
+            lat = "-"
+        lines.append((LABELS[system], rate, lat))
+    widths = [max(len(line[i]) for line in lines) + 3 for i in range(2)]
+    out = [f"{a:<{widths[0]}}{b:<{widths[1]}}{c}" for a, b, c in lines]
+    out.append("")
+    for name, ratio in results["ratios"].items():
+        left, right = name.split("/")
+        out.append(f"{LABELS[left]} / {LABELS[right]}: {ratio:.2f}x")
+    return "\n".join(out)
+
+
+def environment(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "?"
+
+    with psycopg.connect(args.database_url, autocommit=True) as connection:
+        row = connection.execute("SHOW server_version").fetchone()
+    return {
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "loadavg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "postgres_server": str(row[0]) if row else "?",
+        "packages": {name: version(name) for name in PACKAGES},
+        "operations": args.operations,
+        "runs": args.runs,
+        "latency_rate_per_s": args.rate,
+        "latency_seconds": args.seconds,
+        "outbox_settings": bench.outbox.as_dict(),
+        "minimal": {"relay_batch": MINIMAL_BATCH, "consumer_prefetch": MINIMAL_PREFETCH},
+        "pgqueuer": {"driver": "asyncpg", "batch_size": 10, "handler_pool": 10},
+        "procrastinate": {"connector": "psycopg", "concurrency": bench.procrastinate_concurrency},
+    }
+
+
+# --- entry ---------------------------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> None:
+    role, url = args.child, args.child_url
+    if role == "minimal-relay":
+        run_loop(minimal_relay(url, args.amqp_url, args.child_names))
+    elif role == "minimal-consumer":
+        run_loop(minimal_consumer(url, args.amqp_url, args.child_names))
+    elif role == "pgqueuer-worker":
+        run_loop(pgqueuer_worker(url))
+    elif role == "procrastinate-worker":
+        run_loop(procrastinate_worker(url, args.procrastinate_concurrency))
+    elif role.endswith("-writer"):
+        written = run_loop(
+            write_at_rate(role.removesuffix("-writer"), url, args.rate, args.seconds)
+        )
+        json.dump(written, sys.stdout)
+    else:
+        raise SystemExit(f"unknown child role {role!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("OUTBOX_BENCH_DATABASE_URL", DEFAULT_DATABASE_URL),
+        help="a database on the server to use (env OUTBOX_BENCH_DATABASE_URL); "
+        "the benchmark creates and drops databases of its own next to it",
+    )
+    parser.add_argument(
+        "--amqp-url",
+        default=os.environ.get("OUTBOX_BENCH_AMQP_URL", DEFAULT_AMQP_URL),
+        help="RabbitMQ (env OUTBOX_BENCH_AMQP_URL)",
+    )
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--operations", type=int, default=5_000, help="throughput: per run")
+    parser.add_argument("--runs", type=int, default=3, help="throughput runs per system")
+    parser.add_argument("--rate", type=float, default=500.0, help="latency: decisions/s")
+    parser.add_argument("--seconds", type=float, default=20.0, help="latency: seconds per system")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--outbox-consumers", type=int, default=1, help="consumer processes")
+    parser.add_argument("--outbox-prefetch", type=int, default=64)
+    parser.add_argument("--outbox-batch-size", type=int, default=200)
+    parser.add_argument("--outbox-lanes", type=int, default=2)
+    parser.add_argument("--outbox-log-level", default="INFO")
+    parser.add_argument("--procrastinate-concurrency", type=int, default=1)
+    parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-url", help=argparse.SUPPRESS)
+    parser.add_argument("--child-names", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    args.database_url = libpq_url(args.database_url)
+    outbox = OutboxSettings(
+        consumers=args.outbox_consumers,
+        prefetch=args.outbox_prefetch,
+        batch_size=args.outbox_batch_size,
+        lanes=args.outbox_lanes,
+        log_level=args.outbox_log_level,
+    )
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="outbox-e2e-") as logs:
+        bench = Bench(
+            admin_url=args.database_url,
+            amqp_url=args.amqp_url,
+            run_name=uuid4().hex[:8],
+            outbox=outbox,
+            procrastinate_concurrency=args.procrastinate_concurrency,
+            logs=Path(logs),
+        )
+        results: dict[str, Any] = {"environment": environment(args, bench), "systems": {}}
+        failures = bench.failures
+        try:
+            for system in args.systems:
+                entry: dict[str, Any] = {"throughput": []}
+                results["systems"][system] = entry
+                for run in range(args.runs):
+                    print(f"{system}: throughput run {run + 1}/{args.runs}", flush=True)
+                    spy = args.py_spy if (system == "outbox" and run == 0) else None
+                    measured = run_phase(
+                        f"{system} throughput",
+                        failures,
+                        lambda system=system, spy=spy: throughput(  # type: ignore[misc]
+                            bench, system, args.operations, spy
+                        ),
+                    )
+                    if measured is not None:
+                        entry["throughput"].append(measured)
+                        failures += measured["failures"]
+                        print(f"  {measured['per_s']:,.0f} ops/s", flush=True)
+                if not args.skip_latency:
+                    print(f"{system}: latency, {args.rate:g}/s for {args.seconds:g} s", flush=True)
+                    measured = run_phase(
+                        f"{system} latency",
+                        failures,
+                        lambda system=system: latency(bench, system, args.rate, args.seconds),  # type: ignore[misc]
+                    )
+                    if measured is not None:
+                        entry["latency"] = measured
+                        failures += measured["failures"]
+                        figures = measured["decision_to_effect_ms"]
+                        print(f"  p50 {figures['p50']} ms, p99 {figures['p99']} ms", flush=True)
+        finally:
+            cleanup(bench, args.systems)
+    summarize(results)
+    results["failures"] = failures
+    results["total_seconds"] = time.monotonic() - began
+    print("\n" + table(results))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(json_safe(results), indent=2, allow_nan=False) + "\n")
+    print(f"\nwritten to {args.json} ({results['total_seconds']:.0f} s in all)")
+    for failure in failures:
+        print(f"FAILED: {failure}")
+    sys.exit(1 if failures else 0)
+
+
+def cleanup(bench: Bench, systems: Sequence[str]) -> None:
+    """Drop what this run created, whatever happened."""
+    for system in systems:
+        name, _ = bench.database(system)
+        with (
+            contextlib.suppress(Exception),
+            psycopg.connect(bench.admin_url, autocommit=True) as admin,
+        ):
+            store.drop_database(admin, name)
+        if system in ("minimal", "outbox"):
+            with contextlib.suppress(Exception):
+                run_loop(delete_topology(bench.amqp_url, bench.names(system)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The consumer's group commit: bursts share one flush, failures reach every submitter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from consumer.worker import _Batcher
+
+
+async def test_what_queues_during_a_flush_goes_together_into_the_next() -> None:
+    flushed: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def flush(items: list[int]) -> list[int]:
+        flushed.append(items)
+        if len(flushed) == 1:
+            await gate.wait()
+        return [item * 10 for item in items]
+
+    batcher = _Batcher(flush, limit=3)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0)  # the first flush starts with one item and waits at the gate
+    rest = [asyncio.ensure_future(batcher.submit(n)) for n in range(2, 7)]
+    await asyncio.sleep(0)
+    gate.set()
+
+    assert await asyncio.gather(first, *rest) == [10, 20, 30, 40, 50, 60]
+    assert flushed == [[1], [2, 3, 4], [5, 6]]
+
+
+async def test_a_failed_flush_fails_every_submitter_of_its_batch_only() -> None:
+    async def flush(items: list[int]) -> list[int]:
+        if 2 in items:
+            raise RuntimeError("database gone")
+        return items
+
+    batcher = _Batcher(flush, limit=2)
+    results = await asyncio.gather(*(batcher.submit(n) for n in (1, 2, 3)), return_exceptions=True)
+
+    assert [type(r) for r in results[:2]] == [RuntimeError, RuntimeError]
+    assert results[2] == 3
+    assert await batcher.submit(4) == 4
+
+
+async def test_a_cancelled_flush_cancels_its_submitters() -> None:
+    started = asyncio.Event()
+
+    async def flush(items: list[int]) -> list[int]:
+        started.set()
+        await asyncio.Event().wait()
+        return items
+
+    batcher = _Batcher(flush, limit=4)
+    waiting = asyncio.ensure_future(batcher.submit(1))
+    await started.wait()
+    assert batcher._running is not None
+    batcher._running.cancel()
+
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
