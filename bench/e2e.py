@@ -694,6 +694,38 @@ def check_outbox(url: str, expected: int) -> list[str]:
     return problems
 
 
+# Where effect-outbox's decision-to-effect time goes, from its own event log: the decision
+# commit (operation.prepared), the dispatcher's publish (outbox.published_at), the
+# consumer's claim (operation.attempted) and the committed outcome. Each timestamp is
+# its transaction's start on the database clock.
+STAGES_SQL = """
+SELECT extract(epoch FROM x.published_at - p.created_at),
+       extract(epoch FROM a.created_at - x.published_at),
+       extract(epoch FROM c.created_at - a.created_at)
+FROM operation_events p
+JOIN outbox x ON x.operation_id = p.operation_id
+JOIN operation_events a ON a.operation_id = p.operation_id AND a.name = 'operation.attempted'
+JOIN operation_events c ON c.operation_id = p.operation_id AND c.name = 'operation.committed'
+WHERE p.name = 'operation.prepared'
+"""
+STAGES = ("decision_to_published", "published_to_claimed", "claimed_to_committed")
+
+
+def outbox_stages(url: str) -> dict[str, dict[str, float]]:
+    """p50 and p99 of each stage in ms (published_at is the mark's transaction start, so
+    the broker hop shows in published_to_claimed)."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        rows = connection.execute(STAGES_SQL).fetchall()
+    stages: dict[str, dict[str, float]] = {}
+    for index, stage in enumerate(STAGES):
+        values = sorted(float(row[index]) for row in rows if row[index] is not None)
+        stages[stage] = {
+            "p50": round(percentile(values, 0.50) * 1000, 2),
+            "p99": round(percentile(values, 0.99) * 1000, 2),
+        }
+    return stages
+
+
 def wait_for_effects(url: str, system: str, expected: int, within: float) -> int:
     deadline = time.monotonic() + within
     done = count_effects(url, system)
@@ -799,8 +831,10 @@ def latency(bench: Bench, system: str, rate: float, seconds: float) -> dict[str,
     effects = effect_times(url, system)
     latencies = sorted(effects[key] - at for key, at in commits.items() if key in effects)
     problems = [] if done >= len(commits) else [f"{len(commits) - done} effects missing"]
+    stages: dict[str, dict[str, float]] = {}
     if system == "outbox":
         problems += check_outbox(url, len(commits))
+        stages = outbox_stages(url)
 
     def ms(value: float) -> float:
         return round(value * 1000, 2)
@@ -819,6 +853,7 @@ def latency(bench: Bench, system: str, rate: float, seconds: float) -> dict[str,
             "max": ms(latencies[-1]) if latencies else math.nan,
             "min": ms(latencies[0]) if latencies else math.nan,
         },
+        "stages_ms": stages,
         "failures": [f"{system} latency: {p}" for p in problems],
     }
 
@@ -885,6 +920,15 @@ def table(results: dict[str, Any]) -> str:
         lines.append((LABELS[system], rate, lat))
     widths = [max(len(line[i]) for line in lines) + 3 for i in range(2)]
     out = [f"{a:<{widths[0]}}{b:<{widths[1]}}{c}" for a, b, c in lines]
+    stages = (results["systems"].get("outbox", {}).get("latency") or {}).get("stages_ms")
+    if stages:
+        out.append("")
+        out.append(
+            "effect-outbox stages @rate, p50 / p99: "
+            + ", ".join(
+                f"{name} {v['p50']:,.1f} / {v['p99']:,.1f} ms" for name, v in stages.items()
+            )
+        )
     out.append("")
     for name, ratio in results["ratios"].items():
         left, right = name.split("/")

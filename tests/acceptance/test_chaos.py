@@ -82,6 +82,9 @@ def test_chaos_loses_nothing_and_duplicates_nothing(
     assert verdict["blind_retries"] == "0"
     assert verdict["illegal_sequences"] == "0"
     assert verdict["in_flight_past_lease"] == "0"
+    # A daemon that dies of a fault instead of riding it out is a bug, even if the
+    # harness's restart hides it from the other figures.
+    assert verdict["unplanned_exits"] == "0", result.stdout
     # Kills, restarts and dropped responses make the broker redeliver; the consumers
     # must have turned some delivery away, and the count comes from the event log.
     assert int(verdict["duplicate_deliveries_suppressed"]) >= 1, result.stdout
