@@ -27,9 +27,7 @@ from outbox.broker import (
     declare_topology,
     message_id,
 )
-from outbox.broker import (
-    connect as connect_to_broker,
-)
+from outbox.broker import connect as connect_to_broker
 from outbox.store import ClaimedRow
 
 logger = logging.getLogger(__name__)
