@@ -47,7 +47,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -66,6 +66,7 @@ from pydantic import SecretStr
 sys.path.remove(str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from bench.reporting import json_safe, percentile
 from dispatcher.daemon import Dispatcher
 from dispatcher.publisher import Publisher, encode
 from outbox import Registry, Settings, record_decision, record_decision_async, store
@@ -201,13 +202,6 @@ async def delete_topology(amqp_url: str, topology: Topology) -> None:
 # --- statistics ----------------------------------------------------------------------
 
 
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending sequence."""
-    if not ordered:
-        return math.nan
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 @dataclass
 class HistogramSnapshot:
     buckets: list[tuple[float, float]] = field(default_factory=list)
@@ -260,17 +254,6 @@ class HistogramSnapshot:
     @property
     def mean(self) -> float:
         return self.total / self.count if self.count else math.nan
-
-
-def json_safe(value: Any) -> Any:
-    """NaN (an empty sample) as null, so the file is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [json_safe(item) for item in value]
-    return value
 
 
 def counter_total(registry: CollectorRegistry, name: str) -> int:

@@ -72,6 +72,7 @@ import psycopg
 sys.path.remove(str(Path(__file__).resolve().parent))
 
 from bench.e2e_tools import TOOL, build_registry
+from bench.reporting import json_safe, percentile
 from outbox import record_decision, record_decision_async, store
 from outbox.broker import Topology, declare_topology
 from outbox.cli import run_async
@@ -738,13 +739,6 @@ def wait_for_effects(url: str, system: str, expected: int, within: float) -> int
 # --- phases (parent) -----------------------------------------------------------------
 
 
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending sequence."""
-    if not ordered:
-        return math.nan
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def throughput(bench: Bench, system: str, count: int, py_spy: Path | None) -> dict[str, Any]:
     url = bench.fresh(system)
     began = time.monotonic()
@@ -870,16 +864,6 @@ def run_phase(name: str, failures: list[str], phase: Callable[[], T]) -> T | Non
 
 
 # --- report --------------------------------------------------------------------------
-
-
-def json_safe(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [json_safe(item) for item in value]
-    return value
 
 
 def summarize(results: dict[str, Any]) -> None:

@@ -732,19 +732,27 @@ class Chaos:
         return ended > 0
 
     def _fault_link_delay(self, fault: ScheduledFault) -> bool:
-        link = self.links[LINKS[fault.slot % 2]]
-        if not self._lasting(f"link_{fault.slot % 2}", LINK_FAULT_SECONDS, link.restore):
+        if not self._link_fault(
+            fault, LINK_FAULT_SECONDS, lambda link: link.delay(LINK_DELAY_PER_CHUNK_SECONDS)
+        ):
             return False
-        link.delay(LINK_DELAY_PER_CHUNK_SECONDS)
         self.tally.link_delays += 1
         return True
 
     def _fault_link_blackhole(self, fault: ScheduledFault) -> bool:
-        link = self.links[LINKS[fault.slot % 2]]
-        if not self._lasting(f"link_{fault.slot % 2}", LINK_BLACKHOLE_SECONDS, link.restore):
+        if not self._link_fault(fault, LINK_BLACKHOLE_SECONDS, ThreadedProxy.blackhole):
             return False
-        link.blackhole()
         self.tally.link_blackholes += 1
+        return True
+
+    def _link_fault(
+        self, fault: ScheduledFault, seconds: float, start: Callable[[ThreadedProxy], None]
+    ) -> bool:
+        """Slow or silence one link for a while; one such fault per link at a time."""
+        link = self.links[LINKS[fault.slot % 2]]
+        if not self._lasting(f"link_{fault.slot % 2}", seconds, link.restore):
+            return False
+        start(link)
         return True
 
     def _fault_link_cut(self, fault: ScheduledFault) -> bool:

@@ -11,19 +11,21 @@ from consumer.worker import _Batcher
 
 async def test_what_queues_during_a_flush_goes_together_into_the_next() -> None:
     flushed: list[list[int]] = []
+    first_flush_started = asyncio.Event()
     gate = asyncio.Event()
 
     async def flush(items: list[int]) -> list[int]:
         flushed.append(items)
         if len(flushed) == 1:
+            first_flush_started.set()
             await gate.wait()
         return [item * 10 for item in items]
 
     batcher = _Batcher(flush, limit=3)
     first = asyncio.ensure_future(batcher.submit(1))
-    await asyncio.sleep(0)  # the first flush starts with one item and waits at the gate
+    await first_flush_started.wait()  # the first flush holds one item, waiting at the gate
     rest = [asyncio.ensure_future(batcher.submit(n)) for n in range(2, 7)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one loop turn: the five submitters queue their items
     gate.set()
 
     assert await asyncio.gather(first, *rest) == [10, 20, 30, 40, 50, 60]
