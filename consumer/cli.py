@@ -9,6 +9,7 @@ from typing import Any
 
 from consumer.worker import DEFAULT_METRICS_PORT, Consumer
 from outbox.cli import add_setting_flags, run_async, run_command
+from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.loading import load_registry, module_list
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled
@@ -30,6 +31,7 @@ SETTINGS = (
     "reconcile_interval",
     "reconcile_batch",
     "requeue_stale_after",
+    *DATABASE_BOUND_SETTINGS,
     "metrics_host",
     "metrics_port",
 )

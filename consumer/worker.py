@@ -30,17 +30,20 @@ import aiormq.exceptions
 import psycopg
 import pydantic
 import sqlalchemy.exc
-from aio_pika.abc import AbstractIncomingMessage
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, ConsumerTag
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from outbox import store, tracing
 from outbox.broker import (
+    SESSION_SETUP_SECONDS,
+    DeclaredTopology,
     OperationMessage,
     Topology,
     amqp_url_with_heartbeat,
     declare_topology,
 )
 from outbox.broker import connect as connect_to_broker
+from outbox.connections import DatabaseBounds, bounded_transaction
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
 from outbox.errors import (
     ConfigurationError,
@@ -181,6 +184,7 @@ class Consumer(Stoppable):
         self._broker_ready = False
         self._handlers: set[asyncio.Task[Any]] = set()
         self._engine: AsyncEngine | None = None
+        self.database_bounds = DatabaseBounds.from_settings(settings)
         # Group commit: the deliveries in hand share their claim transaction and their
         # outcome transaction, instead of two transactions each.
         self._claims = _Batcher(self._prepare_many, limit=settings.prefetch)
@@ -194,14 +198,24 @@ class Consumer(Stoppable):
     @property
     def engine(self) -> AsyncEngine:
         if self._engine is None:
+            # No pre-ping: it is a round trip per checkout with no deadline of its own. A
+            # dead pooled connection fails its transaction's first statement instead (a
+            # transient error: the delivery comes back), and SQLAlchemy discards the pool.
             self._engine = create_async_engine(
                 self.settings.sqlalchemy_url,
                 pool_size=self.settings.prefetch + 2,
                 max_overflow=4,
-                pool_pre_ping=True,
-                connect_args={"application_name": APPLICATION_NAME, "connect_timeout": 10},
+                connect_args={
+                    "application_name": APPLICATION_NAME,
+                    **self.database_bounds.libpq_parameters(),
+                },
             )
         return self._engine
+
+    def _transaction(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        """A transaction whose connection is cut past its deadline, so a silent link
+        never holds an operation's row beyond the lease."""
+        return bounded_transaction(self.engine, self.database_bounds.transaction)
 
     async def close(self) -> None:
         if self._engine is not None:
@@ -209,7 +223,7 @@ class Consumer(Stoppable):
             self._engine = None
 
     async def _run_plan(self, plan: Plan[T]) -> T:
-        async with self.engine.begin() as connection:
+        async with self._transaction() as connection:
             return await (await AsyncStore.on(connection)).run(plan)
 
     # --- daemon ----------------------------------------------------------------------
@@ -228,7 +242,8 @@ class Consumer(Stoppable):
                     "consumer.started",
                     f"consumer.started worker={self.worker_id} metrics_port={bound} "
                     f"tools={self.registry.describe()!r} queue={self._topology.queue} "
-                    f"database={redact_url(self.settings.libpq_url)}",
+                    f"database={redact_url(self.settings.libpq_url)} "
+                    f"{self.database_bounds.describe()}",
                 )
                 reconciler = asyncio.create_task(self._reconcile_loop())
                 try:
@@ -263,16 +278,15 @@ class Consumer(Stoppable):
         url = amqp_url_with_heartbeat(
             self.settings.amqp_url.get_secret_value(), self.settings.amqp_heartbeat
         )
-        connection = await connect_to_broker(
-            url, connection_name=f"{APPLICATION_NAME} {self.worker_id}"
-        )
+        async with asyncio.timeout(SESSION_SETUP_SECONDS):
+            connection = await connect_to_broker(
+                url, connection_name=f"{APPLICATION_NAME} {self.worker_id}"
+            )
         closed = asyncio.Event()
         connection.close_callbacks.add(lambda *_: closed.set())
         async with connection:
-            channel = await connection.channel()
-            await channel.set_qos(prefetch_count=self.settings.prefetch)
-            declared = await declare_topology(channel, self._topology)
-            tag = await declared.queue.consume(self._on_message)
+            async with asyncio.timeout(SESSION_SETUP_SECONDS):
+                declared, tag = await self._start_consuming(connection, closed)
             self._broker_ready = True
             _log(logging.INFO, "consumer.session_ready", "consumer.session_ready")
             stop = asyncio.ensure_future(self.wait_for_stop())
@@ -284,12 +298,32 @@ class Consumer(Stoppable):
                 lost.cancel()
             self._broker_ready = False
             if closed.is_set() and not self.stopping:
-                raise aiormq.exceptions.AMQPConnectionError("the broker connection closed")
+                raise aiormq.exceptions.AMQPConnectionError(
+                    "the broker closed the connection or the channel, or cancelled the consumer"
+                )
             # Graceful stop: take no new deliveries, let the effects in hand finish.
             with contextlib.suppress(aiormq.exceptions.AMQPError):
                 await declared.queue.cancel(tag)
             if self._handlers:
                 await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _start_consuming(
+        self, connection: AbstractConnection, closed: asyncio.Event
+    ) -> tuple[DeclaredTopology, ConsumerTag]:
+        channel = await connection.channel()
+        # A channel the broker closed, or a consumer it cancelled (a quorum queue's
+        # leader moving after a restart), leaves the connection open and nothing
+        # consuming: a session that ends that way is lost like a closed connection.
+        channel.close_callbacks.add(lambda *_: closed.set())
+        await channel.set_qos(prefetch_count=self.settings.prefetch)
+        declared = await declare_topology(channel, self._topology)
+        underlay = await channel.get_underlay_channel()
+
+        async def cancelled_by_broker(*_: object) -> None:
+            closed.set()
+
+        underlay.on_consumer_cancel_callbacks.add(cancelled_by_broker)
+        return declared, await declared.queue.consume(self._on_message)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         task = asyncio.current_task()
@@ -365,7 +399,7 @@ class Consumer(Stoppable):
         before any of their external calls: one round trip loads them all, one statement
         claims them all, each with its own lease and a new fencing token."""
         began = time.monotonic()
-        async with self.engine.begin() as connection:
+        async with self._transaction() as connection:
             runner = await AsyncStore.on(connection)
             operations = await runner.run(
                 store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
@@ -612,6 +646,7 @@ class Consumer(Stoppable):
         return "invalid"
 
     async def _later(self, message: AbstractIncomingMessage, error: BaseException) -> str:
+        self.metrics.deliveries.labels("retry_later").inc()
         _log(
             logging.WARNING,
             "consumer.database_unavailable",
@@ -627,7 +662,7 @@ class Consumer(Stoppable):
         last_sweep = 0.0
         while not self.stopping:
             try:
-                if time.monotonic() - last_sweep > STALE_SWEEP_SECONDS:
+                if time.monotonic() - last_sweep > self._stale_sweep_seconds:
                     last_sweep = time.monotonic()
                     await self.requeue_stale()
                 busy = await self.reconcile_once()
@@ -654,6 +689,11 @@ class Consumer(Stoppable):
             if not busy:
                 await self._sleep(self.settings.reconcile_interval)
 
+    @property
+    def _stale_sweep_seconds(self) -> float:
+        # Twice per requeue period at least, so a stale operation waits at most 1.5x it.
+        return min(STALE_SWEEP_SECONDS, self.settings.requeue_stale_after.total_seconds() / 2)
+
     async def requeue_stale(self) -> list[Any]:
         """Queue again prepared operations that no message has reached for
         ``requeue_stale_after`` (their message was dead-lettered or lost)."""
@@ -673,7 +713,7 @@ class Consumer(Stoppable):
     async def reconcile_once(self) -> int:
         """One reconciler pass; returns how many operations it took up."""
         lookups: list[_Claimed] = []
-        async with self.engine.begin() as connection:
+        async with self._transaction() as connection:
             runner = await AsyncStore.on(connection)
             candidates = await runner.run(
                 store.claim_reconciliation_batch(self.settings.reconcile_batch)
@@ -798,7 +838,7 @@ class Consumer(Stoppable):
             traced.set_status(not isinstance(result, StillUnknown), label)
         self.metrics.reconciliations.labels(contract.name, label).inc()
         try:
-            async with self.engine.begin() as connection:
+            async with self._transaction() as connection:
                 runner = await AsyncStore.on(connection)
                 await self._settle_lookup(runner, operation, contract, result)
         except IllegalTransition as fenced:

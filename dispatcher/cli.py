@@ -9,6 +9,7 @@ from typing import Any
 
 from dispatcher.daemon import DEFAULT_METRICS_PORT, RECOVERABLE, Dispatcher, is_broker_error
 from outbox.cli import add_setting_flags, run_async, run_command
+from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.errors import ServiceUnavailable
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled
@@ -31,6 +32,7 @@ SETTINGS = (
     "publish_retry_initial",
     "publish_retry_max",
     "retention",
+    *DATABASE_BOUND_SETTINGS,
     "metrics_host",
     "metrics_port",
 )

@@ -30,6 +30,7 @@ import tenacity
 from dispatcher.publisher import BrokerUnavailable, Publisher, PublishOutcome
 from outbox import store
 from outbox.broker import Topology
+from outbox.connections import DatabaseBounds, deadline
 from outbox.errors import ConfigurationError, TransientDatabaseError
 from outbox.metrics import DispatcherMetrics
 from outbox.observability import serve_http
@@ -84,6 +85,10 @@ class Dispatcher(Stoppable):
         # pid plus a per-instance suffix: several dispatchers may share one process (tests).
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
         self._topology = Topology.from_settings(settings)
+        # A batch's transaction stays open while its confirms are awaited.
+        self.database_bounds = DatabaseBounds.from_settings(
+            settings, held_open_for=settings.publish_timeout
+        )
         self._wake = asyncio.Event()
         self._healthy = False
         self._last_tick = 0.0
@@ -114,7 +119,8 @@ class Dispatcher(Stoppable):
                 logging.INFO,
                 "dispatcher.started",
                 f"dispatcher.started worker={self.worker_id} metrics_port={bound} "
-                f"database={redact_url(self.settings.libpq_url)} queue={self._topology.queue}",
+                f"database={redact_url(self.settings.libpq_url)} queue={self._topology.queue} "
+                f"{self.database_bounds.describe()}",
             )
             retention = asyncio.create_task(self._retention_loop())
             try:
@@ -239,8 +245,10 @@ class Dispatcher(Stoppable):
     async def _batch(
         self, database: psycopg.AsyncConnection[Any], publisher: Publisher
     ) -> PublishOutcome | None:
-        """Claim, publish, mark, commit. None when nothing was available."""
-        async with database.transaction():
+        """Claim, publish, mark, commit. None when nothing was available. A link that
+        goes silent meanwhile costs the connection, never the rows: they stay claimable
+        once the server ends the stalled session."""
+        async with deadline(database, self.database_bounds.transaction), database.transaction():
             runner = await AsyncStore.on(database)
             rows = await runner.run(store.claim_outbox_batch(self.settings.batch_size))
             if not rows:
@@ -296,7 +304,7 @@ class Dispatcher(Stoppable):
         await self.refresh_backlog(database)
 
     async def refresh_backlog(self, database: psycopg.AsyncConnection[Any]) -> store.Backlog:
-        async with database.transaction():
+        async with deadline(database, self.database_bounds.transaction), database.transaction():
             runner = await AsyncStore.on(database)
             backlog = await runner.run(store.outbox_backlog())
             by_state = await runner.run(store.operations_by_state())
@@ -312,7 +320,10 @@ class Dispatcher(Stoppable):
         deleted = 0
         async with await self._connect_database() as database:
             while not self.stopping:
-                async with database.transaction():
+                async with (
+                    deadline(database, self.database_bounds.transaction),
+                    database.transaction(),
+                ):
                     batch = await (await AsyncStore.on(database)).run(
                         store.delete_published_outbox_rows(self.settings.retention, RETENTION_BATCH)
                     )
@@ -365,8 +376,8 @@ class Dispatcher(Stoppable):
             return await psycopg.AsyncConnection.connect(
                 self.settings.libpq_url,
                 autocommit=autocommit,
-                connect_timeout=10,
                 application_name=APPLICATION_NAME,
+                **self.database_bounds.libpq_parameters(),
             )
 
         return await self._retrying(connect, "database")

@@ -22,6 +22,7 @@ from outbox.broker import (
     APP_ID,
     CONTENT_TYPE,
     MESSAGE_TYPE,
+    SESSION_SETUP_SECONDS,
     Topology,
     amqp_url_with_heartbeat,
     declare_topology,
@@ -126,13 +127,23 @@ class Publisher:
         self._exchange: AbstractExchange | None = None
 
     async def connect(self) -> None:
-        # The name shows in the management UI and `rabbitmqctl list_connections`.
-        self._connection = await connect_to_broker(self._url, connection_name=self._connection_name)
-        self._channel = await self._connection.channel(
-            publisher_confirms=True, on_return_raises=True
-        )
-        declared = await declare_topology(self._channel, self._topology)
-        self._exchange = declared.exchange
+        try:
+            await self._open()
+        except BaseException:
+            await self.close()  # a half-opened session must not linger beside the next
+            raise
+
+    async def _open(self) -> None:
+        async with asyncio.timeout(SESSION_SETUP_SECONDS):
+            # The name shows in the management UI and `rabbitmqctl list_connections`.
+            self._connection = await connect_to_broker(
+                self._url, connection_name=self._connection_name
+            )
+            self._channel = await self._connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+            declared = await declare_topology(self._channel, self._topology)
+            self._exchange = declared.exchange
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None

@@ -24,6 +24,10 @@ CONTENT_TYPE = "application/json"
 MESSAGE_TYPE = "outbox.operation.v1"
 APP_ID = "effect-outbox"
 CONNECT_TIMEOUT_SECONDS = 10
+# Opening a session (connection, channel, topology, consumer) has no deadline of its own
+# in aio-pika: a broker half-way through starting can accept the connection and never
+# answer a quorum queue's declare, and a daemon waiting on it consumes nothing, forever.
+SESSION_SETUP_SECONDS = 30
 
 
 class OperationMessage(BaseModel):

@@ -150,7 +150,8 @@ class ConsumerMetrics:
             registry=registry,
             deliveries=Counter(
                 names.CONSUMER_DELIVERIES,
-                "Messages handled, by result: processed, duplicate, invalid, awaiting_approval",
+                "Messages handled, by result: processed, duplicate, invalid, awaiting_approval, "
+                "retry_later (the database was away or too slow: the message comes back)",
                 ["result"],
                 registry=registry,
             ),

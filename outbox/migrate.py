@@ -10,6 +10,7 @@ import psycopg
 
 from outbox import store
 from outbox.broker import Topology, connect_for_command, declare_topology
+from outbox.connections import command_parameters
 from outbox.errors import ConfigurationError
 from outbox.settings import Settings, database_name, libpq_url, redact_url, with_database
 
@@ -30,12 +31,12 @@ def ensure_database(url: str) -> bool:
     url = libpq_url(url)
     name = database_name(url)
     try:
-        psycopg.connect(url, connect_timeout=10).close()
+        psycopg.connect(url, **command_parameters()).close()
         return False
     except psycopg.OperationalError as first_failure:
         try:
             with psycopg.connect(
-                with_database(url, MAINTENANCE_DATABASE), autocommit=True, connect_timeout=10
+                with_database(url, MAINTENANCE_DATABASE), autocommit=True, **command_parameters()
             ) as admin:
                 if store.database_exists(admin, name):
                     raise _unreachable(url, first_failure) from None
@@ -59,7 +60,7 @@ def migrate(url: str, *, roles: bool = False) -> MigrationReport:
     try:
         # One transaction for both files: the grants never name a table that is not
         # there yet, and a failure leaves neither half applied.
-        with psycopg.connect(libpq_url(url), connect_timeout=10) as connection:
+        with psycopg.connect(libpq_url(url), **command_parameters()) as connection:
             version = store.apply_schema(connection)
             if roles:
                 granted = store.apply_roles(connection)

@@ -21,6 +21,7 @@ from uuid import UUID
 import psycopg
 
 from outbox import store
+from outbox.connections import command_parameters
 from outbox.decisions import grant_approval
 from outbox.dlq import positive_int
 from outbox.errors import (
@@ -211,7 +212,7 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
     """One transaction per command: committed when the command succeeds."""
     url = settings.libpq_url
     try:
-        connection = psycopg.connect(url, connect_timeout=10)
+        connection = psycopg.connect(url, **command_parameters(settings))
     except psycopg.OperationalError:
         # libpq's message may echo connection parameters; the redacted URL says enough.
         raise ServiceUnavailable(f"could not connect to Postgres at {redact_url(url)}") from None

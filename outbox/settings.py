@@ -82,6 +82,50 @@ class Settings(BaseSettings):
         gt=0,
         description="seconds a claim's lease outlives the tool's deadline",
     )
+    # A database link that goes silent (NAT timeout, failover, cable) must cost seconds,
+    # never a session idle in its transaction holding row locks forever. Unset values are
+    # derived from the lease margin (see DatabaseBounds): a stuck commit is cut before
+    # the lease runs out, so the reconciler can always take the operation over.
+    db_transaction_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds a daemon's transaction may take before its connection is cut "
+        "(default: half the lease margin)",
+    )
+    db_statement_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="server-side statement_timeout, seconds (default: the transaction timeout)",
+    )
+    db_lock_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="server-side lock_timeout, seconds (default: half the transaction timeout)",
+    )
+    db_idle_in_transaction_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="server-side idle_in_transaction_session_timeout, seconds (default: the "
+        "transaction timeout; the dispatcher adds its publish timeout)",
+    )
+    db_tcp_user_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="libpq tcp_user_timeout, seconds: how long sent data may go "
+        "unacknowledged before the client drops the link",
+    )
+    db_keepalives_idle: int = Field(
+        default=5, ge=1, description="libpq keepalives_idle: seconds of silence before a probe"
+    )
+    db_keepalives_interval: int = Field(
+        default=2, ge=1, description="libpq keepalives_interval: seconds between probes"
+    )
+    db_keepalives_count: int = Field(
+        default=3,
+        ge=1,
+        description="libpq keepalives_count: probes lost before the link is dropped",
+    )
+    db_connect_timeout: int = Field(default=10, ge=2, description="libpq connect_timeout, seconds")
     reconcile_interval: float = Field(
         default=0.5, gt=0, description="seconds between reconciler scans"
     )

@@ -3,8 +3,15 @@
 Point a daemon at ``proxy.port`` instead of the real service. ``delay(s)`` holds every
 chunk that long before passing it on (a slow link); ``blackhole()`` keeps every socket
 open but forwards nothing (a silent peer, as after a network partition: what arrives
-meanwhile is held, as TCP would retransmit it); ``cut()`` aborts every open connection
-(a reset); ``restore()`` forwards again at full speed.
+meanwhile is held, as TCP would retransmit it, and so is a close: neither end learns that
+the other went away); ``cut()`` aborts every open connection (a reset); ``restore()``
+forwards again at full speed.
+
+``go_silent_on(pattern)`` silences one connection for good, at a chosen moment: the
+first connection whose client sends a chunk containing ``pattern`` forwards that chunk
+(or not) and then nothing more in either direction, as a half-open link does. Other
+connections are untouched. That puts a partition exactly between a statement and its
+answer, or between an UPDATE and its COMMIT.
 
 :class:`TcpProxy` runs on the caller's event loop (tests); :class:`ThreadedProxy` runs
 one on a loop of its own in a background thread, for synchronous callers such as
@@ -18,6 +25,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 T = TypeVar("T")
 
@@ -32,9 +40,14 @@ class TcpProxy:
         self._flowing.set()
         self._delay_seconds = 0.0
         self._writers: set[asyncio.StreamWriter] = set()
+        self._links: set[asyncio.Event] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self.connections_accepted = 0
+        self._silence_pattern: bytes | None = None
+        self._forward_trigger = True
+        self.went_silent = asyncio.Event()
+        """Set when a connection matched the ``go_silent_on`` pattern."""
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -61,8 +74,16 @@ class TcpProxy:
         self._flowing.clear()
 
     def restore(self) -> None:
+        """Forward again; a connection silenced by ``go_silent_on`` stays silent."""
         self._delay_seconds = 0.0
         self._flowing.set()
+
+    def go_silent_on(self, pattern: bytes, *, forward: bool = True) -> None:
+        """Silence the first connection whose client sends ``pattern`` (once); with
+        ``forward`` the chunk that matched still reaches the server."""
+        self._silence_pattern = pattern
+        self._forward_trigger = forward
+        self.went_silent.clear()
 
     def cut(self) -> int:
         """Abort every open connection; how many client connections that ended."""
@@ -70,6 +91,8 @@ class TcpProxy:
         for writer in list(self._writers):
             writer.transport.abort()
         self._writers.clear()
+        for link in self._links:
+            link.set()  # lets a silenced connection's pipes see the reset and end
         return ended
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -84,28 +107,57 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers.update((writer, upstream_writer))
+        link = asyncio.Event()  # this connection's own flow, cleared when it goes silent
+        link.set()
+        self._links.add(link)
         await asyncio.gather(
-            self._pipe(reader, upstream_writer),
-            self._pipe(upstream_reader, writer),
+            self._pipe(reader, upstream_writer, link, from_client=True),
+            self._pipe(upstream_reader, writer, link, from_client=False),
             return_exceptions=True,
         )
+        self._links.discard(link)
         for side in (writer, upstream_writer):
             self._writers.discard(side)
             side.transport.abort()
 
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter,
+        link: asyncio.Event,
+        *,
+        from_client: bool,
+    ) -> None:
         while True:
             chunk = await source.read(CHUNK_BYTES)
             if not chunk:
+                # A close crosses a silent link no more than data does.
+                await self._flows(link)
                 sink.transport.abort()
                 return
-            await self._flowing.wait()
+            if from_client and self._silences(chunk):
+                if self._forward_trigger:
+                    sink.write(chunk)
+                link.clear()
+                self.went_silent.set()
+                continue
+            await self._flows(link)
             if self._delay_seconds > 0.0:
                 # Injected latency, per chunk and in order: a slow link, not a timer.
                 await asyncio.sleep(self._delay_seconds)
-                await self._flowing.wait()  # a black hole may have opened meanwhile
+                await self._flows(link)  # a black hole may have opened meanwhile
             sink.write(chunk)
             await sink.drain()
+
+    def _silences(self, chunk: bytes) -> bool:
+        if self._silence_pattern is None or self._silence_pattern not in chunk:
+            return False
+        self._silence_pattern = None
+        return True
+
+    async def _flows(self, link: asyncio.Event) -> None:
+        await self._flowing.wait()
+        await link.wait()
 
 
 @contextlib.asynccontextmanager
@@ -116,6 +168,22 @@ async def tcp_proxy(target_host: str, target_port: int) -> AsyncIterator[TcpProx
         yield proxy
     finally:
         await proxy.close()
+
+
+@contextlib.asynccontextmanager
+async def tcp_proxy_for(url: str, default_port: int) -> AsyncIterator[TcpProxy]:
+    """A proxy in front of the service a URL names."""
+    parts = urlsplit(url)
+    async with tcp_proxy(parts.hostname or "127.0.0.1", parts.port or default_port) as proxy:
+        yield proxy
+
+
+def url_through(url: str, port: int) -> str:
+    """The URL with its host and port replaced by a local proxy's, credentials kept."""
+    parts = urlsplit(url)
+    credentials, _, _ = parts.netloc.rpartition("@")
+    netloc = f"127.0.0.1:{port}"
+    return urlunsplit(parts._replace(netloc=f"{credentials}@{netloc}" if credentials else netloc))
 
 
 class ThreadedProxy:
@@ -159,6 +227,13 @@ class ThreadedProxy:
 
     def cut(self) -> int:
         return self._call(self._proxy.cut)
+
+    def go_silent_on(self, pattern: bytes, *, forward: bool = True) -> None:
+        self._call(lambda: self._proxy.go_silent_on(pattern, forward=forward))
+
+    @property
+    def went_silent(self) -> bool:
+        return self._call(self._proxy.went_silent.is_set)
 
     @property
     def open_connections(self) -> int:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
 
 import pytest
 from pydantic import SecretStr
 
 from outbox import Registry, Settings
-from outbox.sandbox.proxy import TcpProxy, tcp_proxy
+from outbox.sandbox.proxy import TcpProxy, tcp_proxy_for, url_through
 
 from support.broker_helpers import read_all
 from support.dispatch_helpers import (
@@ -25,17 +24,14 @@ from support.waiting import eventually
 
 @pytest.fixture
 async def broker_proxy(amqp_server_url: str) -> AsyncIterator[TcpProxy]:
-    target = urlsplit(amqp_server_url)
-    async with tcp_proxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
+    async with tcp_proxy_for(amqp_server_url, 5672) as proxy:
         yield proxy
 
 
 def through(settings: Settings, proxy: TcpProxy) -> Settings:
-    url = urlsplit(settings.amqp_url.get_secret_value())
-    proxied = url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{proxy.port}")
     return settings.model_copy(
         update={
-            "amqp_url": SecretStr(proxied.geturl()),
+            "amqp_url": SecretStr(url_through(settings.amqp_url.get_secret_value(), proxy.port)),
             "amqp_heartbeat": 1,
             "publish_timeout": 2.0,
         }

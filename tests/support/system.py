@@ -154,6 +154,9 @@ def running_system(
             "OUTBOX_POLL_INTERVAL": "0.2",
             "OUTBOX_RECONCILE_INTERVAL": "0.1",
             "OUTBOX_LEASE_MARGIN": "0.5",
+            # Short leases for quick takeovers; database bounds a busy machine meets
+            # (by default they derive from the margin: 0.25 s here).
+            "OUTBOX_DB_TRANSACTION_TIMEOUT": "5",
             "OUTBOX_METRICS_HOST": "127.0.0.1",
             "OUTBOX_METRICS_PORT": "0",
         }

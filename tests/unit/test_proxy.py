@@ -128,3 +128,31 @@ def test_a_closed_proxy_refuses_connections_and_closes_again_quietly(echo: EchoS
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=10)
     running.close()
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_go_silent_on_silences_the_one_connection_that_sends_the_pattern(
+    proxy: ThreadedProxy, echo: EchoServer, forward: bool
+) -> None:
+    proxy.go_silent_on(b"COMMIT", forward=forward)
+    with connect(proxy) as silenced, connect(proxy) as other:
+        silenced.sendall(b"UPDATE;")
+        assert read_exactly(silenced, 7) == b"UPDATE;"
+        silenced.sendall(b"COMMIT;")
+        eventually_sync(lambda: proxy.went_silent, within=10, what="the pattern to be seen")
+        silenced.sendall(b"after;")
+        # The other connection still flows, both ways, and nothing more of the silenced
+        # one reaches the server: the trigger itself only when it was to be forwarded.
+        other.sendall(b"other;")
+        assert read_exactly(other, 6) == b"other;"
+        expected = b"UPDATE;COMMIT;other;" if forward else b"UPDATE;other;"
+        eventually_sync(
+            lambda: echo.bytes_received() == expected, within=10, what="the bytes that pass"
+        )
+        silenced.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            silenced.recv(1)  # no answer comes back: a half-open link
+        # One-shot: a later connection sending the pattern passes.
+        with connect(proxy) as later:
+            later.sendall(b"COMMIT;")
+            assert read_exactly(later, 7) == b"COMMIT;"
