@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import psycopg
 
@@ -52,14 +52,25 @@ from outbox.migrate import migrate
 from outbox.models import OperationEvent
 from outbox.sandbox.demo import DemoNames, clean_up
 from outbox.sandbox.provider import Faults, SandboxProvider
-from outbox.sandbox.proxy import ThreadedProxy
+from outbox.sandbox.proxy import ThreadedProxy, url_through
 from outbox.settings import Settings, redact_url, with_database
 from outbox.states import EventName, OperationState, is_legal
 from outbox.store import Store
 
 TOOLS_MODULE = "outbox.sandbox.tools"
 REFUND_DEADLINE_SECONDS = 5.0
-LEASE_MARGIN_SECONDS = 1.0
+# The daemons' database bounds derive from it (outbox/connections.py): half of it is how
+# long one of their transactions may take before its connection is cut.
+LEASE_MARGIN_SECONDS = 3.0
+# A dead-lettered message's operation is queued again this much later; a failed publish
+# waits at most this long before the next try. Both far shorter than the defaults, so
+# that every decision can settle within the liveness bound after the faults end.
+REQUEUE_STALE_AFTER_SECONDS = 10.0
+PUBLISH_RETRY_MAX_SECONDS = 2.0
+# What a run may take besides its stream and its liveness bound: starting four daemons,
+# rabbitmqctl calls, the checker, stopping and removing everything (generous: a busy
+# machine runs each of them several times slower).
+RUN_OVERHEAD_SECONDS = 120.0
 # A consumer paused this long has outlived the lease of anything it held (deadline +
 # margin), so another process must take over and the paused one wake up as a zombie.
 STOP_SECONDS = REFUND_DEADLINE_SECONDS + LEASE_MARGIN_SECONDS + 1.5
@@ -73,7 +84,6 @@ FAULT_SPACING_SECONDS = 3.0
 # already down) is tried again this much later, this many times.
 FAULT_RETRY_SECONDS = 1.0
 FAULT_RETRIES = 20
-DEFAULT_DRAIN_SECONDS = 120.0
 LOOP_SECONDS = 0.05
 MAX_AMOUNT_CENTS = 49_999  # under the sandbox tool's approval threshold (50,000)
 
@@ -137,10 +147,18 @@ def register(commands: Any) -> None:
         help=f"all, or a comma-separated subset of {','.join(FAULT_CATEGORIES)} (all)",
     )
     parser.add_argument(
+        "--seeds",
+        type=_seed_range,
+        default=None,
+        help="a sweep: one run per seed, e.g. 1-20 or 3,5,8 (overrides --seed); exit 0 only "
+        "if every run held",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=DEFAULT_DRAIN_SECONDS,
-        help=f"seconds to wait for every operation to settle ({DEFAULT_DRAIN_SECONDS:g})",
+        default=None,
+        help="seconds to wait after the faults end for every operation to settle (default: "
+        "the liveness bound, 2 x (lease + reconcile budget) of the sandbox refund tool)",
     )
     parser.set_defaults(handler=run)
 
@@ -150,6 +168,49 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
+
+
+def _seed_range(text: str) -> list[int]:
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            first, dash, last = part.strip().partition("-")
+            low, high = int(first), int(last if dash else first)
+            if high < low:
+                raise ValueError(part)
+            seeds.extend(range(low, high + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a seed list: use 1-20, 3,5,8 or a mix (1-5,9)"
+        ) from None
+    return seeds
+
+
+def liveness_bound() -> float:
+    """Seconds after the faults end within which every decision must have settled:
+    twice the refund tool's lease plus its whole reconcile budget (every lookup at its
+    deadline, every backoff at its longest)."""
+    from outbox.sandbox.tools import build_registry
+
+    # The daemons run the tool with REFUND_DEADLINE_SECONDS (their environment says so).
+    policy = build_registry().get("send_refund", 1).retry
+    deadline = REFUND_DEADLINE_SECONDS
+    lookups = sum(
+        min(
+            policy.initial_backoff.total_seconds() * policy.multiplier ** (n - 1),
+            policy.max_backoff.total_seconds(),
+        )
+        * (1 + policy.jitter)
+        + deadline
+        for n in range(1, policy.reconcile_max_attempts + 1)
+    )
+    return 2 * (deadline + LEASE_MARGIN_SECONDS + lookups)
+
+
+def run_deadline(operations: int) -> float:
+    """The longest one run of ``operations`` decisions may take, start to exit: what a
+    caller (a test, a CI job) waits before it stops the run with SIGTERM."""
+    return stream_seconds(operations) + liveness_bound() + RUN_OVERHEAD_SECONDS
 
 
 def _fault_categories(text: str) -> frozenset[str]:
@@ -278,11 +339,14 @@ class Daemon:
         self.process.send_signal(signal.SIGSTOP)
         self.stopped_until = until
 
-    def resume_if_due(self, now: float) -> None:
+    def resume_if_due(self, now: float) -> bool:
+        """Wake a paused daemon whose pause is over; True if it did."""
         if self.stopped_until is not None and now >= self.stopped_until:
             assert self.process is not None
             self.process.send_signal(signal.SIGCONT)
             self.stopped_until = None
+            return True
+        return False
 
     def exited_unplanned(self) -> bool:
         return self.process is not None and self.process.poll() is not None
@@ -294,12 +358,17 @@ class Daemon:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def terminate(self) -> None:
+        """Ask the daemon to stop; :meth:`stop` waits for it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a stopped process cannot act on TERM
+            self.process.terminate()
+
     def stop(self) -> None:
         if self.process is None:
             return
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)  # a stopped process cannot act on TERM
-            self.process.terminate()
+            self.terminate()
             try:
                 self.process.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -353,6 +422,10 @@ class Verdict:
     in_flight_past_lease: int = 0
     escalation_reasons: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    # From the end of the last fault to the last settlement; reported, not judged: the
+    # drain deadline (the liveness bound) is what fails a run that does not settle.
+    settle_s: float | None = None
+    last_settled_at: datetime | None = None
 
     @property
     def held(self) -> bool:
@@ -381,18 +454,43 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     categories: frozenset[str] = args.faults
     if "broker" in categories and rabbitmqctl is None:
         raise ConfigurationError("broker faults need rabbitmqctl on PATH; or leave out broker")
+    seeds: list[int] = args.seeds or [args.seed]
+    drain_timeout = args.drain_timeout if args.drain_timeout is not None else liveness_bound()
+    summaries: list[str] = []
+    held = 0
+    for seed in seeds:
+        verdict, summary = run_once(
+            settings, seed, args.operations, categories, rabbitmqctl, drain_timeout
+        )
+        held += verdict.held
+        summaries.append(f"seed={seed} {summary}")
+    if len(seeds) > 1:
+        say(f"sweep: {len(seeds)} runs of {args.operations} decisions")
+        for line in summaries:
+            say(f"  {line}")
+        say(f"sweep: {held} of {len(seeds)} held.")
+    return 0 if held == len(seeds) else 1
+
+
+def run_once(
+    settings: Settings,
+    seed: int,
+    operations: int,
+    categories: frozenset[str],
+    rabbitmqctl: str | None,
+    drain_timeout: float,
+) -> tuple[Verdict, str]:
+    """One run; its verdict and a one-line summary."""
+    began = time.monotonic()
     names = _fresh_names(settings)
-    schedule = fault_schedule(args.seed, args.operations, categories)
-    say(
-        f"outbox chaos: {args.operations} decisions, seed {args.seed}, "
-        f"faults {','.join(sorted(categories))}"
-    )
+    schedule = fault_schedule(seed, operations, categories)
+    say(f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}")
     say(f"database {redact_url(names.database_url)}, queue {names.queue}")
     say(f"fault schedule ({len(schedule)}):")
     for fault in schedule:
         say(f"  {fault.describe()}")
     provider_faults = (
-        Faults(seed=args.seed, drop_response_probability=0.15, fail_before_commit_probability=0.05)
+        Faults(seed=seed, drop_response_probability=0.15, fail_before_commit_probability=0.05)
         if "provider" in categories
         else Faults()
     )
@@ -412,28 +510,51 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 provider=provider,
                 links={"broker": broker_link, "database": database_link},
                 log_dir=Path(log_dir),
-                operations=args.operations,
+                operations=operations,
                 schedule=schedule,
                 rabbitmqctl=rabbitmqctl,
-                drain_timeout=args.drain_timeout,
+                drain_timeout=drain_timeout,
             )
             try:
                 drain_s = chaos.run()
             finally:
                 sessions = chaos.sessions()
+                stopping = time.monotonic()
                 chaos.stop()
-            verdict = check(names.database_url, args.operations, provider)
+                chaos.timings["stop_daemons"] = time.monotonic() - stopping
+            checking = time.monotonic()
+            verdict = check(names.database_url, operations, provider)
+            if verdict.last_settled_at is not None:
+                verdict.settle_s = max(
+                    0.0, verdict.last_settled_at.timestamp() - chaos.faults_ended_at
+                )
+            chaos.timings["check"] = time.monotonic() - checking
             if not verdict.held or drain_s is None:
                 evidence = _keep_evidence(names, Path(log_dir), sessions)
         finally:
             if evidence is None:
+                cleaning = time.monotonic()
                 clean_up(settings, names)
-    report(verdict, chaos.tally, drain_s)
+                chaos.timings["clean_up"] = time.monotonic() - cleaning
+    chaos.timings["total"] = time.monotonic() - began
+    report(verdict, chaos.tally, drain_s, chaos.timings)
     if evidence is not None:
         say(f"evidence kept: the daemons' logs and sessions in {evidence}; the database")
         say(f"  {redact_url(names.database_url)} and the queues {names.queue}, ")
         say(f"  {names.dead_letter_queue} stay until you drop them.")
-    return 0 if verdict.held else 1
+    summary = (
+        f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
+        f"escalated={verdict.escalated} lost={verdict.lost} "
+        f"duplicate_effects={verdict.duplicate_effects} blind_retries={verdict.blind_retries} "
+        f"illegal_sequences={verdict.illegal_sequences} "
+        f"settle_s={_seconds(verdict.settle_s)} total_s={chaos.timings['total']:.0f} "
+        + ("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
+    )
+    return verdict, summary
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _keep_evidence(names: DemoNames, log_dir: Path, sessions: list[str]) -> Path:
@@ -445,7 +566,9 @@ def _keep_evidence(names: DemoNames, log_dir: Path, sessions: list[str]) -> Path
     return kept
 
 
-def report(verdict: Verdict, tally: Tally, drain_s: float | None) -> None:
+def report(
+    verdict: Verdict, tally: Tally, drain_s: float | None, timings: dict[str, float]
+) -> None:
     say(
         f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
         f"escalated={verdict.escalated} lost={verdict.lost} "
@@ -460,7 +583,8 @@ def report(verdict: Verdict, tally: Tally, drain_s: float | None) -> None:
         f"dispatcher_kills={tally.dispatcher_kills} consumer_kills={tally.consumer_kills} "
         f"broker_restarts={tally.broker_restarts} "
         f"db_connection_kills={tally.db_connection_kills} "
-        f"drain_s={'timeout' if drain_s is None else f'{drain_s:.1f}'}"
+        f"drain_s={'timeout' if drain_s is None else f'{drain_s:.1f}'} "
+        f"settle_s={_seconds(verdict.settle_s)}"
     )
     say(
         f"consumer_kills_in_effect={tally.consumer_kills_in_effect} "
@@ -479,6 +603,7 @@ def report(verdict: Verdict, tally: Tally, drain_s: float | None) -> None:
         f"unplanned_exits={tally.unplanned_exits} "
         f"faults_that_found_nothing={tally.faults_that_found_nothing}"
     )
+    say("timings: " + " ".join(f"{phase}_s={seconds:.1f}" for phase, seconds in timings.items()))
     if verdict.escalation_reasons:
         reasons = ", ".join(f"{r}={n}" for r, n in sorted(verdict.escalation_reasons.items()))
         say(f"escalated by reason: {reasons}")
@@ -492,14 +617,6 @@ def _proxy_to(url: str, default_port: int) -> Iterator[ThreadedProxy]:
     parts = urlsplit(url)
     with ThreadedProxy(parts.hostname or "127.0.0.1", parts.port or default_port) as proxy:
         yield proxy
-
-
-def _through(url: str, proxy: ThreadedProxy) -> str:
-    """The URL with its host and port replaced by the proxy's, credentials kept."""
-    parts = urlsplit(url)
-    credentials, _, _ = parts.netloc.rpartition("@")
-    netloc = f"127.0.0.1:{proxy.port}"
-    return urlunsplit(parts._replace(netloc=f"{credentials}@{netloc}" if credentials else netloc))
 
 
 def say(line: str) -> None:
@@ -530,14 +647,20 @@ class Chaos:
     drain_timeout: float
     tally: Tally = field(default_factory=Tally)
     daemons: list[Daemon] = field(default_factory=list)
+    # Where a run's wall time goes, by phase (the faults' own calls, rabbitmqctl above
+    # all, count apart from the stream they interrupt).
+    timings: dict[str, float] = field(default_factory=dict)
+    # When the last fault ended: wall clock (to compare with the event log) and monotonic.
+    faults_ended_at: float = field(default_factory=time.time)
+    faults_ended_monotonic: float = field(default_factory=time.monotonic)
     # Faults that last a while, by kind: when each ends and what ends it.
     endings: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
 
     def environment(self, proxied: bool) -> dict[str, str]:
         database_url, amqp_url = self.names.database_url, self.amqp_url
         if proxied:
-            database_url = _through(database_url, self.links["database"])
-            amqp_url = _through(amqp_url, self.links["broker"])
+            database_url = url_through(database_url, self.links["database"].port)
+            amqp_url = url_through(amqp_url, self.links["broker"].port)
         return {
             **os.environ,
             "OUTBOX_DATABASE_URL": database_url,
@@ -551,6 +674,8 @@ class Chaos:
             "OUTBOX_SANDBOX_URL": self.provider.url,
             "OUTBOX_SANDBOX_REFUND_DEADLINE": f"{REFUND_DEADLINE_SECONDS:g}",
             "OUTBOX_LEASE_MARGIN": f"{LEASE_MARGIN_SECONDS:g}",
+            "OUTBOX_REQUEUE_STALE_AFTER": f"PT{REQUEUE_STALE_AFTER_SECONDS:g}S",
+            "OUTBOX_PUBLISH_RETRY_MAX": f"{PUBLISH_RETRY_MAX_SECONDS:g}",
             "OUTBOX_POLL_INTERVAL": "0.2",
             "OUTBOX_RECONCILE_INTERVAL": "0.2",
             "OUTBOX_METRICS_HOST": "127.0.0.1",
@@ -561,6 +686,7 @@ class Chaos:
     def run(self) -> float | None:
         """Stream the decisions and the faults, then wait for every operation to settle;
         the seconds that took after the stream ended, None past the drain deadline."""
+        starting = time.monotonic()
         counts: Counter[str] = Counter()
         for kind in DAEMONS:
             index = counts[kind]
@@ -569,6 +695,8 @@ class Chaos:
             daemon.start()
             self.daemons.append(daemon)
         registry = load_registry([TOOLS_MODULE])
+        self.timings["start_daemons"] = time.monotonic() - starting
+        self.timings["faults"] = 0.0
         pending = list(self.schedule)
         retries: Counter[ScheduledFault] = Counter()
         rate = self.operations / stream_seconds(self.operations)
@@ -606,13 +734,23 @@ class Chaos:
                 # Pacing the schedule, not waiting for a condition.
                 time.sleep(LOOP_SECONDS)
         stream_end = time.monotonic()
-        deadline = stream_end + self.drain_timeout
-        while time.monotonic() < deadline:
-            self._tend(time.monotonic())
-            if self._settled():
-                return time.monotonic() - stream_end
-            time.sleep(LOOP_SECONDS * 4)  # polling the database, with the deadline above
-        return None
+        self.timings["stream"] = stream_end - start
+        # Liveness: every decision settles within the bound after the last fault ended
+        # (or after the last decision, when the stream outlasted the faults).
+        deadline = max(self.faults_ended_monotonic, stream_end) + self.drain_timeout
+        try:
+            while time.monotonic() < deadline:
+                self._tend(time.monotonic())
+                if self._settled():
+                    return time.monotonic() - stream_end
+                time.sleep(LOOP_SECONDS * 4)  # polling the database, with the deadline above
+            return None
+        finally:
+            self.timings["drain"] = time.monotonic() - stream_end
+
+    def _fault_over(self) -> None:
+        self.faults_ended_at = time.time()
+        self.faults_ended_monotonic = time.monotonic()
 
     def _faults_last(self) -> bool:
         return bool(self.endings) or any(d.stopped_until is not None for d in self.daemons)
@@ -625,8 +763,10 @@ class Chaos:
             if now >= ends_at:
                 del self.endings[kind]
                 end()
+                self._fault_over()
         for daemon in self.daemons:
-            daemon.resume_if_due(now)
+            if daemon.resume_if_due(now):
+                self._fault_over()
             if daemon.exited_unplanned():
                 self.tally.unplanned_exits += 1
                 say(f"  ! {daemon.name} exited on its own; restarting. Its last lines:")
@@ -646,9 +786,12 @@ class Chaos:
 
     def _inject(self, fault: ScheduledFault, elapsed: float) -> bool:
         """Apply one fault; False if it found nothing to act on (try again later)."""
+        began = time.monotonic()
         acted = getattr(self, f"_fault_{fault.kind}")(fault)
+        self.timings["faults"] += time.monotonic() - began
         if acted:
             say(f"  at +{elapsed:5.1f}s {fault.kind:<24} {fault.target()}")
+            self._fault_over()  # a lasting fault's end moves this again
         return bool(acted)
 
     # --- the faults, one method each (named after the kind) -------------------------
@@ -842,6 +985,9 @@ class Chaos:
                 end()
             except Exception as error:  # keep ending the others
                 say(f"  ! could not end {kind}: {type(error).__name__}")
+        # All at once: each finishes the effects in hand while the others do the same.
+        for daemon in self.daemons:
+            daemon.terminate()
         for daemon in self.daemons:
             daemon.stop()
 
@@ -938,6 +1084,10 @@ def _check_sequence(
             target = OperationState(str(event.attributes["to"]))
         else:
             continue  # an event that changes no state (deferred lookups, approvals)
+        if target in SETTLED and (
+            verdict.last_settled_at is None or event.created_at > verdict.last_settled_at
+        ):
+            verdict.last_settled_at = event.created_at
         if source != state or (source is not None and not is_legal(source, target)):
             verdict.illegal_sequences += 1
             verdict.examples.append(f"{operation_id}: {name} {source}->{target} while {state}")

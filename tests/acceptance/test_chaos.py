@@ -3,13 +3,15 @@ the network links and the provider are broken under a seeded schedule."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
 import subprocess
 import sys
 import uuid
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aio_pika
@@ -19,10 +21,14 @@ import pytest
 from outbox.models import OperationEvent
 from outbox.sandbox.chaos import (
     FAULT_CATEGORIES,
+    RUN_OVERHEAD_SECONDS,
     Tally,
     Verdict,
     _check_sequence,
+    _seed_range,
     fault_schedule,
+    liveness_bound,
+    run_deadline,
 )
 from outbox.states import OperationState
 
@@ -55,8 +61,42 @@ def test_the_schedule_has_every_fault_kind_and_repeats_for_its_seed(seed: int) -
     assert [fault.at for fault in schedule] == sorted(fault.at for fault in schedule)
 
 
+CI_OPERATIONS = 150
+# The run's own deadline (stream + liveness bound + overhead), not a guess; past it the
+# harness gets SIGTERM, which still stops its daemons and keeps its evidence.
+RUN_DEADLINE = run_deadline(CI_OPERATIONS)
+TERMINATE_GRACE_SECONDS = 60.0
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_within_deadline(command: list[str], environment: dict[str, str]) -> Finished:
+    process = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=RUN_DEADLINE)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=TERMINATE_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"outbox chaos ran past its own deadline ({RUN_DEADLINE:.0f} s) and was stopped "
+            f"with SIGTERM:\n{stdout}\n{stderr}"
+        ) from None
+    return Finished(process.returncode, stdout, stderr)
+
+
 @pytest.mark.rabbitmqctl
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(RUN_DEADLINE + TERMINATE_GRACE_SECONDS + 30)
 def test_chaos_loses_nothing_and_duplicates_nothing(
     postgres_server_url: str, amqp_server_url: str
 ) -> None:
@@ -65,18 +105,15 @@ def test_chaos_loses_nothing_and_duplicates_nothing(
         "OUTBOX_DATABASE_URL": postgres_server_url,
         "OUTBOX_AMQP_URL": amqp_server_url,
     }
-    result = subprocess.run(
-        [OUTBOX, "chaos", "--operations", "150", "--seed", "7"],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=170,
-        check=False,
+    result = run_within_deadline(
+        [OUTBOX, "chaos", "--operations", str(CI_OPERATIONS), "--seed", "7"], environment
     )
 
     assert result.returncode == 0, result.stdout + result.stderr
     verdict = verdict_of(result.stdout)
-    assert verdict["decisions"] == "150"
+    assert verdict["decisions"] == str(CI_OPERATIONS)
+    assert verdict["drain_s"] != "timeout"
+    assert verdict["settle_s"] != "-"
     assert verdict["lost"] == "0"
     assert verdict["duplicate_effects"] == "0"
     assert verdict["blind_retries"] == "0"
@@ -162,3 +199,47 @@ def test_the_checker_refuses_an_illegal_sequence() -> None:
     _check_sequence(verdict, "op", OperationState.COMMITTED, events)
 
     assert verdict.illegal_sequences == 1
+
+
+def test_the_checker_notes_when_the_last_operation_settled() -> None:
+    verdict = Verdict(decisions=2)
+    later = NOW + timedelta(seconds=5)
+    committed = event("operation.committed", **{"from": "in_flight", "to": "committed"})
+    escalated = event("operation.escalated", **{"from": "outcome_unknown", "to": "escalated"})
+    escalated = escalated.model_copy(update={"created_at": later})
+    attempted = event("operation.attempted")
+
+    _check_sequence(
+        verdict, "a", OperationState.COMMITTED, [event("operation.prepared"), attempted, committed]
+    )
+    _check_sequence(
+        verdict,
+        "b",
+        OperationState.ESCALATED,
+        [event("operation.prepared"), attempted, UNKNOWN, escalated],
+    )
+
+    assert verdict.last_settled_at == later
+    assert verdict.illegal_sequences == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "seeds"),
+    [("7", [7]), ("1-3", [1, 2, 3]), ("1-3,9", [1, 2, 3, 9]), ("5,2", [5, 2])],
+)
+def test_a_seed_sweep_is_read_from_ranges_and_lists(text: str, seeds: list[int]) -> None:
+    assert _seed_range(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["", "a-b", "5-1", "1-"])
+def test_a_bad_seed_list_is_refused_with_the_forms_it_takes(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="use 1-20"):
+        _seed_range(text)
+
+
+def test_the_run_deadline_is_the_stream_the_liveness_bound_and_the_overhead() -> None:
+    # send_refund under chaos: 5 s deadline, 3 s margin, five lookups of 5 s after
+    # backoffs of 0.2 s doubling (at most 20% jitter): 2 x (8 + 25 + 7.44) s.
+    assert liveness_bound() == pytest.approx(2 * (5 + 3 + 25 + 6.2 * 1.2))
+    assert run_deadline(150) == pytest.approx(15 + liveness_bound() + RUN_OVERHEAD_SECONDS)
+    assert run_deadline(300) == pytest.approx(30 + liveness_bound() + RUN_OVERHEAD_SECONDS)
