@@ -8,7 +8,9 @@
 -- gets exactly what the statements in outbox/sql/queries.sql that its component runs
 -- need, and nothing more:
 --
---   outbox_agent       record_decision: insert_decision, get_operation_by_decision_key
+--   outbox_agent       record_decision: insert_decision (EXECUTE on outbox_record_decision,
+--                      its only write path), get_operation_by_decision_key,
+--                      fingerprint_key
 --   outbox_dispatcher  claim_outbox_batch, mark_outbox_published, mark_outbox_failed,
 --                      outbox_backlog, operations_by_state, delete_published_outbox_rows,
 --                      listen_outbox_pending
@@ -16,7 +18,8 @@
 --                      claim_operations, commit_operations,
 --                      transition_operation, requeue_stale_prepared,
 --                      claim_reconciliation_batch, lease_for_reconciliation,
---                      defer_reconciliation
+--                      defer_reconciliation, escalate_undeliverable,
+--                      reject_denied_operations, fingerprint_key
 --   outbox_operator    the `outbox ops` and `outbox approvals` commands: reads, plus
 --                      transition_operation (resolve) and insert_approval
 --
@@ -74,21 +77,37 @@ $$;
 -- Start from nothing on every outbox table, then grant: an older roles.sql's wider
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.
-REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version
+REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
+    outbox_deployment
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
+-- Column grants survive a table-level REVOKE only if named: drop the dispatcher's.
+REVOKE SELECT (id, state, tool_name, tool_version, input_fingerprint) ON operations
+    FROM outbox_dispatcher;
+-- A new function is executable by PUBLIC; this one writes decisions, so only the agent.
+REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
+    text, boolean, jsonb, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer,
+    outbox_operator;
 
--- The agent service records decisions and reads them back. insert_decision's
--- ON CONFLICT ... RETURNING * and get_operation_by_decision_key read operations; the
--- outbox row and the event are inserted without reading anything back. No UPDATE or
--- DELETE anywhere: an agent can decide, never execute, settle or erase.
-GRANT SELECT, INSERT ON operations TO outbox_agent;
-GRANT INSERT ON outbox TO outbox_agent;
+-- The agent service records decisions through outbox_record_decision (SECURITY
+-- DEFINER: a prepared operation, its outbox row and its operation.prepared event, and
+-- nothing else) and reads them back; it holds no INSERT on operations or outbox, so it
+-- cannot write an operation any other way. Its INSERT on operation_events serves
+-- agent.completed only (the operation_events_by_role trigger refuses any other name).
+-- No UPDATE or DELETE anywhere: an agent can decide, never execute, settle or erase.
+GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
+    text, boolean, jsonb, jsonb) TO outbox_agent;
+GRANT SELECT ON operations TO outbox_agent;
 GRANT INSERT ON operation_events TO outbox_agent;
+-- The key of the short fingerprints its events and log lines show (fingerprint_key);
+-- an operator may read it to match a log line to an operation.
+GRANT SELECT ON outbox_deployment TO outbox_agent, outbox_consumer, outbox_operator;
 
 -- The dispatcher publishes outbox rows. claim_outbox_batch joins operations for the
--- message envelope (and operations_by_state feeds a gauge): SELECT only. Its FOR UPDATE
--- on outbox needs UPDATE; marking rows needs UPDATE; retention needs DELETE.
-GRANT SELECT ON operations TO outbox_dispatcher;
+-- message envelope (and operations_by_state feeds a gauge): those columns only, never
+-- the tool input. Its FOR UPDATE on outbox needs UPDATE; marking rows needs UPDATE;
+-- retention needs DELETE.
+GRANT SELECT (id, state, tool_name, tool_version, input_fingerprint) ON operations
+    TO outbox_dispatcher;
 GRANT SELECT, UPDATE, DELETE ON outbox TO outbox_dispatcher;
 
 -- The consumer moves operations through execution: claim, transition, reconcile (the

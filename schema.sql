@@ -108,6 +108,8 @@ BEGIN
     IF NEW.state IS DISTINCT FROM OLD.state AND NOT (
         (OLD.state, NEW.state) IN (
             ('prepared', 'in_flight'),
+            ('prepared', 'escalated'),
+            ('prepared', 'rejected'),
             ('in_flight', 'committed'),
             ('in_flight', 'rejected'),
             ('in_flight', 'prepared'),
@@ -122,6 +124,18 @@ BEGIN
     ) THEN
         RAISE EXCEPTION 'illegal operation transition % -> %', OLD.state, NEW.state
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_legal_transition';
+    END IF;
+    -- The recorded intent is what a person approves and what the consumer executes:
+    -- nobody, whatever their grants, may change it after the decision was recorded.
+    IF (NEW.id, NEW.run_id, NEW.decision_key, NEW.tool_name, NEW.tool_version,
+        NEW.side_effect, NEW.input, NEW.input_fingerprint, NEW.requires_approval,
+        NEW.created_at)
+       IS DISTINCT FROM
+       (OLD.id, OLD.run_id, OLD.decision_key, OLD.tool_name, OLD.tool_version,
+        OLD.side_effect, OLD.input, OLD.input_fingerprint, OLD.requires_approval,
+        OLD.created_at) THEN
+        RAISE EXCEPTION 'operation %: its recorded intent (input, fingerprint, tool, side effect, approval requirement) cannot change', OLD.id
+            USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operations_intent_frozen';
     END IF;
     IF OLD.state IN ('committed', 'rejected') THEN
         RAISE EXCEPTION 'operation % is terminal (%)', OLD.id, OLD.state
@@ -154,6 +168,67 @@ CREATE TRIGGER operations_guard_transition
     BEFORE UPDATE ON operations
     FOR EACH ROW EXECUTE FUNCTION outbox_guard_transition();
 
+-- Every operation is born prepared, untouched: no attempt, no lease, no outcome. A role
+-- that may insert operations can therefore never insert one that looks executed.
+CREATE OR REPLACE FUNCTION outbox_guard_birth() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.state <> 'prepared' OR NEW.attempts <> 0 OR NEW.reconcile_attempts <> 0
+       OR NEW.lease_token <> 0 OR NEW.lease_owner IS NOT NULL
+       OR NEW.lease_expires_at IS NOT NULL OR NEW.first_attempt_at IS NOT NULL
+       OR NEW.provider_reference IS NOT NULL OR NEW.result IS NOT NULL
+       OR NEW.last_error_class IS NOT NULL THEN
+        RAISE EXCEPTION 'a new operation must be prepared, with no attempt, lease or outcome'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_born_prepared';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS operations_guard_birth ON operations;
+CREATE TRIGGER operations_guard_birth
+    BEFORE INSERT ON operations
+    FOR EACH ROW EXECUTE FUNCTION outbox_guard_birth();
+
+-- Which events each component may append, once roles.sql has created the groups: the
+-- agent only agent.completed (operation.prepared comes from outbox_record_decision
+-- below); the consumer neither what records a decision nor what only a person does;
+-- operators (and the tables' owner, and superusers) anything. A role in no group may
+-- append nothing. Nested IFs for the reason given in outbox_guard_transition.
+CREATE OR REPLACE FUNCTION outbox_guard_event_names() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    owner oid;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_operator') THEN
+        RETURN NEW;
+    END IF;
+    SELECT relowner INTO owner FROM pg_class WHERE oid = TG_RELID;
+    IF pg_has_role(current_user, owner, 'MEMBER')
+       OR pg_has_role(current_user, 'outbox_operator', 'MEMBER') THEN
+        RETURN NEW;
+    END IF;
+    IF pg_has_role(current_user, 'outbox_consumer', 'MEMBER') THEN
+        IF NEW.name NOT IN ('operation.prepared', 'operation.resolved',
+                            'operation.approval_granted', 'operation.approval_denied',
+                            'operation.cancelled', 'agent.completed') THEN
+            RETURN NEW;
+        END IF;
+    ELSIF pg_has_role(current_user, 'outbox_agent', 'MEMBER') THEN
+        IF NEW.name = 'agent.completed' THEN
+            RETURN NEW;
+        END IF;
+    END IF;
+    RAISE EXCEPTION 'role % may not append % events', current_user, NEW.name
+        USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operation_events_by_role';
+END;
+$$;
+
+DROP TRIGGER IF EXISTS operation_events_by_role ON operation_events;
+CREATE TRIGGER operation_events_by_role
+    BEFORE INSERT ON operation_events
+    FOR EACH ROW EXECUTE FUNCTION outbox_guard_event_names();
+
 CREATE OR REPLACE FUNCTION outbox_events_append_only() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -182,4 +257,54 @@ CREATE TRIGGER outbox_notify_pending
     AFTER INSERT ON outbox
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_pending();
 
+-- The per-deployment key of the short fingerprints that logs, events and spans show
+-- (outbox/fingerprint_key.py): created once, at random, by the first migration.
+-- gen_random_uuid() draws from the server's strong random source.
+CREATE TABLE IF NOT EXISTS outbox_deployment (
+    singleton        boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    fingerprint_key  text NOT NULL CHECK (length(fingerprint_key) >= 32)
+);
+INSERT INTO outbox_deployment (fingerprint_key)
+SELECT encode(sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8')), 'hex')
+ON CONFLICT (singleton) DO NOTHING;
+
+-- The agent's one write path (roles.sql grants outbox_agent EXECUTE on it and no INSERT
+-- on operations or outbox): a prepared operation, its outbox row and its
+-- operation.prepared event, in one statement; no row back when (run_id, decision_key)
+-- is taken. It runs as the tables' owner with a search_path pinned to this schema, so
+-- a caller's objects cannot stand in for the tables. What it cannot check (that the
+-- fingerprint and the approval flag match the input) the consumer recomputes before
+-- any effect.
+DO $$
+BEGIN
+    EXECUTE format($definition$
+        CREATE OR REPLACE FUNCTION outbox_record_decision(
+            p_id uuid, p_run_id text, p_decision_key text, p_tool_name text,
+            p_tool_version integer, p_side_effect text, p_input jsonb,
+            p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb,
+            p_event_attributes jsonb
+        ) RETURNS SETOF operations
+        LANGUAGE sql SECURITY DEFINER SET search_path = %I, pg_temp AS $body$
+            WITH operation AS (
+                INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version,
+                                        side_effect, input, input_fingerprint,
+                                        requires_approval)
+                VALUES (p_id, p_run_id, p_decision_key, p_tool_name, p_tool_version,
+                        p_side_effect, p_input, p_input_fingerprint, p_requires_approval)
+                ON CONFLICT (run_id, decision_key) DO NOTHING
+                RETURNING *
+            ), queued AS (
+                INSERT INTO outbox (operation_id, routing_key, headers)
+                SELECT id, tool_name || '.v' || tool_version, p_headers FROM operation
+            ), event AS (
+                INSERT INTO operation_events (operation_id, name, attributes)
+                SELECT id, 'operation.prepared', p_event_attributes FROM operation
+            )
+            SELECT * FROM operation
+        $body$
+    $definition$, current_schema());
+END;
+$$;
+
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;

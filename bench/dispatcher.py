@@ -119,6 +119,8 @@ def make_settings(args: argparse.Namespace) -> Settings:
         poll_interval=args.poll_interval,
         metrics_host="127.0.0.1",
         metrics_port=0,
+        # The bench's names are its own and every phase may be the first to use them.
+        declare_topology=True,
     )
 
 
@@ -340,6 +342,7 @@ async def publish_with_publisher(settings: Settings, rows: list[ClaimedRow]) -> 
         settings.amqp_heartbeat,
         Topology.from_settings(settings),
         connection_name=f"{NAME_PREFIX} publisher",
+        declare_topology=settings.declare_topology,
     )
     await publisher.connect()
     failed = 0

@@ -568,6 +568,8 @@ class Bench:
             "OUTBOX_DEAD_LETTER_EXCHANGE": names.dead_letter_exchange,
             "OUTBOX_DEAD_LETTER_QUEUE": names.dead_letter_queue,
             "OUTBOX_TOOLS": "bench.e2e_tools",
+            # Fresh names per run, declared by the daemons (no `outbox migrate --broker`).
+            "OUTBOX_DECLARE_TOPOLOGY": "true",
             "OUTBOX_PREFETCH": str(self.outbox.prefetch),
             "OUTBOX_BATCH_SIZE": str(self.outbox.batch_size),
             "OUTBOX_DISPATCH_LANES": str(self.outbox.lanes),

@@ -10,6 +10,7 @@ from typing import Any
 from consumer.worker import DEFAULT_METRICS_PORT, Consumer
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
+from outbox.daemon_flags import add_declare_topology_flag, add_tools_flag
 from outbox.loading import load_registry, module_list
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled
@@ -19,7 +20,6 @@ logger = logging.getLogger(__name__)
 SETTINGS = (
     "database_url",
     "amqp_url",
-    "tools",
     "exchange",
     "queue",
     "dead_letter_exchange",
@@ -30,6 +30,8 @@ SETTINGS = (
     "lease_margin",
     "reconcile_interval",
     "reconcile_batch",
+    "undeliverable_after_requeues",
+    "approval_denial_grace",
     "requeue_stale_after",
     *DATABASE_BOUND_SETTINGS,
     "metrics_host",
@@ -49,6 +51,8 @@ def register(commands: Any) -> None:
         "at once.",
     )
     add_setting_flags(parser, *SETTINGS)
+    add_tools_flag(parser)
+    add_declare_topology_flag(parser)
     parser.set_defaults(handler=run)
 
 

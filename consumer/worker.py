@@ -40,18 +40,21 @@ from outbox.broker import (
     OperationMessage,
     Topology,
     amqp_url_with_heartbeat,
-    declare_topology,
+    establish_topology,
 )
 from outbox.broker import connect as connect_to_broker
 from outbox.connections import DatabaseBounds, bounded_transaction
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
+from outbox.decisions import derive_intent
 from outbox.errors import (
     ConfigurationError,
     IllegalTransition,
     OutboxError,
+    SchemaMissing,
     ToolNotRegistered,
     TransientDatabaseError,
 )
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
 from outbox.observability import serve_http
@@ -185,6 +188,8 @@ class Consumer(Stoppable):
         self._handlers: set[asyncio.Task[Any]] = set()
         self._engine: AsyncEngine | None = None
         self.database_bounds = DatabaseBounds.from_settings(settings)
+        # Read on the first burst (then remembered): spans show keyed short fingerprints.
+        self._fingerprint_key: str | None = None
         # Group commit: the deliveries in hand share their claim transaction and their
         # outcome transaction, instead of two transactions each.
         self._claims = _Batcher(self._prepare_many, limit=settings.prefetch)
@@ -245,6 +250,7 @@ class Consumer(Stoppable):
                     f"database={redact_url(self.settings.libpq_url)} "
                     f"{self.database_bounds.describe()}",
                 )
+                await self._require_schema()
                 reconciler = asyncio.create_task(self._reconcile_loop())
                 try:
                     await self._consume_loop()
@@ -255,6 +261,39 @@ class Consumer(Stoppable):
         finally:
             await self.close()
         _log(logging.INFO, "consumer.stopped", f"consumer.stopped worker={self.worker_id}")
+
+    async def _require_schema(self) -> None:
+        """Refuse to run on a database without the outbox schema, as the dispatcher
+        does: otherwise this process would answer /healthz and fail every delivery.
+        A database that is away is waited for, since nothing can be consumed without it."""
+        failures = 0
+        while not self.stopping:
+            try:
+                present = await asyncio.to_thread(self._schema_present)
+            except TRANSIENT_DATABASE as error:
+                failures += 1
+                delay = min(10.0, 0.2 * 2 ** (failures - 1))
+                _log(
+                    logging.WARNING,
+                    "consumer.connect_retry",
+                    f"consumer.connect_retry peer=database attempt={failures} "
+                    f"error={type(error).__name__} retry_in={delay:.1f}s",
+                )
+                await self._sleep(delay)
+                continue
+            if not present:
+                raise SchemaMissing()
+            return
+
+    def _schema_present(self) -> bool:
+        with psycopg.connect(
+            self.settings.libpq_url,
+            application_name=APPLICATION_NAME,
+            **self.database_bounds.libpq_parameters(),
+        ) as connection:
+            # An older schema lacks what this consumer reads (outbox_deployment): that
+            # too is "run outbox migrate".
+            return store.schema_is_current(connection)
 
     async def _consume_loop(self) -> None:
         failures = 0
@@ -316,7 +355,9 @@ class Consumer(Stoppable):
         # consuming: a session that ends that way is lost like a closed connection.
         channel.close_callbacks.add(lambda *_: closed.set())
         await channel.set_qos(prefetch_count=self.settings.prefetch)
-        declared = await declare_topology(channel, self._topology)
+        declared = await establish_topology(
+            channel, self._topology, declare=self.settings.declare_topology
+        )
         underlay = await channel.get_underlay_channel()
 
         async def cancelled_by_broker(*_: object) -> None:
@@ -401,6 +442,8 @@ class Consumer(Stoppable):
         began = time.monotonic()
         async with self._transaction() as connection:
             runner = await AsyncStore.on(connection)
+            if self._fingerprint_key is None:
+                self._fingerprint_key = await runner.run(store.fingerprint_key())
             operations = await runner.run(
                 store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
             )
@@ -453,10 +496,22 @@ class Consumer(Stoppable):
                 "consumer.unknown_tool",
                 f"consumer.unknown_tool id={operation.display_id} {missing}",
             )
+            if operation.state is S.PREPARED:
+                # Evidence for the escalation that ends it if no consumer ever can run it.
+                await runner.run(
+                    store.append_event(
+                        operation, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}
+                    )
+                )
             return _Skip("invalid", "unknown_tool")
         if operation.state is not S.PREPARED:
             return await _suppressed(runner, operation)
-        if operation.requires_approval:
+        # Trust only what can be derived: the stored row's fingerprint and approval flag
+        # were written by whoever holds the agent's grant, and may have been forged.
+        intent = derive_intent(contract, operation)
+        if intent.disagreement is not None:
+            return await self._tampered(runner, operation, contract, intent.disagreement)
+        if intent.requires_approval:
             check = await runner.run(store.check_approval(operation.id))
             if not check.is_valid:
                 await runner.run(
@@ -469,13 +524,45 @@ class Consumer(Stoppable):
                 return _Skip("awaiting_approval")
         return contract
 
+    async def _tampered(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        disagreement: str,
+    ) -> _Skip:
+        """Never execute a row that disagrees with its own input: write down which check
+        failed and hand it to a person."""
+        self.metrics.tampered.labels(contract.name, disagreement).inc()
+        _log(
+            logging.ERROR,
+            "consumer.tampered",
+            f"consumer.tampered id={operation.display_id} tool={contract.name} "
+            f"check={disagreement}",
+        )
+        await runner.run(store.append_event(operation, EventName.TAMPERED, {"check": disagreement}))
+        try:
+            await runner.run(
+                store.transition(
+                    operation.id,
+                    source=S.PREPARED,
+                    target=S.ESCALATED,
+                    attributes={"reason": "tampered", "check": disagreement},
+                )
+            )
+        except IllegalTransition:
+            # A second delivery of it in the same burst: the first one escalated it.
+            return _Skip("duplicate")
+        self.metrics.escalations.labels(contract.name, "tampered").inc()
+        return _Skip("tampered")
+
     async def _attempt(self, claimed: _Claimed, traceparent: str | None = None) -> _Attempt:
         """:meth:`_execute` in a span that continues the decision's trace."""
         operation, contract = claimed.operation, claimed.contract
         with tracing.span(
             f"outbox.attempt {contract.name}",
             parent_traceparent=traceparent,
-            attributes=_span_attributes(operation, contract),
+            attributes=_span_attributes(operation, contract, self._fingerprint_key),
             kind="consumer",
         ) as traced:
             attempt = await self._execute(claimed)
@@ -696,18 +783,36 @@ class Consumer(Stoppable):
 
     async def requeue_stale(self) -> list[Any]:
         """Queue again prepared operations that no message has reached for
-        ``requeue_stale_after`` (their message was dead-lettered or lost)."""
-        requeued = await self._run_plan(
-            store.requeue_stale_prepared(
-                self.settings.requeue_stale_after, self.settings.reconcile_batch
+        ``requeue_stale_after`` (their message was dead-lettered or lost); escalate those
+        queued again too often already; end as rejected those whose approval was denied
+        and never granted. Nothing prepared waits forever."""
+        settings = self.settings
+        escalated = await self._run_plan(
+            store.escalate_undeliverable(
+                settings.requeue_stale_after,
+                settings.undeliverable_after_requeues,
+                settings.reconcile_batch,
             )
         )
-        if requeued:
-            _log(
-                logging.WARNING,
-                "consumer.requeued_stale",
-                f"consumer.requeued_stale operations={len(requeued)}",
-            )
+        requeued = await self._run_plan(
+            store.requeue_stale_prepared(settings.requeue_stale_after, settings.reconcile_batch)
+        )
+        rejected = await self._run_plan(
+            store.reject_denied_operations(settings.approval_denial_grace, settings.reconcile_batch)
+        )
+        for _, tool in escalated:
+            self.metrics.escalations.labels(tool, "undeliverable").inc()
+        for count, action in (
+            (len(escalated), "escalated_undeliverable"),
+            (len(requeued), "requeued_stale"),
+            (len(rejected), "rejected_denied"),
+        ):
+            if count:
+                _log(
+                    logging.WARNING,
+                    f"consumer.{action}",
+                    f"consumer.{action} operations={count}",
+                )
         return requeued
 
     async def reconcile_once(self) -> int:
@@ -715,6 +820,8 @@ class Consumer(Stoppable):
         lookups: list[_Claimed] = []
         async with self._transaction() as connection:
             runner = await AsyncStore.on(connection)
+            if self._fingerprint_key is None:
+                self._fingerprint_key = await runner.run(store.fingerprint_key())
             candidates = await runner.run(
                 store.claim_reconciliation_batch(self.settings.reconcile_batch)
             )
@@ -810,7 +917,7 @@ class Consumer(Stoppable):
             f"outbox.reconcile {contract.name}",
             parent_traceparent=None,
             attributes={
-                **_span_attributes(operation, contract),
+                **_span_attributes(operation, contract, self._fingerprint_key),
                 "outbox.reconcile_attempt": operation.reconcile_attempts + 1,
             },
         ) as traced:
@@ -925,16 +1032,20 @@ def _raised_at(error: BaseException) -> str:
 
 
 def _span_attributes(
-    operation: Operation, contract: ToolContract[Any]
+    operation: Operation, contract: ToolContract[Any], fingerprint_key: str | None
 ) -> dict[str, tracing.AttributeValue]:
-    # Ids, counters and the sanitized fingerprint only: never the tool input.
-    return {
+    # Ids, counters and the keyed short fingerprint only: never the tool input.
+    attributes: dict[str, tracing.AttributeValue] = {
         "outbox.operation_id": str(operation.id),
         "outbox.tool": contract.name,
         "outbox.tool_version": contract.version,
         "outbox.attempt": operation.attempts,
-        "outbox.fingerprint": operation.sanitized_fingerprint,
     }
+    if fingerprint_key is not None:
+        attributes["outbox.fingerprint"] = keyed_fingerprint(
+            fingerprint_key, operation.input_fingerprint
+        )
+    return attributes
 
 
 def _unknown_outcome_policy(operation: Operation, contract: ToolContract[Any]) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 from dispatcher.daemon import DEFAULT_METRICS_PORT, RECOVERABLE, Dispatcher, is_broker_error
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
-from outbox.errors import ServiceUnavailable
+from outbox.daemon_flags import add_declare_topology_flag
+from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled
 
@@ -48,6 +49,7 @@ def register(commands: Any) -> None:
         "SIGTERM or SIGINT finishes the batch in hand and exits 0; a second one exits at once.",
     )
     add_setting_flags(parser, *SETTINGS)
+    add_declare_topology_flag(parser)
     parser.add_argument(
         "--once",
         action="store_true",
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             peer = "the broker" if is_broker_error(failure) else "the database"
             raise ServiceUnavailable(
                 f"gave up on {peer} after {DRAIN_CONNECT_ATTEMPTS} attempts "
-                f"({type(failure).__name__}); rows stay pending for the next run"
+                f"({connect_failure(failure)}); rows stay pending for the next run"
             ) from None
         print(f"published={report.published} failed={report.failed}")
         return 0 if report.failed == 0 else 1

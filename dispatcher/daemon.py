@@ -361,6 +361,7 @@ class Dispatcher(Stoppable):
             self.settings.amqp_heartbeat,
             self._topology,
             connection_name=f"{APPLICATION_NAME} {self.worker_id}",
+            declare_topology=self.settings.declare_topology,
         )
         async with contextlib.AsyncExitStack() as stack:
             databases = [

@@ -25,7 +25,7 @@ from outbox.broker import (
     SESSION_SETUP_SECONDS,
     Topology,
     amqp_url_with_heartbeat,
-    declare_topology,
+    establish_topology,
     message_id,
 )
 from outbox.broker import connect as connect_to_broker
@@ -117,11 +117,18 @@ class Publisher:
     """One connection and one confirm channel to RabbitMQ."""
 
     def __init__(
-        self, amqp_url: str, heartbeat: int, topology: Topology, connection_name: str
+        self,
+        amqp_url: str,
+        heartbeat: int,
+        topology: Topology,
+        connection_name: str,
+        *,
+        declare_topology: bool = False,
     ) -> None:
         self._url = amqp_url_with_heartbeat(amqp_url, heartbeat)
         self._connection_name = connection_name
         self._topology = topology
+        self._declare_topology = declare_topology
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._exchange: AbstractExchange | None = None
@@ -142,7 +149,9 @@ class Publisher:
             self._channel = await self._connection.channel(
                 publisher_confirms=True, on_return_raises=True
             )
-            declared = await declare_topology(self._channel, self._topology)
+            declared = await establish_topology(
+                self._channel, self._topology, declare=self._declare_topology
+            )
             self._exchange = declared.exchange
 
     async def close(self) -> None:

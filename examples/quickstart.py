@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import httpx
 import sqlalchemy as sa
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from outbox import (
     DefinitiveRejection,
@@ -25,6 +25,9 @@ from outbox import (
 
 
 class RefundInput(BaseModel):
+    # Strict: True is not an amount of 1 cent, "1250" is not 1250.
+    model_config = ConfigDict(strict=True)
+
     payment_id: str
     amount_cents: int
     reason: str = ""

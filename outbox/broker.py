@@ -1,4 +1,5 @@
-"""What travels through RabbitMQ, and the topology both daemons declare.
+"""What travels through RabbitMQ, and the topology ``outbox migrate --broker`` declares
+and both daemons require.
 
 Messages are thin: ids, the tool and the input fingerprint. The broker never sees
 tool inputs; the consumer loads the operation from Postgres and trusts only that.
@@ -6,8 +7,9 @@ tool inputs; the consumer loads the operation from Postgres and trusts only that
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from uuid import UUID
 
@@ -17,8 +19,10 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, 
 from pamqp.common import FieldTable
 from pydantic import BaseModel, ConfigDict, Field
 
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, TopologyMissing
 from outbox.settings import Settings, redact_url
+
+T = TypeVar("T")
 
 CONTENT_TYPE = "application/json"
 MESSAGE_TYPE = "outbox.operation.v1"
@@ -107,6 +111,52 @@ async def declare_topology(channel: AbstractChannel, topology: Topology) -> Decl
     )
     await queue.bind(exchange, routing_key="#")
     return DeclaredTopology(exchange=exchange, queue=queue, dead_letter_queue=dead_letter_queue)
+
+
+async def require_topology(channel: AbstractChannel, topology: Topology) -> DeclaredTopology:
+    """The exchanges and queues ``outbox migrate --broker`` declared, checked passively.
+
+    Declaring them here would turn a mistyped name into a new queue that nobody
+    consumes (or that no dispatcher publishes to) while every daemon looks healthy.
+    Only existence is checked: a passive declare cannot compare arguments.
+    """
+    exchange = await _existing(
+        channel.get_exchange(topology.exchange, ensure=True),
+        f"exchange {topology.exchange!r} (OUTBOX_EXCHANGE)",
+    )
+    queue = await _existing(
+        channel.get_queue(topology.queue, ensure=True), f"queue {topology.queue!r} (OUTBOX_QUEUE)"
+    )
+    await _existing(
+        channel.get_exchange(topology.dead_letter_exchange, ensure=True),
+        f"exchange {topology.dead_letter_exchange!r} (OUTBOX_DEAD_LETTER_EXCHANGE)",
+    )
+    dead_letter_queue = await _existing(
+        channel.get_queue(topology.dead_letter_queue, ensure=True),
+        f"queue {topology.dead_letter_queue!r} (OUTBOX_DEAD_LETTER_QUEUE)",
+    )
+    return DeclaredTopology(exchange=exchange, queue=queue, dead_letter_queue=dead_letter_queue)
+
+
+async def establish_topology(
+    channel: AbstractChannel, topology: Topology, *, declare: bool
+) -> DeclaredTopology:
+    """What a daemon does at the start of each broker session (``OUTBOX_DECLARE_TOPOLOGY``)."""
+    if declare:
+        return await declare_topology(channel, topology)
+    return await require_topology(channel, topology)
+
+
+async def _existing(declare: Awaitable[T], what: str) -> T:
+    try:
+        return await declare
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        raise TopologyMissing(
+            f"the broker has no {what}: run `outbox migrate --broker` with the same "
+            "OUTBOX_EXCHANGE, OUTBOX_QUEUE and dead-letter settings as this daemon, check "
+            "those settings for a typo, or pass --declare-topology (OUTBOX_DECLARE_TOPOLOGY="
+            "true) to let the daemon declare them"
+        ) from None
 
 
 def amqp_url_with_heartbeat(url: str, heartbeat: int) -> str:

@@ -18,10 +18,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
+import psycopg
 from pydantic import SecretStr
 
 from outbox import dlq, ops
-from outbox.errors import ConfigurationError, OutboxError
+from outbox.errors import ConfigurationError, OutboxError, connect_failure
+from outbox.lifecycle import printable
 from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
 from outbox.migrate import declare_broker_topology, migrate
@@ -253,13 +255,44 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         settings = _settings_from(args)
         configure_logging(settings.log_level, settings.log_format)
         handler: Command = args.handler
-        return handler(args, settings)
+        code = handler(args, settings)
+        # Flushed here rather than at exit, so that a reader gone away is met below.
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except ConfigurationError as error:
-        print(f"outbox {args.command}: configuration error: {error}", file=sys.stderr)
+        _report(args, f"configuration error: {error}")
         return 2
     except OutboxError as error:
-        print(f"outbox {args.command}: error: {error}", file=sys.stderr)
+        _report(args, f"error: {error}")
         return 1
+    except psycopg.Error as error:
+        # A driver error no command translated: its text can quote the connection string.
+        sqlstate = f"SQLSTATE {error.sqlstate}, " if error.sqlstate else ""
+        _report(args, f"error: database error ({sqlstate}{connect_failure(error)})")
+        return 1
+
+
+def _report(args: argparse.Namespace, message: str) -> None:
+    # One line, and nothing a terminal would act on: messages can carry names and ids
+    # someone else chose.
+    print(f"outbox {args.command}: {printable(message)}", file=sys.stderr)
+
+
+# What a shell reports for a process killed by SIGPIPE (128 + 13), as for coreutils in
+# `cat big | head`. Not 0: the output was cut short, and a `set -o pipefail` script
+# should see that as it does for any other command.
+EXIT_BROKEN_PIPE = 141
+
+
+def _reader_gone() -> int:
+    """The reader of stdout (``| head``) went away: stop quietly, as Python's docs on
+    SIGPIPE advise. Python ignores SIGPIPE, so the write raised instead of killing us;
+    stdout goes to /dev/null so that the flush at exit cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
 
 
 def main() -> None:

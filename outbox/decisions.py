@@ -7,6 +7,7 @@ the database; bad input raises :class:`InputRejected` and writes nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -18,11 +19,21 @@ from outbox import store, tracing
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import InputRejected
 from outbox.fingerprint import canonical_json, intent_fingerprint
-from outbox.models import Approval, ApprovalCheck, ApprovalDecision, RecordedDecision
+from outbox.models import (
+    Approval,
+    ApprovalCheck,
+    ApprovalDecision,
+    Operation,
+    RecordedDecision,
+)
 from outbox.store import AsyncConnection, AsyncStore, NewDecision, Store, SyncConnection
 
 MAX_INPUT_BYTES = 256 * 1024
 MAX_ID_LENGTH = 200
+# Objects and arrays inside one another, the input object itself being level 1. Real
+# tool inputs stay far below; what is deeper would exhaust the recursion of pydantic's
+# serializer or the canonicalizer long before it reached the size limit.
+MAX_INPUT_DEPTH = 64
 
 
 def prepare_decision(
@@ -75,13 +86,66 @@ def prepare_decision(
     )
 
 
+@dataclass(frozen=True)
+class DerivedIntent:
+    """What the consumer derives from a stored operation and its contract, trusting
+    nothing else the row says. ``disagreement`` names the first check the row failed
+    (None when it agrees): such a row is tampering and is never executed."""
+
+    requires_approval: bool
+    disagreement: str | None = None
+
+
+def derive_intent(contract: ToolContract[Any], operation: Operation) -> DerivedIntent:
+    """Recompute, from the stored input and the contract, what recording the decision
+    computed: the fingerprint and whether a person must approve. A row written around
+    the library (a forged fingerprint, a cleared approval flag) disagrees."""
+    if operation.tool_name != contract.name or operation.tool_version != contract.version:
+        return DerivedIntent(requires_approval=True, disagreement="tool_mismatch")
+    if operation.side_effect != contract.side_effect:
+        return DerivedIntent(requires_approval=True, disagreement="side_effect_mismatch")
+    try:
+        validated = contract.input_model.model_validate(operation.input)
+        input_json = validated.model_dump(mode="json")
+        fingerprint = intent_fingerprint(contract.name, contract.version, input_json)
+    except (pydantic.ValidationError, ValueError, TypeError, RecursionError):
+        return DerivedIntent(requires_approval=True, disagreement="input_invalid")
+    requires_approval = contract.approval.applies_to(validated)
+    if fingerprint != operation.input_fingerprint:
+        disagreement: str | None = "fingerprint_mismatch"
+    elif input_json != operation.input:
+        # Fields the model drops or rewrites: the fingerprint covers only what it keeps.
+        disagreement = "input_not_canonical"
+    elif requires_approval != operation.requires_approval:
+        disagreement = "approval_flag_mismatch"
+    else:
+        disagreement = None
+    return DerivedIntent(requires_approval=requires_approval, disagreement=disagreement)
+
+
 def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | BaseModel) -> Any:
     """The contract's input model, validated; refuses input that does not survive a
     round trip through JSON, since the consumer will rebuild it from the stored JSON.
 
     Problems name the field and the rule, never the offending value.
     """
-    raw = tool_input.model_dump(mode="json") if isinstance(tool_input, BaseModel) else tool_input
+    try:
+        raw = (
+            tool_input.model_dump(mode="json") if isinstance(tool_input, BaseModel) else tool_input
+        )
+    except (ValueError, RecursionError) as exc:
+        raise InputRejected(
+            f"input for tool {contract.label} cannot be turned into JSON "
+            f"({type(exc).__name__}); inputs nested more than {MAX_INPUT_DEPTH} levels deep "
+            "are refused",
+            problems=["input not serializable"],
+        ) from None
+    if _nested_deeper_than(raw, MAX_INPUT_DEPTH):
+        raise InputRejected(
+            f"input for tool {contract.label} is nested more than {MAX_INPUT_DEPTH} levels "
+            "deep (objects and arrays inside one another)",
+            problems=["input nested too deep"],
+        )
     try:
         validated = contract.input_model.model_validate(raw)
         stored = validated.model_dump(mode="json")
@@ -99,6 +163,23 @@ def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | 
             problems=["not JSON round-trippable"],
         )
     return validated
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    # Iterative on purpose: a recursive walk would overflow on the very input it checks.
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _holds_nul(value: Any) -> bool:

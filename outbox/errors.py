@@ -7,6 +7,7 @@ there is one, the fix; they never carry tool inputs, secrets or user text.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,10 @@ class SchemaMissing(OutboxError):
     """The outbox tables are missing in this database: run `outbox migrate`."""
 
 
+class TopologyMissing(ConfigurationError):
+    """The broker lacks the exchanges and queues: run `outbox migrate --broker`."""
+
+
 class DatabaseError(OutboxError):
     """The database refused or failed an outbox operation."""
 
@@ -120,7 +125,9 @@ def _translate(action: str, driver_error: psycopg.Error) -> OutboxError:
     diag = driver_error.diag
     constraint = diag.constraint_name
     sqlstate = driver_error.sqlstate or ""
-    if isinstance(driver_error, psycopg.errors.UndefinedTable):
+    # A missing table, or a schema older than this library (no outbox_record_decision):
+    # either way `outbox migrate` is the fix.
+    if isinstance(driver_error, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction):
         return SchemaMissing()
     if isinstance(driver_error, psycopg.errors.UniqueViolation):
         return UniqueViolation(
@@ -139,3 +146,35 @@ def _translate(action: str, driver_error: psycopg.Error) -> OutboxError:
         )
     detail = f"constraint {constraint!r}" if constraint else type(driver_error).__name__
     return DatabaseError(f"{action}: database error (SQLSTATE {sqlstate or 'none'}, {detail})")
+
+
+# libpq's text for why a connection failed -> ours. Its own messages can quote the
+# connection parameters (a URL it cannot parse is quoted whole), so they are matched,
+# never printed. The server's FATAL lines come in the server's language: an unmatched
+# one is named by its class only.
+_CONNECT_CAUSES = tuple(
+    (re.compile(pattern), cause)
+    for pattern, cause in (
+        (r'database "[^"]*" does not exist', "the database does not exist"),
+        (r'role "[^"]*" does not exist', "the user (role) does not exist"),
+        (r"password authentication failed", "password authentication failed"),
+        (r"no password supplied", "the server asks for a password and none was given"),
+        (r"no pg_hba\.conf entry", "the server's pg_hba.conf admits no such connection"),
+        (r"permission denied for database", "the user may not connect to this database"),
+        (r"the database system is (starting|shutting|in recovery)", "the server is not ready"),
+        (r"too many clients|remaining connection slots", "the server has no free connection"),
+        (r"Connection refused", "connection refused"),
+        (r"could not translate host name", "the host name does not resolve"),
+        (r"timeout expired", "the connection timed out"),
+        (r"No route to host|Network is unreachable", "the host is unreachable"),
+    )
+)
+
+
+def connect_failure(error: BaseException) -> str:
+    """Why connecting to Postgres failed, in words fit for any log line or message."""
+    text = str(error)
+    for pattern, cause in _CONNECT_CAUSES:
+        if pattern.search(text):
+            return cause
+    return type(error).__name__

@@ -34,6 +34,11 @@ def canonical_json(value: Any) -> bytes:
             "input holds NaN or Infinity, which JSON cannot represent",
             problems=["non-finite number"],
         ) from None
+    except RecursionError:
+        # rfc8785 recurses once per level; inputs are depth-checked before this.
+        raise InputRejected(
+            "input is nested too deep to canonicalize", problems=["input nested too deep"]
+        ) from None
     except rfc8785.CanonicalizationError as exc:
         raise InputRejected(
             f"input cannot be canonicalized as JSON ({type(exc).__name__})",

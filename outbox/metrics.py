@@ -53,6 +53,7 @@ class MetricNames:
     RECONCILIATIONS = f"{PREFIX}_reconciliations"
     ESCALATIONS = f"{PREFIX}_escalations"
     CONSUMER_RECONNECTS = f"{PREFIX}_consumer_reconnects"
+    TAMPERED = f"{PREFIX}_consumer_tampered"
     OPERATIONS = f"{PREFIX}_operations"
 
 
@@ -141,6 +142,7 @@ class ConsumerMetrics:
     reconciliations: Counter
     escalations: Counter
     reconnects: Counter
+    tampered: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
@@ -189,6 +191,13 @@ class ConsumerMetrics:
             reconnects=Counter(
                 names.CONSUMER_RECONNECTS,
                 "Broker sessions lost and re-established",
+                registry=registry,
+            ),
+            tampered=Counter(
+                names.TAMPERED,
+                "Operations whose stored row disagrees with what the consumer derives from "
+                "its input and contract: never executed, escalated; by the check that failed",
+                ["tool", "check"],
                 registry=registry,
             ),
         )

@@ -11,7 +11,7 @@ import psycopg
 from outbox import store
 from outbox.broker import Topology, connect_for_command, declare_topology
 from outbox.connections import command_parameters
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, connect_failure
 from outbox.settings import Settings, database_name, libpq_url, redact_url, with_database
 
 MAINTENANCE_DATABASE = "postgres"
@@ -46,11 +46,9 @@ def ensure_database(url: str) -> bool:
 
 
 def _unreachable(url: str, failure: psycopg.OperationalError) -> ConfigurationError:
-    lines = str(failure).strip().splitlines()
-    reason = lines[-1] if lines else type(failure).__name__
     return ConfigurationError(
-        f"cannot connect to {redact_url(url)}: {reason}. Is Postgres running, and is "
-        "OUTBOX_DATABASE_URL right?"
+        f"cannot connect to {redact_url(url)}: {connect_failure(failure)}. Is Postgres "
+        "running, and is OUTBOX_DATABASE_URL right?"
     )
 
 

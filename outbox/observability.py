@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from outbox.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,16 @@ async def serve_http(
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, host, port)
+    try:
+        server = await asyncio.start_server(handle, host, port)
+    except OSError as error:
+        # Most often a second daemon of the same kind on this host, on the default port.
+        cause = "the port is in use" if error.errno == errno.EADDRINUSE else error.strerror
+        raise ConfigurationError(
+            f"cannot serve /metrics and /healthz on {host}:{port}: {cause or type(error).__name__}"
+            "; pass --metrics-port 0 (OUTBOX_METRICS_PORT=0) to pick a free port, or another "
+            "port or --metrics-host"
+        ) from None
     bound = server.sockets[0].getsockname()[1]
     logger.info("http.listening port=%s", bound, extra={"action": "http.listening", "port": bound})
     try:

@@ -2,9 +2,14 @@
 
 What a person on call needs: which operations are stuck and why, the evidence of one
 operation, a way to settle an escalation with their name and evidence on it, the
-approvals waiting for them, and the numbers. Nothing here prints an operation's input:
-listings are built from queries that never select it, and ``ops show`` prints only
-the operation's metadata and its lifecycle events (which never hold inputs either).
+approvals waiting for them, and the numbers. An operation's input (its intent) is
+printed only where a person must judge it: ``ops show`` and ``approvals pending``.
+Listings and stats are built from queries that never select it, and it is never logged.
+
+Run ids, names, reasons, error text and inputs were chosen by agents, providers or other
+people: in human-readable output every one goes through :func:`printable`, so none can
+move the cursor, rewrite a line or recolour the terminal. ``--json`` output is escaped
+by JSON.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from outbox.errors import (
     IllegalTransition,
     OperationNotFound,
     ServiceUnavailable,
+    connect_failure,
 )
 from outbox.fingerprint import sanitized
-from outbox.lifecycle import logfmt_value
+from outbox.lifecycle import logfmt_value, printable
 from outbox.models import (
     ApprovalCheck,
     ApprovalDecision,
@@ -50,6 +56,9 @@ DEFAULT_APPROVAL_TTL = timedelta(minutes=15)
 # A denial never lapses in the consumer's eyes (a denied latest decision refuses the
 # effect whatever its expiry); the expiry only has to satisfy the approvals table.
 _DENIAL_TTL = timedelta(minutes=15)
+# Far beyond any sensible grant or look-back; it keeps `now() ± duration` inside what
+# Python and Postgres timestamps can hold.
+MAX_DURATION = timedelta(days=3650)
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
@@ -69,9 +78,14 @@ def duration(text: str) -> timedelta:
     match = _DURATION.fullmatch(text)
     if not match:
         raise argparse.ArgumentTypeError(f"not a duration like 30s, 15m, 2h or 1d: {text!r}")
-    value = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        value = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    except OverflowError:
+        value = timedelta.max
     if value <= timedelta(0):
         raise argparse.ArgumentTypeError("a duration must be longer than zero")
+    if value > MAX_DURATION:
+        raise argparse.ArgumentTypeError(f"a duration must be at most {MAX_DURATION.days}d")
     return value
 
 
@@ -114,6 +128,7 @@ def stamp(moment: datetime | None) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
     lines = [headers, *rows]
     return "\n".join(
@@ -165,7 +180,13 @@ def _attributes_text(attributes: dict[str, Any]) -> str:
     # from/to first (the move), then the rest in a stable order.
     keys: list[str] = [k for k in ("from", "to") if k in attributes]
     keys += sorted(k for k in attributes if k not in ("from", "to"))
-    return " ".join(f"{key}={logfmt_value(_scalar(attributes[key]))}" for key in keys)
+    return printable(" ".join(f"{key}={logfmt_value(_scalar(attributes[key]))}" for key in keys))
+
+
+def intent_text(tool_input: dict[str, Any]) -> str:
+    """The validated input as one line of JSON (keys sorted), safe for a terminal; what
+    a person approves or settles, never a summary of it."""
+    return printable(json.dumps(tool_input, ensure_ascii=False, sort_keys=True))
 
 
 def _scalar(value: Any) -> str | int | float | bool | None:
@@ -182,6 +203,7 @@ def show_text(operation: Operation, events: Sequence[OperationEvent], approval: 
         ("side effect", str(operation.side_effect)),
         ("state", str(operation.state)),
         ("fingerprint", operation.sanitized_fingerprint),
+        ("input", intent_text(operation.input)),
         ("attempts", str(operation.attempts)),
         ("reconciles", str(operation.reconcile_attempts)),
         ("provider ref", operation.provider_reference or "-"),
@@ -191,11 +213,12 @@ def show_text(operation: Operation, events: Sequence[OperationEvent], approval: 
         ("updated", stamp(operation.updated_at)),
     ]
     width = max(len(label) for label, _ in header)
-    lines = [f"{label.ljust(width)}  {value}" for label, value in header]
+    lines = [f"{label.ljust(width)}  {printable(value)}" for label, value in header]
     lines += ["", f"timeline ({len(events)} events)"]
-    name_width = max((len(e.name) for e in events), default=0)
-    for event in events:
-        when, name = stamp(event.created_at), event.name.ljust(name_width)
+    names = [printable(event.name) for event in events]
+    name_width = max(map(len, names), default=0)
+    for event, name in zip(events, names, strict=True):
+        when, name = stamp(event.created_at), name.ljust(name_width)
         lines.append(f"  {when}  {name}  {_attributes_text(event.attributes)}".rstrip())
     return "\n".join(lines)
 
@@ -213,9 +236,11 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
     url = settings.libpq_url
     try:
         connection = psycopg.connect(url, **command_parameters(settings))
-    except psycopg.OperationalError:
-        # libpq's message may echo connection parameters; the redacted URL says enough.
-        raise ServiceUnavailable(f"could not connect to Postgres at {redact_url(url)}") from None
+    except psycopg.OperationalError as failure:
+        # libpq's message may echo connection parameters: the cause is named in our words.
+        raise ServiceUnavailable(
+            f"could not connect to Postgres at {redact_url(url)}: {connect_failure(failure)}"
+        ) from None
     with connection:
         yield connection
 
@@ -310,20 +335,57 @@ def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
         S.PREPARED: "prepared: one more attempt is queued now, under the same idempotency key",
         S.REJECTED: "rejected: it will not be attempted again",
     }[target]
-    print(f"{resolved.display_id}: {current.state} -> {outcome}")
-    print(f"resolved by {person}; the evidence is kept in its operation.resolved event")
+    print(f"{resolved.display_id}: {current.state} -> {printable(outcome)}")
+    print(f"resolved by {printable(person)}; the evidence is kept in its operation.resolved event")
+    return 0
+
+
+def cmd_ops_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    """End a prepared operation as rejected before it is ever attempted."""
+    operation_id = _operation_id(args.operation_id)
+    if not args.reason.strip():
+        raise ConfigurationError("--reason must say why the operation is cancelled")
+    person = _person(args.by)
+    with _connect(settings) as connection:
+        runner = Store(connection)
+        current = runner.run(store.get_operation(operation_id))
+        if current.state is not S.PREPARED:
+            raise IllegalTransition(
+                f"{current.display_id} is {current.state}: only a prepared operation, which "
+                "no worker holds, can be cancelled (an escalated one is resolved with "
+                "`outbox ops resolve --rejected`); nothing was changed"
+            )
+        cancelled = runner.run(
+            store.resolve_operation(
+                operation_id,
+                source=S.PREPARED,
+                target=S.REJECTED,
+                decision="cancel",
+                resolved_by=person,
+                evidence=args.reason.strip(),
+            )
+        )
+    print(f"{cancelled.display_id}: prepared -> rejected: it will not be attempted")
+    print(f"cancelled by {printable(person)}; the reason is kept in its operation.resolved event")
     return 0
 
 
 def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
     with _connect(settings) as connection:
-        pending = Store(connection).run(store.pending_approvals())
+        runner = Store(connection)
+        pending = runner.run(store.pending_approvals())
+        # An approver judges the intent itself, not its fingerprint. The listing query
+        # leaves the input out, so it is read per operation, in the same transaction.
+        inputs = {
+            p.operation.id: runner.run(store.get_operation(p.operation.id)).input for p in pending
+        }
     if args.json:
         print(
             json.dumps(
                 [
                     {
                         **summary_json(p.operation),
+                        "input": inputs[p.operation.id],
                         "approval_status": str(p.check.status),
                         "approval_reason": p.check.reason,
                     }
@@ -341,15 +403,16 @@ def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
             display_operation_id(p.operation.id),
             f"{p.operation.tool_name} v{p.operation.tool_version}",
             sanitized(p.operation.input_fingerprint),
-            # What the decision is and why it waits; the input (amounts, recipients)
-            # stays in the database.
             f"{p.operation.side_effect} in run {p.operation.run_id}",
             approval_text(p.check),
             stamp(p.operation.created_at),
+            # Last: the one column of any length.
+            intent_text(inputs[p.operation.id]),
         ]
         for p in pending
     ]
-    print(table(["ID", "TOOL", "FINGERPRINT", "SUMMARY", "APPROVAL", "CREATED"], rows))
+    headers = ["ID", "TOOL", "FINGERPRINT", "SUMMARY", "APPROVAL", "CREATED", "INPUT"]
+    print(table(headers, rows))
     return 0
 
 
@@ -368,7 +431,7 @@ def cmd_approvals_grant(args: argparse.Namespace, settings: Settings) -> int:
         _approvable(operation)
         approval = grant_approval(connection, operation_id, approved_by=person, ttl=args.ttl)
     print(
-        f"approval {approval.id} granted by {person} for {operation.display_id} "
+        f"approval {approval.id} granted by {printable(person)} for {operation.display_id} "
         f"(intent {sanitized(approval.intent_hash)}), expires {stamp(approval.expires_at)}"
     )
     if operation.state is S.PREPARED:
@@ -392,7 +455,7 @@ def cmd_approvals_deny(args: argparse.Namespace, settings: Settings) -> int:
                 ttl=_DENIAL_TTL,
             )
         )
-    print(f"approval {approval.id}: denied by {person} for {operation.display_id}")
+    print(f"approval {approval.id}: denied by {printable(person)} for {operation.display_id}")
     print(
         f"the operation stays {operation.state} (the state machine has no edge from "
         "prepared to rejected): the consumer refuses to execute it while this denial is "
@@ -478,8 +541,8 @@ def add_commands(
     ops_parser = commands.add_parser(
         "ops",
         help="list operations, show one's evidence, resolve an escalation",
-        description="Look at operations and settle the ones handed to a person. No "
-        "command prints an operation's input.",
+        description="Look at operations and settle the ones handed to a person. Only "
+        "`ops show` prints an operation's input.",
     )
     ops = ops_parser.add_subparsers(dest="ops_command", required=True, metavar="ACTION")
 
@@ -519,8 +582,8 @@ def add_commands(
         cmd_ops_show,
         "one operation and its lifecycle timeline",
         "The operation's identity, tool, state, counters, provider reference and approval "
-        "status, then every lifecycle event with its time and attributes. The input is "
-        "never printed; the 12-character fingerprint prefix identifies the intent.",
+        "status, the validated input (JSON, control characters escaped), then every "
+        "lifecycle event with its time and attributes.",
     )
     show.add_argument("operation_id", metavar="OP_ID", help="op_<uuid> or a bare uuid")
 
@@ -570,6 +633,23 @@ def add_commands(
         "(a reconciler's later write on it is then refused)",
     )
 
+    cancel = leaf(
+        ops,
+        "cancel",
+        cmd_ops_cancel,
+        "end a prepared operation as rejected, before any attempt",
+        "Cancel an operation that no worker has attempted yet (state prepared): it ends "
+        "rejected and is never executed. A worker that claims it first wins, and the "
+        "cancel is refused with nothing changed. Recorded as an operation.resolved event "
+        "(decision cancel) with your name and reason; the reason is stored there, never "
+        "logged.",
+    )
+    cancel.add_argument("operation_id", metavar="OP_ID", help="op_<uuid> or a bare uuid")
+    cancel.add_argument(
+        "--reason", required=True, help="why it must not happen (kept with the operation)"
+    )
+    cancel.add_argument("--by", required=True, help="who decides (name or email)")
+
     approvals_parser = commands.add_parser(
         "approvals",
         help="operations waiting for an approval; grant or deny one",
@@ -585,7 +665,8 @@ def add_commands(
         cmd_approvals_pending,
         "prepared operations that need an approval and have no valid one",
         "Prepared operations whose contract requires an approval and whose latest approval "
-        "is missing, expired, denied or for another intent, oldest first. No input values.",
+        "is missing, expired, denied or for another intent, oldest first, each with the "
+        "validated input a grant would approve (JSON, control characters escaped).",
     )
     pending.add_argument("--json", action="store_true", help="a JSON list instead of a table")
     grant = leaf(

@@ -6,16 +6,24 @@ flag and its variable can never drift apart.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox.errors import ConfigurationError
 
 ENV_PREFIX = "OUTBOX_"
+
+_ENCODE_IT = (
+    "percent-encode spaces and the characters @ : / ? # [ ] in the user name and password "
+    "(a space is %20, # is %23)"
+)
 
 
 class Settings(BaseSettings):
@@ -133,6 +141,17 @@ class Settings(BaseSettings):
         default=timedelta(minutes=10),
         description="a prepared operation no message reached for this long is queued again",
     )
+    undeliverable_after_requeues: int = Field(
+        default=3,
+        ge=1,
+        description="a prepared operation queued again this many times without reaching a "
+        "consumer that can run it is escalated to a person",
+    )
+    approval_denial_grace: timedelta = Field(
+        default=timedelta(minutes=15),
+        description="a denied approval with no grant after it for this long ends the "
+        "operation rejected (seconds or ISO 8601)",
+    )
     reconcile_batch: int = Field(
         default=50, ge=1, le=1000, description="operations one reconciler scan takes"
     )
@@ -152,26 +171,40 @@ class Settings(BaseSettings):
         default="INFO", description="log level"
     )
     log_format: Literal["logfmt", "json"] = Field(default="logfmt", description="log line format")
+    # Off by default: a daemon that declares what it does not find turns a mistyped
+    # name into a new queue nobody reads, and it looks healthy doing so.
+    declare_topology: bool = Field(
+        default=False,
+        description="let a daemon declare the broker exchanges and queues itself instead of "
+        "requiring the ones `outbox migrate --broker` created",
+    )
 
     @field_validator("database_url")
     @classmethod
     def _postgres_scheme(cls, value: SecretStr) -> SecretStr:
-        scheme = urlsplit(value.get_secret_value()).scheme
+        scheme = _scheme(value.get_secret_value())
         if scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
             raise ValueError(
                 f"database URL scheme {scheme!r} is not supported; use postgresql:// "
                 "or postgresql+psycopg:// (psycopg 3)"
             )
+        _check_libpq_reads(value.get_secret_value())
         return value
 
     @field_validator("amqp_url")
     @classmethod
     def _amqp_scheme(cls, value: SecretStr) -> SecretStr:
-        scheme = urlsplit(value.get_secret_value()).scheme
+        scheme = _scheme(value.get_secret_value())
         if scheme not in ("amqp", "amqps"):
             raise ValueError(
                 f"AMQP URL scheme {scheme!r} is not supported; use amqp:// or amqps://"
             )
+        try:
+            _ = urlsplit(value.get_secret_value()).port  # raises on a port that is no number
+        except ValueError:
+            # Its message quotes the "port", which is part of the password when an
+            # unencoded "#", "?" or "/" cut the URL short.
+            raise ValueError(f"the URL's port is not a number; {_ENCODE_IT}") from None
         return value
 
     @property
@@ -181,6 +214,30 @@ class Settings(BaseSettings):
     @property
     def libpq_url(self) -> str:
         return libpq_url(self.database_url.get_secret_value())
+
+
+def _scheme(url: str) -> str:
+    try:
+        return urlsplit(url).scheme
+    except ValueError:
+        # An unclosed "[" reads as an IPv6 host; the message is ours either way.
+        raise ValueError(f"the URL cannot be parsed; {_ENCODE_IT}") from None
+
+
+def _check_libpq_reads(url: str) -> None:
+    """Refuse a URL libpq cannot read, or reads otherwise than we do (we redact what
+    urlsplit calls the password), before anything connects with it. The messages are
+    ours: libpq's quote the offending part of the URL, often the password itself."""
+    url = libpq_url(url)
+    try:
+        parsed = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        raise ValueError(f"libpq cannot read this URL; {_ENCODE_IT}") from None
+    parts = urlsplit(url)
+    in_query = dict(parse_qsl(parts.query))
+    for key, ours in (("user", parts.username), ("password", parts.password)):
+        if key not in in_query and parsed.get(key) != (None if ours is None else unquote(ours)):
+            raise ValueError(f"libpq reads the {key} of this URL differently; {_ENCODE_IT}")
 
 
 def load_settings(**overrides: object) -> Settings:
@@ -213,14 +270,27 @@ def libpq_url(url: str) -> str:
     return urlunsplit(parts)
 
 
+_QUERY_PASSWORD = re.compile(r"(?i)((?:^|&)password=)[^&]*")
+
+
 def redact_url(url: str) -> str:
     """The URL with any password replaced, fit for a log line or an error message."""
     parts = urlsplit(url)
-    if parts.password is None:
+    if parts.password is None and "@" in url.partition("://")[2]:
+        # An unencoded "#", "?" or "/" in the password ends urlsplit's netloc early, but
+        # libpq reads credentials up to the "@": hide everything from the user's ":" to
+        # the last "@" rather than print the tail of a password.
+        scheme, _, rest = url.partition("://")
+        credentials, _, host = rest.rpartition("@")
+        if ":" in credentials:
+            return f"{scheme}://{credentials.split(':', 1)[0]}:***@{redact_url(host)}"
+    query = _QUERY_PASSWORD.sub(r"\1***", parts.query)
+    if parts.password is None and query == parts.query:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
+    return urlunsplit(parts._replace(query=query))
 
 
 def database_name(url: str) -> str:

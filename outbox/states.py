@@ -29,6 +29,11 @@ _S = OperationState
 LEGAL_TRANSITIONS: frozenset[tuple[OperationState, OperationState]] = frozenset(
     {
         (_S.PREPARED, _S.IN_FLIGHT),
+        # Never attempted, and never to be without a person: a row that disagrees with
+        # what the consumer recomputes, or a message dead-lettered over and over.
+        (_S.PREPARED, _S.ESCALATED),
+        # Never attempted, and never to be: a denied approval, an operator's cancel.
+        (_S.PREPARED, _S.REJECTED),
         (_S.IN_FLIGHT, _S.COMMITTED),
         (_S.IN_FLIGHT, _S.REJECTED),
         (_S.IN_FLIGHT, _S.PREPARED),
@@ -74,3 +79,9 @@ class EventName(StrEnum):
     APPROVAL_REQUIRED = "operation.approval_required"
     # A delivery for an operation already past ``prepared``: acked, never executed.
     DELIVERY_SUPPRESSED = "operation.delivery_suppressed"
+    # The stored row disagrees with what the consumer derives from its input and the
+    # contract: never executed, escalated with the check that failed.
+    TAMPERED = "operation.tampered"
+    # The consumer dead-lettered a message of this operation (its reason in attributes):
+    # evidence for the escalation once requeueing it keeps failing.
+    DEAD_LETTERED = "operation.dead_lettered"

@@ -13,6 +13,7 @@ what makes an operation, its outbox row and its event exist, together or not at 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,7 +26,9 @@ import psycopg.rows
 import psycopg.sql
 from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
+from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine as SAEngine
 from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
 from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
 from sqlalchemy.orm import Session as SASession
@@ -38,9 +41,11 @@ from outbox.errors import (
     IllegalTransition,
     LeaseLost,
     OperationNotFound,
+    SchemaMissing,
     TransientDatabaseError,
     wrap_database_errors,
 )
+from outbox.fingerprint_key import key_from_environment, keyed_fingerprint
 from outbox.models import (
     Approval,
     ApprovalCheck,
@@ -81,6 +86,18 @@ class _AsyncExecutor(Protocol):
     async def fetch(self, step: Step) -> list[Row]: ...
 
 
+# Statements whose answer never changes for a database: asked once per process and
+# database, then answered from memory (a round trip saved on every decision).
+_IMMUTABLE_QUERIES = frozenset({"fingerprint_key"})
+_remembered: dict[tuple[str, str], list[Row]] = {}
+
+
+def _database_of(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> str:
+    # Per user too: each role proves on its own that it may read what it is served.
+    info = driver.info
+    return f"{info.user}@{info.host}:{info.port}/{info.dbname}"
+
+
 def _check_driver_connection(driver: object, require_transaction: bool) -> None:
     if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
         raise ConfigurationError(
@@ -99,10 +116,48 @@ def _check_driver_connection(driver: object, require_transaction: bool) -> None:
         )
 
 
+# Lifecycle lines of a plan run on a SQLAlchemy connection wait in the DBAPI connection's
+# info for the transaction's end: written when it commits, dropped when it rolls back.
+# SQLAlchemy's "commit" event fires as the commit is issued, so a commit that then fails
+# still writes them; a plain psycopg connection has no such event, so there they are
+# written as each plan finishes (the caller's rollback cannot take them back).
+_HELD_LINES = "outbox_lifecycle_lines"
+_ENGINES_OBSERVED: weakref.WeakSet[SAEngine] = weakref.WeakSet()
+
+
+def _hold_until_commit(connection: SAConnection, lines: list[lifecycle.Line]) -> None:
+    if not lines:
+        return
+    engine = connection.engine
+    if engine not in _ENGINES_OBSERVED:
+        sa_event.listen(engine, "commit", _write_held_lines)
+        sa_event.listen(engine, "rollback", _drop_held_lines)
+        _ENGINES_OBSERVED.add(engine)
+    connection.info.setdefault(_HELD_LINES, []).extend(lines)
+
+
+def _write_held_lines(connection: SAConnection) -> None:
+    lifecycle.write_all(connection.info.pop(_HELD_LINES, []))
+
+
+def _drop_held_lines(connection: SAConnection) -> None:
+    connection.info.pop(_HELD_LINES, None)
+
+
 class _SQLAlchemyExecutor:
     def __init__(self, connection: SAConnection, require_transaction: bool) -> None:
         _check_driver_connection(connection.connection.driver_connection, require_transaction)
         self._connection = connection
+
+    @property
+    def commit_observer(self) -> SAConnection:
+        return self._connection
+
+    @property
+    def database(self) -> str:
+        driver = self._connection.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        return _database_of(driver)
 
     def fetch(self, step: Step) -> list[Row]:
         result = self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
@@ -113,6 +168,10 @@ class _PsycopgExecutor:
     def __init__(self, connection: psycopg.Connection[Any], require_transaction: bool) -> None:
         _check_driver_connection(connection, require_transaction)
         self._connection = connection
+
+    @property
+    def database(self) -> str:
+        return _database_of(self._connection)
 
     def fetch(self, step: Step) -> list[Row]:
         with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
@@ -125,6 +184,17 @@ class _SQLAlchemyAsyncExecutor:
         self._connection = connection
         self._require_transaction = require_transaction
         self._checked = False
+
+    @property
+    def commit_observer(self) -> SAConnection | None:
+        return self._connection.sync_connection
+
+    @property
+    def database(self) -> str:
+        sync = self._connection.sync_connection
+        driver = sync.connection.driver_connection if sync is not None else None
+        assert isinstance(driver, psycopg.AsyncConnection)
+        return _database_of(driver)
 
     async def fetch(self, step: Step) -> list[Row]:
         if not self._checked:
@@ -139,6 +209,10 @@ class _PsycopgAsyncExecutor:
     def __init__(self, connection: psycopg.AsyncConnection[Any], require_transaction: bool) -> None:
         _check_driver_connection(connection, require_transaction)
         self._connection = connection
+
+    @property
+    def database(self) -> str:
+        return _database_of(self._connection)
 
     async def fetch(self, step: Step) -> list[Row]:
         async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
@@ -188,12 +262,26 @@ class Store:
         self._executor = _sync_executor(connection, require_transaction)
 
     def run(self, plan: Plan[T]) -> T:
+        observer = getattr(self._executor, "commit_observer", None)
+        if observer is None:
+            return self._run(plan)
+        with lifecycle.held() as lines:
+            result = self._run(plan)
+        _hold_until_commit(observer, lines)
+        return result
+
+    def _run(self, plan: Plan[T]) -> T:
         rows: list[Row] | None = None
         try:
             while True:
                 step = plan.send(rows) if rows is not None else next(plan)
+                remembered = _remembered_rows(self._executor, step)
+                if remembered is not None:
+                    rows = remembered
+                    continue
                 with wrap_database_errors(step.query):
                     rows = self._executor.fetch(step)
+                _remember(self._executor, step, rows)
         except StopIteration as finished:
             return finished.value  # type: ignore[no-any-return]
 
@@ -211,14 +299,42 @@ class AsyncStore:
         return cls(await _async_executor(connection, require_transaction))
 
     async def run(self, plan: Plan[T]) -> T:
+        observer = getattr(self._executor, "commit_observer", None)
+        if observer is None:
+            return await self._run(plan)
+        with lifecycle.held() as lines:
+            result = await self._run(plan)
+        _hold_until_commit(observer, lines)
+        return result
+
+    async def _run(self, plan: Plan[T]) -> T:
         rows: list[Row] | None = None
         try:
             while True:
                 step = plan.send(rows) if rows is not None else next(plan)
+                remembered = _remembered_rows(self._executor, step)
+                if remembered is not None:
+                    rows = remembered
+                    continue
                 with wrap_database_errors(step.query):
                     rows = await self._executor.fetch(step)
+                _remember(self._executor, step, rows)
         except StopIteration as finished:
             return finished.value  # type: ignore[no-any-return]
+
+
+def _remembered_rows(executor: object, step: Step) -> list[Row] | None:
+    if step.query not in _IMMUTABLE_QUERIES:
+        return None
+    database = getattr(executor, "database", None)
+    return _remembered.get((database, step.query)) if database else None
+
+
+def _remember(executor: object, step: Step, rows: list[Row]) -> None:
+    if step.query in _IMMUTABLE_QUERIES and rows:
+        database = getattr(executor, "database", None)
+        if database:
+            _remembered[(database, step.query)] = rows
 
 
 # --- plans: the named operations ----------------------------------------------------
@@ -239,12 +355,26 @@ class NewDecision:
     headers: dict[str, str]
 
 
+def fingerprint_key() -> Plan[str]:
+    """The key of the short fingerprints logs, events and spans show:
+    ``OUTBOX_FINGERPRINT_KEY`` if set, else the database's (asked once per process)."""
+    from_environment = key_from_environment()
+    if from_environment is not None:
+        return from_environment
+    rows = yield Step("fingerprint_key", {})
+    if not rows:
+        raise SchemaMissing()
+    key: str = rows[0]["fingerprint_key"]
+    return key
+
+
 def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
     """Insert operation + outbox row + prepared event, or return the one already there."""
+    key = yield from fingerprint_key()
     attributes: dict[str, lifecycle.Scalar] = {
         "tool": decision.tool_name,
         "tool_version": decision.tool_version,
-        "fingerprint": decision.input_fingerprint[:12],
+        "fingerprint": keyed_fingerprint(key, decision.input_fingerprint),
         "run_id": decision.run_id,
     }
     # A key-holder that rolls back between our insert and our read frees the key again;
@@ -276,14 +406,14 @@ def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
         )
         if rows:
             existing = Operation.model_validate(rows[0])
-            _refuse_changed_intent(existing, decision)
+            _refuse_changed_intent(existing, decision, key)
             return RecordedDecision(operation=existing, created=False)
     raise TransientDatabaseError(
         "the decision key kept changing hands between insert and read; retry the transaction"
     )
 
 
-def _refuse_changed_intent(existing: Operation, decision: NewDecision) -> None:
+def _refuse_changed_intent(existing: Operation, decision: NewDecision, key: str) -> None:
     if (
         existing.input_fingerprint == decision.input_fingerprint
         and existing.tool_name == decision.tool_name
@@ -293,8 +423,9 @@ def _refuse_changed_intent(existing: Operation, decision: NewDecision) -> None:
     raise DecisionConflict(
         f"decision key already recorded in this run for {existing.display_id} "
         f"(tool {existing.tool_name!r} v{existing.tool_version}, fingerprint "
-        f"{existing.sanitized_fingerprint}); the new intent has fingerprint "
-        f"{decision.input_fingerprint[:12]}. Use a new decision key for a new decision",
+        f"{keyed_fingerprint(key, existing.input_fingerprint)}); the new intent has "
+        f"fingerprint {keyed_fingerprint(key, decision.input_fingerprint)}. Use a new "
+        "decision key for a new decision",
         operation_id=existing.id,
     )
 
@@ -543,7 +674,8 @@ def decide_approval(
         if decision is ApprovalDecision.GRANTED
         else EventName.APPROVAL_DENIED
     )
-    lifecycle.emit(name, operation, {"approval_id": str(approval.id), "by": approved_by})
+    # Who decided is in the approvals row; a log line carries ids, never people's names.
+    lifecycle.emit(name, operation, {"approval_id": str(approval.id)})
     return approval
 
 
@@ -615,6 +747,14 @@ def schema_version(connection: psycopg.Connection[Any]) -> int | None:
             return None
         row = connection.execute("SELECT max(version) FROM outbox_schema_version").fetchone()
         return None if row is None else row[0]
+
+
+def schema_is_current(connection: psycopg.Connection[Any]) -> bool:
+    """Whether this library's schema is applied: the newest table it needs exists. Asks
+    the catalog only, which needs no grant, so a least-privilege role can tell too."""
+    with wrap_database_errors("schema_is_current"):
+        row = connection.execute("SELECT to_regclass('outbox_deployment')").fetchone()
+    return row is not None and row[0] is not None
 
 
 def create_database(
@@ -796,6 +936,26 @@ def requeue_stale_prepared(stale_after: timedelta, limit: int) -> Plan[list[UUID
     return [row["operation_id"] for row in rows]
 
 
+def escalate_undeliverable(
+    stale_after: timedelta, cycles: int, limit: int
+) -> Plan[list[tuple[UUID, str]]]:
+    """Hand to a person the stale prepared operations already queued again ``cycles``
+    times: their messages keep reaching no consumer that can run them (an unknown tool,
+    a poison message), and queueing them once more would loop forever. Returns each
+    one's id and tool."""
+    rows = yield Step(
+        "escalate_undeliverable", {"stale_after": stale_after, "cycles": cycles, "limit": limit}
+    )
+    return [(row["operation_id"], row["tool_name"]) for row in rows]
+
+
+def reject_denied_operations(grace: timedelta, limit: int) -> Plan[list[UUID]]:
+    """End as rejected the prepared operations whose latest approval decision is a
+    denial older than ``grace``: a decision denied and never granted is a definitive no."""
+    rows = yield Step("reject_denied_operations", {"grace": grace, "limit": limit})
+    return [row["operation_id"] for row in rows]
+
+
 # --- metrics -------------------------------------------------------------------------
 
 
@@ -935,11 +1095,11 @@ def resolve_operation(
         "from": str(source),
         "to": str(target),
         "decision": decision,
-        "by": resolved_by,
     }
     if provider_reference is not None:
         logged["provider_reference"] = provider_reference
-    stored = {**logged, "evidence": evidence[:RESOLUTION_EVIDENCE_LIMIT]}
+    # Who and why are kept in the event, where they belong; a log line carries ids.
+    stored = {**logged, "by": resolved_by, "evidence": evidence[:RESOLUTION_EVIDENCE_LIMIT]}
     retry = target is OperationState.PREPARED
     rows = yield Step(
         "transition_operation",

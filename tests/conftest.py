@@ -144,6 +144,9 @@ def settings(database_url: str, amqp_server_url: str, broker_names: BrokerNames)
         # Tests shrink the lease margin so leases expire quickly; the database bounds,
         # derived from it by default, stay at a size a busy machine always meets.
         db_transaction_timeout=5.0,
+        # Each test's broker names are new: its daemons declare them, where a deployment
+        # runs `outbox migrate --broker` (tests of that path turn this off).
+        declare_topology=True,
     )
 
 

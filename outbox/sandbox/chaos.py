@@ -671,6 +671,8 @@ class Chaos:
             "OUTBOX_DEAD_LETTER_EXCHANGE": self.names.dead_letter_exchange,
             "OUTBOX_DEAD_LETTER_QUEUE": self.names.dead_letter_queue,
             "OUTBOX_TOOLS": TOOLS_MODULE,
+            # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
+            "OUTBOX_DECLARE_TOPOLOGY": "true",
             "OUTBOX_SANDBOX_URL": self.provider.url,
             "OUTBOX_SANDBOX_REFUND_DEADLINE": f"{REFUND_DEADLINE_SECONDS:g}",
             "OUTBOX_LEASE_MARGIN": f"{LEASE_MARGIN_SECONDS:g}",

@@ -8,32 +8,40 @@ timeout becomes ``outcome_unknown``, the reconciler looks the refund up and find
 The provider's ledger is the evidence: two refunds, then one.
 
 Everything runs against the local Postgres and RabbitMQ in a database and broker names
-of its own, with the daemons as real subprocesses; all of it is removed at the end.
-Exit status 0 only if the guarantee held.
+of its own, with the daemons as real subprocesses; all of it is removed at the end, also
+when the demo is stopped with SIGTERM or Ctrl-C. Both services are checked first: a
+missing one is named in one line, with how to start it. Exit status 0 only if the
+guarantee held.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import aio_pika
+import aiormq.exceptions
 import httpx
 import psycopg
 
 from outbox import lifecycle, store
+from outbox.broker import connect as connect_to_broker
 from outbox.decisions import record_decision
-from outbox.errors import ServiceUnavailable
+from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.loading import load_registry
-from outbox.migrate import migrate
+from outbox.migrate import declare_broker_topology, migrate
 from outbox.models import Operation, OperationEvent
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.settings import Settings, database_name, redact_url, with_database
@@ -46,6 +54,8 @@ DEADLINE_SECONDS = 1.0
 # caller sees a timeout although the refund exists.
 SLOW_ANSWER_MS = 1100
 SETTLE_WITHIN_SECONDS = 60.0
+# How long each service may take to answer before the demo says it is missing.
+SERVICE_CHECK_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ class DemoNames:
     queue: str
     dead_letter_exchange: str
     dead_letter_queue: str
+    tag: str = ""
+    """What ties the names of one run together, printed so it can be found (and checked)."""
 
     @classmethod
     def fresh(cls, settings: Settings) -> DemoNames:
@@ -65,6 +77,7 @@ class DemoNames:
             queue=f"demo.{tag}.operations",
             dead_letter_exchange=f"demo.{tag}.dead",
             dead_letter_queue=f"demo.{tag}.operations.dead",
+            tag=tag,
         )
 
 
@@ -81,19 +94,68 @@ def register(commands: Any) -> None:
     parser.set_defaults(handler=run)
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: unwind, so that what the demo made is removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The handler only sets this; the demo's loops and steps look at it. An exception raised
+# in the handler itself is lost (printed, and ignored) when the signal lands in a
+# finalizer or a weakref callback, and then nothing would be removed.
+_stop_requested: list[int] = []
+
+
+def _request_stop(signum: int, frame: FrameType | None) -> None:
+    _stop_requested.append(signum)
+
+
+def checkpoint() -> None:
+    if _stop_requested:
+        raise Stopped(_stop_requested[0])
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # The story is told on stdout; the sandbox's and httpx's own chatter would drown it.
     for noisy in ("outbox.sandbox.provider", "outbox.lifecycle", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    check_services(settings)
     names = DemoNames.fresh(settings)
+    # Python's default for SIGTERM ends the process without unwinding, and its
+    # KeyboardInterrupt can be lost the same way as an exception raised by a handler:
+    # the database and the queues would stay behind, and the daemons would run on.
+    _stop_requested.clear()
+    previous = {
+        signum: signal.signal(signum, _request_stop) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        return tell_the_story(settings, names)
+    except Stopped as stopped:
+        say(f"\ndemo stopped by {signal.Signals(stopped.signum).name}")
+        return 128 + stopped.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def tell_the_story(settings: Settings, names: DemoNames) -> int:
     say("effect-outbox demo: a refund whose response is lost in a timeout\n")
+    daemons: list[subprocess.Popen[bytes]] = []
     with SandboxProvider(faults=Faults(delay_ms=SLOW_ANSWER_MS)) as provider:
         naive_refunds = naive_runtime(provider)
         provider.reset()
+        checkpoint()
         try:
-            outbox_refunds = with_effect_outbox(settings, names, provider)
+            outbox_refunds = with_effect_outbox(settings, names, provider, daemons)
         finally:
-            clean_up(settings, names)
+            # A second signal must not cut this short: the daemons would outlive us.
+            with _signals_held():
+                for daemon in daemons:
+                    stop(daemon)
+                clean_up(settings, names)
+    checkpoint()
     held = naive_refunds == 2 and outbox_refunds == 1
     say(
         "\nguarantee held: one decision, one effect."
@@ -101,6 +163,66 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         else f"\nGUARANTEE BROKEN: effect-outbox produced {outbox_refunds} refunds."
     )
     return 0 if held else 1
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    previous = {
+        signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def check_services(settings: Settings) -> None:
+    """Both services answer, or one line says which does not and how to start it. Without
+    this, a missing broker showed half the demo and then nothing for a minute."""
+    server = with_database(settings.libpq_url, "postgres")
+    try:
+        psycopg.connect(server, connect_timeout=SERVICE_CHECK_SECONDS).close()
+    except psycopg.Error as failure:
+        raise ServiceUnavailable(
+            f"cannot connect to Postgres at {redact_url(server)} ({connect_failure(failure)}): "
+            "is it running? Start it (`docker compose up -d postgres`, or your "
+            "distribution's postgresql package) or point OUTBOX_DATABASE_URL at a running server"
+        ) from None
+    url = settings.amqp_url.get_secret_value()
+    # aiormq logs each failed connect itself, with the address: the line below says it.
+    client_log = logging.getLogger("aiormq")
+    level = client_log.level
+    client_log.setLevel(logging.CRITICAL)
+    try:
+        asyncio.run(_broker_answers(url))
+    except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as failure:
+        raise ServiceUnavailable(
+            f"cannot connect to RabbitMQ at {redact_url(url)} ({_broker_failure(failure)}): "
+            "is it running? Start it (`docker compose up -d rabbitmq`, or your "
+            "distribution's rabbitmq-server package) or point OUTBOX_AMQP_URL at a running broker"
+        ) from None
+    finally:
+        client_log.setLevel(level)
+
+
+async def _broker_answers(url: str) -> None:
+    async with asyncio.timeout(SERVICE_CHECK_SECONDS):
+        connection = await connect_to_broker(url)
+    await connection.close()
+
+
+def _broker_failure(failure: BaseException) -> str:
+    # aiormq's texts can quote the URL; its refusals carry the errno first.
+    if isinstance(failure, ConnectionRefusedError) or (
+        isinstance(failure, aiormq.exceptions.AMQPConnectionError)
+        and failure.args
+        and failure.args[0] == 111
+    ):
+        return "connection refused"
+    if isinstance(failure, aiormq.exceptions.ProbableAuthenticationError):
+        return "the broker refused the user name or password"
+    return type(failure).__name__
 
 
 def say(line: str) -> None:
@@ -130,9 +252,22 @@ def naive_runtime(provider: SandboxProvider) -> int:
     return count
 
 
-def with_effect_outbox(settings: Settings, names: DemoNames, provider: SandboxProvider) -> int:
+def with_effect_outbox(
+    settings: Settings,
+    names: DemoNames,
+    provider: SandboxProvider,
+    daemons: list[subprocess.Popen[bytes]],
+) -> int:
+    """The same fault under effect-outbox; the daemons it starts go into ``daemons``, for
+    the caller to stop however this ends."""
     say("2. effect-outbox: the same fault")
+    # What `outbox migrate --broker` does, for this run's names: the daemons require it.
     migrate(names.database_url)
+    asyncio.run(declare_broker_topology(demo_settings(settings, names)))
+    say(
+        f"   (database {database_name(names.database_url)} and broker names "
+        f"demo.{names.tag}.* created for this run, removed at the end)"
+    )
     provider.set_faults(delay_ms=SLOW_ANSWER_MS)
     run_id = f"run_{uuid.uuid4().hex[:6]}"
     environment = daemon_environment(settings, names, provider)
@@ -148,12 +283,12 @@ def with_effect_outbox(settings: Settings, names: DemoNames, provider: SandboxPr
         )
         connection.commit()
     operation = recorded.operation
-    daemons = [start(module, environment) for module in ("dispatcher", "consumer")]
-    try:
-        final = wait_until_settled(names.database_url, operation, daemons)
-    finally:
-        for daemon in daemons:
-            stop(daemon)
+    for module in ("dispatcher", "consumer"):
+        checkpoint()
+        daemons.append(start(module, environment))
+    final = wait_until_settled(names.database_url, operation, daemons)
+    for daemon in daemons:
+        stop(daemon)
     for event in events_of(names.database_url, operation):
         say("   " + trace_line(event, operation))
     outcome = "refund_confirmed" if final.state is OperationState.COMMITTED else str(final.state)
@@ -163,6 +298,17 @@ def with_effect_outbox(settings: Settings, names: DemoNames, provider: SandboxPr
     count = len(provider.ledger()["refunds"])
     say(f"   provider ledger: {count} refund for one decision")
     return count
+
+
+def demo_settings(settings: Settings, names: DemoNames) -> Settings:
+    return settings.model_copy(
+        update={
+            "exchange": names.exchange,
+            "queue": names.queue,
+            "dead_letter_exchange": names.dead_letter_exchange,
+            "dead_letter_queue": names.dead_letter_queue,
+        }
+    )
 
 
 def daemon_environment(
@@ -214,6 +360,7 @@ def wait_until_settled(
 ) -> Operation:
     deadline = time.monotonic() + SETTLE_WITHIN_SECONDS
     while True:
+        checkpoint()
         with psycopg.connect(database_url) as connection:
             current = Store(connection).run(store.get_operation(operation.id))
         if current.state in (
@@ -224,6 +371,7 @@ def wait_until_settled(
             return current
         for daemon in daemons:
             if daemon.poll() is not None:
+                checkpoint()  # Ctrl-C in a terminal stops the daemons too: not a failure
                 errors = daemon.stderr.read().decode(errors="replace") if daemon.stderr else ""
                 raise ServiceUnavailable(
                     f"a daemon exited early with status {daemon.returncode}:\n{errors[-2000:]}"

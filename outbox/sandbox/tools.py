@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.contracts import (
     ApprovalPolicy,
@@ -61,6 +61,10 @@ _client_factory: Callable[[], httpx.AsyncClient] = _default_client
 
 
 class RefundInput(BaseModel):
+    # Strict, like every input here: lax validation took True for an amount of 1 cent
+    # and "100" for 100. An agent's input is recorded as sent, or refused.
+    model_config = ConfigDict(strict=True)
+
     payment_id: str = Field(pattern=r"^pay_[A-Za-z0-9_]{1,60}$")
     amount_cents: int = Field(gt=0)
     currency: str = Field(default="EUR", pattern=r"^[A-Z]{3}$")
@@ -68,11 +72,15 @@ class RefundInput(BaseModel):
 
 
 class RefundLookup(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     # The id goes into the URL path: the pattern keeps "/", "?" and ".." out of it.
     refund_id: str = Field(pattern=r"^re_[A-Za-z0-9_]{1,60}$")
 
 
 class EmailInput(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     to: str = Field(pattern=r"^[^@\s]+@[^@\s]+\.[^@\s]+$", max_length=254)
     subject: str = Field(max_length=200)
     body: str = Field(max_length=20_000)

@@ -2,22 +2,15 @@
 -- outbox.store executes them. Parameters use psycopg's %(name)s style.
 
 -- name: insert_decision
--- Write the operation (prepared), its outbox row and its operation.prepared event in one statement; no row back when (run_id, decision_key) is taken.
-WITH operation AS (
-    INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version, side_effect,
-                            input, input_fingerprint, requires_approval)
-    VALUES (%(id)s, %(run_id)s, %(decision_key)s, %(tool_name)s, %(tool_version)s,
-            %(side_effect)s, %(input)s, %(input_fingerprint)s, %(requires_approval)s)
-    ON CONFLICT (run_id, decision_key) DO NOTHING
-    RETURNING *
-), queued AS (
-    INSERT INTO outbox (operation_id, routing_key, headers)
-    SELECT id, tool_name || '.v' || tool_version, %(headers)s FROM operation
-), event AS (
-    INSERT INTO operation_events (operation_id, name, attributes)
-    SELECT id, 'operation.prepared', %(event_attributes)s FROM operation
+-- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql); no row back when (run_id, decision_key) is taken.
+SELECT * FROM outbox_record_decision(
+    %(id)s, %(run_id)s, %(decision_key)s, %(tool_name)s, %(tool_version)s, %(side_effect)s,
+    %(input)s, %(input_fingerprint)s, %(requires_approval)s, %(headers)s, %(event_attributes)s
 )
-SELECT * FROM operation
+
+-- name: fingerprint_key
+-- The deployment's key for short fingerprints (outbox_deployment, created by the first migration); the runner caches it per database.
+SELECT fingerprint_key FROM outbox_deployment
 
 -- name: get_operation
 -- One operation by id.
@@ -293,6 +286,78 @@ WITH stale AS (
     FROM queued
 )
 SELECT operation_id FROM queued
+
+-- name: escalate_undeliverable
+-- prepared -> escalated for stale operations already queued again `cycles` times that still reached no consumer (an unknown tool, a poison message): the third ending, with the requeues and the last dead-letter reason as evidence.
+WITH stale AS (
+    SELECT o.id,
+           (SELECT count(*) FROM operation_events r
+            WHERE r.operation_id = o.id AND r.name = 'operation.requeued'
+              AND r.attributes ->> 'reason' = 'no_delivery') AS requeues,
+           (SELECT d.attributes ->> 'reason' FROM operation_events d
+            WHERE d.operation_id = o.id AND d.name = 'operation.dead_lettered'
+            ORDER BY d.id DESC LIMIT 1) AS last_dead_letter
+    FROM operations o
+    WHERE o.state = 'prepared'
+      AND o.next_attempt_at < clock_timestamp() - %(stale_after)s::interval
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox b
+          WHERE b.operation_id = o.id
+            AND (b.published_at IS NULL
+                 OR b.published_at > clock_timestamp() - %(stale_after)s::interval)
+      )
+      AND (SELECT count(*) FROM operation_events r
+           WHERE r.operation_id = o.id AND r.name = 'operation.requeued'
+             AND r.attributes ->> 'reason' = 'no_delivery') >= %(cycles)s
+    ORDER BY o.next_attempt_at
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+), moved AS (
+    UPDATE operations o
+    SET state = 'escalated', last_error_class = 'undeliverable'
+    FROM stale s
+    WHERE o.id = s.id AND o.state = 'prepared'
+    RETURNING o.id, o.tool_name
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT m.id, 'operation.escalated',
+           jsonb_build_object('from', 'prepared', 'to', 'escalated', 'reason', 'undeliverable',
+                              'requeues', s.requeues,
+                              'last_dead_letter', coalesce(s.last_dead_letter, 'unknown'))
+    FROM moved m JOIN stale s ON s.id = m.id
+)
+SELECT id AS operation_id, tool_name FROM moved
+
+-- name: reject_denied_operations
+-- prepared -> rejected (policy approval_denied) for operations whose latest approval decision is a denial older than the grace window: no grant followed, so the decision ends.
+WITH denied AS (
+    SELECT o.id
+    FROM operations o
+    JOIN LATERAL (
+        SELECT a.decision, a.created_at FROM approvals a
+        WHERE a.operation_id = o.id
+        ORDER BY a.created_at DESC
+        LIMIT 1
+    ) latest ON true
+    WHERE o.state = 'prepared'
+      AND latest.decision = 'denied'
+      AND latest.created_at < clock_timestamp() - %(grace)s::interval
+    ORDER BY latest.created_at
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+), moved AS (
+    UPDATE operations o
+    SET state = 'rejected', last_error_class = 'approval_denied'
+    FROM denied d
+    WHERE o.id = d.id AND o.state = 'prepared'
+    RETURNING o.id
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, 'operation.rejected',
+           jsonb_build_object('from', 'prepared', 'to', 'rejected', 'policy', 'approval_denied')
+    FROM moved
+)
+SELECT id AS operation_id FROM moved
 
 -- name: list_operation_summaries
 -- Operations for `outbox ops list`, newest change first, filtered by state, tool and age; never the input.

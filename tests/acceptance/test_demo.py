@@ -2,27 +2,76 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import aio_pika
+import aiormq.exceptions
 import psycopg
+import pytest
+
+from support.waiting import eventually_sync
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
+# The line the demo prints once its database and queues exist, naming them by its tag.
+CREATED = re.compile(r"database outbox_demo_(\w+) and broker names demo\.(\w+)\.\* created")
+
+
+def demo_environment(postgres_server_url: str, amqp_server_url: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": postgres_server_url,
+        "OUTBOX_AMQP_URL": amqp_server_url,
+    }
+
+
+def tag_of(output: str) -> str:
+    found = CREATED.search(output)
+    assert found, f"the demo never said what it created:\n{output}"
+    assert found.group(1) == found.group(2)
+    return found.group(1)
+
+
+def assert_removed(tag: str, postgres_server_url: str, amqp_server_url: str) -> None:
+    """What this run of the demo created is gone; other runs' objects are not ours."""
+    with psycopg.connect(postgres_server_url, autocommit=True) as connection:
+        left = connection.execute(
+            "SELECT datname FROM pg_database WHERE datname = %s", (f"outbox_demo_{tag}",)
+        ).fetchall()
+    assert left == []
+    assert asyncio.run(_existing_queues(amqp_server_url, tag)) == []
+
+
+async def _existing_queues(amqp_url: str, tag: str) -> list[str]:
+    existing = []
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        for queue in (f"demo.{tag}.operations", f"demo.{tag}.operations.dead"):
+            # A passive declare of a missing queue closes its channel: one channel each.
+            try:
+                await (await connection.channel()).get_queue(queue, ensure=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                continue
+            existing.append(queue)
+    return existing
 
 
 def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
     postgres_server_url: str, amqp_server_url: str
 ) -> None:
-    environment = {
-        **os.environ,
-        "OUTBOX_DATABASE_URL": postgres_server_url,
-        "OUTBOX_AMQP_URL": amqp_server_url,
-    }
     result = subprocess.run(
-        [OUTBOX, "demo"], capture_output=True, text=True, env=environment, timeout=120, check=False
+        [OUTBOX, "demo"],
+        capture_output=True,
+        text=True,
+        env=demo_environment(postgres_server_url, amqp_server_url),
+        timeout=120,
+        check=False,
     )
 
     assert result.returncode == 0, result.stdout + result.stderr
@@ -43,8 +92,47 @@ def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
     assert re.search(r"operation\.reconciled\s+id=op_\S+ result=committed", out)
     assert re.search(r"agent\.completed\s+id=run_\w+ outcome=refund_confirmed", out)
     assert "guarantee held" in out
-    with psycopg.connect(postgres_server_url, autocommit=True) as connection:
-        leftovers = connection.execute(
-            "SELECT datname FROM pg_database WHERE datname LIKE 'outbox_demo_%'"
-        ).fetchall()
-    assert leftovers == []
+    assert_removed(tag_of(out), postgres_server_url, amqp_server_url)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stopped_demo_removes_what_it_created(
+    postgres_server_url: str, amqp_server_url: str, signum: signal.Signals
+) -> None:
+    demo = subprocess.Popen(
+        [OUTBOX, "demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=demo_environment(postgres_server_url, amqp_server_url),
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert demo.stdout is not None
+        lines.extend(demo.stdout)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        eventually_sync(
+            lambda: CREATED.search("".join(lines)) is not None,
+            within=60,
+            what="the demo to create its database and queues",
+        )
+        tag = tag_of("".join(lines))
+        demo.send_signal(signum)
+        code = demo.wait(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(timeout=30)
+        reader.join(timeout=10)
+        if demo.stdout is not None:
+            demo.stdout.close()
+
+    output = "".join(lines)
+    assert code == 128 + signum, output
+    assert f"demo stopped by {signum.name}" in output
+    assert "Traceback" not in output
+    assert_removed(tag, postgres_server_url, amqp_server_url)

@@ -38,6 +38,7 @@ def daemon_environment(settings: Settings) -> dict[str, str]:
         "OUTBOX_POLL_INTERVAL": "0.2",
         "OUTBOX_METRICS_HOST": "127.0.0.1",
         "OUTBOX_METRICS_PORT": "0",
+        "OUTBOX_DECLARE_TOPOLOGY": str(settings.declare_topology).lower(),
     }
 
 

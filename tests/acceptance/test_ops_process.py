@@ -88,8 +88,10 @@ def test_an_escalation_is_found_examined_and_resolved_from_the_command_line(
         assert stats["escalations_waiting"] == 0
         assert stats["by_tool"]["send_refund"]["committed"] == 1
 
-        everything = listing + shown + resolved + outbox(system, "ops", "show", op.display_id)
-        assert "do-not-print-this-reason" not in everything
+        # The input is shown where a person judges it (ops show), nowhere else.
+        intent = next(line for line in shown.splitlines() if line.startswith("input "))
+        assert "do-not-print-this-reason" in intent
+        assert "do-not-print-this-reason" not in listing + resolved
 
 
 def test_show_tells_how_a_lost_response_was_reconciled(settings: Settings) -> None:

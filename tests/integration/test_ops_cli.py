@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import unicodedata
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
@@ -194,7 +195,8 @@ def test_show_prints_the_header_and_the_timeline(
     assert "attempt=1" in timeline[2]
     assert "from=outcome_unknown to=escalated" in timeline[4]
     assert "reason=lookups_unavailable" in timeline[4]
-    assert CANARY not in cli.seen()
+    assert json.loads(header["input"]) == operation.input
+    assert CANARY not in cli.caplog.text
 
 
 def test_show_accepts_a_bare_uuid_and_shows_the_provider_reference(
@@ -409,16 +411,32 @@ def test_pending_lists_only_operations_waiting_for_a_valid_approval(cli: Cli, op
     out = cli.ok("approvals", "pending")
 
     lines = out.splitlines()
-    assert lines[0].split()[:4] == ["ID", "TOOL", "FINGERPRINT", "SUMMARY"]
+    assert lines[0].split() == [
+        "ID", "TOOL", "FINGERPRINT", "SUMMARY", "APPROVAL", "CREATED", "INPUT",
+    ]  # fmt: skip
     assert len(lines) == 2
     assert waiting.display_id in lines[1]
     assert waiting.sanitized_fingerprint in lines[1]
     assert "deduplicated_write in run run" in lines[1]
     assert "missing: no approval was granted" in lines[1]
-    assert "60000" not in out
     rows = json.loads(cli.ok("approvals", "pending", "--json"))
     assert [(r["id"], r["approval_status"]) for r in rows] == [(waiting.display_id, "missing")]
-    assert CANARY not in cli.seen()
+    assert CANARY not in cli.caplog.text
+
+
+def test_pending_shows_the_intent_a_grant_would_approve(cli: Cli, ops: Ops) -> None:
+    waiting = ops.new(amount_cents=60_000)
+    intent = {"amount_cents": 60_000, "currency": "EUR", "payment_id": "pay_1", "reason": CANARY}
+
+    row = cli.ok("approvals", "pending").splitlines()[1]
+    listed = json.loads(cli.ok("approvals", "pending", "--json"))
+    shown = cli.ok("ops", "show", waiting.display_id)
+
+    assert json.loads(re.split(r"\s{2,}", row)[-1]) == intent
+    assert listed[0]["input"] == intent
+    input_line = next(line for line in shown.splitlines() if line.startswith("input "))
+    assert json.loads(input_line.removeprefix("input ")) == intent
+    assert CANARY not in cli.caplog.text
 
 
 def test_grant_binds_the_fingerprint_and_clears_the_pending_list(cli: Cli, ops: Ops) -> None:
@@ -524,22 +542,79 @@ def test_stats_of_an_empty_database(cli: Cli) -> None:
     assert (numbers["outbox_backlog"], numbers["oldest_pending_age_seconds"]) == (0, 0)
 
 
+# --- what someone else chose cannot drive the operator's terminal --------------------------
+
+# Clears the screen, homes the cursor, starts a line over, a one-byte CSI (C1), NEL, a
+# right-to-left override and a line separator: each rewrites what the operator sees.
+HOSTILE = "x\x1b[2J\x1b[H\rforged\x9b31m\x85\u202eevil\u2028y"
+
+
+def terminal_controls(text: str) -> list[str]:
+    bidi = {"\u061c", "\u200e", "\u200f", *map(chr, range(0x202A, 0x202F))}
+    bidi |= set(map(chr, range(0x2066, 0x206A))) | {"\u2028", "\u2029"}
+    return [c for c in text if (unicodedata.category(c) == "Cc" and c != "\n") or c in bidi]
+
+
+def test_text_output_escapes_every_field_someone_else_chose(
+    cli: Cli, database_url: str, registry: Registry
+) -> None:
+    hostile = Ops(database_url, registry, free_text=HOSTILE)
+    waiting = hostile.new(amount_cents=60_000, run_id=HOSTILE)
+    cli.ok("approvals", "deny", waiting.display_id, "--by", f"ana{HOSTILE}")
+    escalated = hostile.at(S.ESCALATED, run_id=HOSTILE)
+    cli.ok(
+        "ops", "resolve", escalated.display_id, "--rejected",
+        "--evidence", HOSTILE, "--by", f"bo{HOSTILE}",
+    )  # fmt: skip
+
+    pending = cli.ok("approvals", "pending")
+    shown = cli.ok("ops", "show", waiting.display_id)
+    resolved = cli.ok("ops", "show", escalated.display_id)
+    outputs = [pending, shown, resolved, cli.ok("ops", "list"), cli.ok("stats")]
+
+    for output in outputs:
+        assert terminal_controls(output) == []
+    escaped = "x\\u001b[2J\\u001b[H\\rforged\\u009b31m\\u0085\\u202eevil\\u2028y"
+    assert f"run           {escaped}" in shown
+    assert f"denied by ana{escaped}" in shown
+    assert f"in run {escaped}" in pending
+    assert f"denied by ana{escaped}" in pending
+    assert f'by="bo{escaped}"' in resolved
+    assert f'evidence="{escaped}"' in resolved
+    # Escaped the way JSON escapes, so the intent still reads back exactly.
+    input_line = next(line for line in shown.splitlines() if line.startswith("input "))
+    assert json.loads(input_line.removeprefix("input "))["reason"] == HOSTILE
+    # --json is left to JSON's escaping: the value comes back whole.
+    listed = json.loads(cli.ok("approvals", "pending", "--json"))
+    assert listed[0]["run_id"] == HOSTILE
+
+
+def test_an_error_message_is_one_line_without_terminal_controls(cli: Cli) -> None:
+    code, out, err = cli("ops", "show", f"op_{HOSTILE}")
+
+    assert code == 1
+    assert out == ""
+    assert len(err.splitlines()) == 1
+    assert terminal_controls(err) == []
+
+
 # --- the canary rule ----------------------------------------------------------------------
 
 
-def test_no_command_ever_prints_an_operation_input(
+def test_only_show_and_pending_print_an_operation_input(
     cli: Cli, ops: Ops, every_state: dict[OperationState, Operation]
 ) -> None:
     waiting = ops.new(amount_cents=60_000)
     ticket = ops.at(S.ESCALATED, tool="open_ticket")
     ids = [*(o.display_id for o in every_state.values()), waiting.display_id, ticket.display_id]
 
+    shown = [cli.ok("ops", "show", display_id) for display_id in ids]
+    pending = [cli.ok("approvals", "pending"), cli.ok("approvals", "pending", "--json")]
+    assert all(CANARY in output for output in [*shown, *pending])
+    cli.everything.clear()
+
     cli.ok("ops", "list")
     cli.ok("ops", "list", "--json")
-    for display_id in ids:
-        cli.ok("ops", "show", display_id)
-    cli.ok("approvals", "pending")
-    cli.ok("approvals", "pending", "--json")
     cli.ok("approvals", "grant", waiting.display_id, "--by", "ana")
     cli.ok("approvals", "deny", waiting.display_id, "--by", "ana")
     cli.ok("ops", "resolve", ticket.display_id, "--not-committed", "--evidence", "e", "--by", "ana")
@@ -549,8 +624,84 @@ def test_no_command_ever_prints_an_operation_input(
     )  # fmt: skip
     cli.ok("stats")
     cli.ok("stats", "--json")
-    for display_id in ids:
-        cli.ok("ops", "show", display_id)
 
     assert CANARY not in cli.seen()
     assert "pay_1" not in cli.seen()  # nor any other input value
+
+
+def test_cancel_ends_a_prepared_operation_rejected_with_who_and_why(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.PREPARED)
+
+    out = cli.ok(
+        "ops", "cancel", operation.display_id, "--reason", "duplicate ticket", "--by", "ana",
+    )  # fmt: skip
+
+    assert ops.get(operation.id).state is S.REJECTED
+    event = resolved_event(ops, operation.id)
+    assert (event.attributes["decision"], event.attributes["by"]) == ("cancel", "ana")
+    assert event.attributes["evidence"] == "duplicate ticket"
+    assert "prepared -> rejected" in out
+    # Who decided is in the event, not in any log line.
+    assert "ana" not in cli.caplog.text
+
+
+@pytest.mark.parametrize(
+    "state", [S.IN_FLIGHT, S.COMMITTED, S.REJECTED, S.OUTCOME_UNKNOWN, S.ESCALATED]
+)
+def test_cancel_is_refused_outside_prepared(cli: Cli, ops: Ops, state: OperationState) -> None:
+    operation = ops.at(state)
+    events_before = ops.events(operation.id)
+
+    code, out, err = cli("ops", "cancel", operation.display_id, "--reason", "no", "--by", "ana")
+
+    assert code == 1
+    assert out == ""
+    assert f"{operation.display_id} is {state}" in err
+    assert "nothing was changed" in err
+    assert ops.get(operation.id) == operation
+    assert ops.events(operation.id) == events_before
+
+
+@pytest.mark.parametrize("flag", ["--reason", "--by"])
+def test_cancel_needs_a_reason_and_a_person(cli: Cli, ops: Ops, flag: str) -> None:
+    operation = ops.at(S.PREPARED)
+    values = {"--reason": "duplicate", "--by": "ana", flag: "  "}
+
+    arguments = [part for pair in values.items() for part in pair]
+
+    code, _, err = cli("ops", "cancel", operation.display_id, *arguments)
+
+    assert code == 2
+    assert ("--reason must say why" if flag == "--reason" else "--by must name") in err
+    assert ops.get(operation.id).state is S.PREPARED
+
+
+@pytest.mark.parametrize("decision", ["grant", "deny"])
+def test_who_decided_an_approval_is_kept_out_of_every_log_line(
+    cli: Cli, ops: Ops, decision: str
+) -> None:
+    person = f"approver-{uuid4().hex[:8]}@example.com"
+    waiting = ops.new(amount_cents=60_000)
+
+    cli.ok("approvals", decision, waiting.display_id, "--by", person)
+
+    assert person not in cli.caplog.text
+    recorded = ops.run(outbox_store.check_approval(waiting.id)).approval
+    assert recorded is not None
+    assert recorded.approved_by == person  # kept where it belongs
+
+
+def test_resolution_evidence_and_resolver_are_kept_out_of_every_log_line(
+    cli: Cli, ops: Ops
+) -> None:
+    operation = ops.at(S.ESCALATED)
+    person, evidence = f"resolver-{uuid4().hex[:8]}", f"evidence-{uuid4().hex}"
+
+    cli.ok(
+        "ops", "resolve", operation.display_id, "--rejected", "--evidence", evidence,
+        "--by", person,
+    )  # fmt: skip
+
+    assert person not in cli.caplog.text
+    assert evidence not in cli.caplog.text
+    assert resolved_event(ops, operation.id).attributes["by"] == person

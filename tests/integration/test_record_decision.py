@@ -20,6 +20,7 @@ from outbox import (
     record_decision_async,
 )
 from outbox import store as outbox_store
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.store import Store
 
 from support.db_helpers import (
@@ -71,7 +72,12 @@ def test_commit_makes_operation_outbox_row_and_event_visible_together(
     assert operation.input == {**REFUND, "currency": "EUR"}
     assert operation.input_fingerprint == intent_fingerprint("send_refund", 1, operation.input)
     assert [event.name for event in events] == ["operation.prepared"]
-    assert events[0].attributes["fingerprint"] == operation.input_fingerprint[:12]
+    # Keyed with the deployment's key: a log reader cannot recompute it from a guess.
+    key = execute_admin(database_url, "SELECT fingerprint_key FROM outbox_deployment")[0][0]
+    assert events[0].attributes["fingerprint"] == keyed_fingerprint(
+        key, operation.input_fingerprint
+    )
+    assert events[0].attributes["fingerprint"] != operation.input_fingerprint[:12]
     assert [(row.routing_key, row.published_at) for row in rows] == [("send_refund.v1", None)]
 
 
@@ -310,3 +316,29 @@ def test_database_without_the_schema_says_to_run_migrate(
         with pytest.raises(SchemaMissing, match="outbox migrate"):
             record_decision(connection, registry, "send_refund", REFUND, run_id="r")
         connection.rollback()
+
+
+def test_the_short_fingerprint_uses_the_key_from_the_environment_when_set(
+    engine: Any, registry: Registry, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_FINGERPRINT_KEY", "a-key-the-whole-deployment-shares-0123456789")
+    with engine.begin() as connection:
+        operation = record_decision(
+            connection, registry, "send_refund", REFUND, run_id="run_env"
+        ).operation
+    with psycopg.connect(database_url) as check:
+        (prepared,) = Store(check).run(outbox_store.events(operation.id))
+
+    assert prepared.attributes["fingerprint"] == keyed_fingerprint(
+        "a-key-the-whole-deployment-shares-0123456789", operation.input_fingerprint
+    )
+
+
+def test_each_migration_keeps_the_deployment_key_it_first_made(database_url: str) -> None:
+    query = "SELECT fingerprint_key FROM outbox_deployment"
+    (first,) = execute_admin(database_url, query)
+    with psycopg.connect(database_url) as connection:
+        outbox_store.apply_schema(connection)
+
+    assert execute_admin(database_url, query) == [first]
+    assert len(first[0]) == 64

@@ -23,11 +23,14 @@ import psycopg
 import psycopg.errors
 import pytest
 from psycopg import sql
+from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 
+from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
 from outbox import Operation, OperationState, Registry, Settings, record_decision
 from outbox import store as outbox_store
+from outbox.broker import OperationMessage
 from outbox.cli import run_command
 from outbox.errors import DatabaseError, DecisionConflict, SchemaMissing
 from outbox.models import ApprovalDecision, ApprovalStatus
@@ -37,18 +40,27 @@ from outbox.store import Plan, Store
 
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
+from support.dispatch_helpers import counter_value
+from support.sample_tools import Ledger
 
 S = OperationState
 LEASE = timedelta(seconds=60)
 AGENT, DISPATCHER, CONSUMER, OPERATOR = outbox_store.ROLES
 OUTBOX = str(Path(sys.executable).parent / "outbox")
-TABLES = ("operations", "outbox", "operation_events", "approvals", "outbox_schema_version")
+TABLES = (
+    "operations",
+    "outbox",
+    "operation_events",
+    "approvals",
+    "outbox_schema_version",
+    "outbox_deployment",
+)
 
 # Which statements of queries.sql each component runs. A query nobody claims fails
 # test_every_query_belongs_to_a_component: whoever adds one decides who needs it,
 # and the test of that component below proves the grants cover it.
 COMPONENT_QUERIES: dict[str, set[str]] = {
-    AGENT: {"insert_decision", "get_operation_by_decision_key"},
+    AGENT: {"insert_decision", "get_operation_by_decision_key", "fingerprint_key"},
     DISPATCHER: {
         "listen_outbox_pending",
         "claim_outbox_batch",
@@ -67,6 +79,9 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "commit_operations",
         "transition_operation",
         "requeue_stale_prepared",
+        "escalate_undeliverable",
+        "reject_denied_operations",
+        "fingerprint_key",
         "claim_reconciliation_batch",
         "lease_for_reconciliation",
         "defer_reconciliation",
@@ -87,17 +102,22 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
 
 # What each group holds, table by table; everything else is refused.
 GRANTS: dict[str, dict[str, set[str]]] = {
+    # The agent writes through outbox_record_decision only; its event INSERT serves
+    # agent.completed (a trigger refuses other names).
     AGENT: {
-        "operations": {"SELECT", "INSERT"},
-        "outbox": {"INSERT"},
+        "operations": {"SELECT"},
         "operation_events": {"INSERT"},
+        "outbox_deployment": {"SELECT"},
     },
-    DISPATCHER: {"operations": {"SELECT"}, "outbox": {"SELECT", "UPDATE", "DELETE"}},
+    # The dispatcher reads the envelope's columns of operations, never the input: a
+    # column grant, which has_table_privilege does not count.
+    DISPATCHER: {"outbox": {"SELECT", "UPDATE", "DELETE"}},
     CONSUMER: {
         "operations": {"SELECT", "UPDATE"},
         "outbox": {"SELECT", "INSERT"},
         "operation_events": {"SELECT", "INSERT"},
         "approvals": {"SELECT"},
+        "outbox_deployment": {"SELECT"},
     },
     OPERATOR: {
         "operations": {"SELECT", "UPDATE"},
@@ -105,6 +125,7 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "operation_events": {"SELECT", "INSERT"},
         "approvals": {"SELECT", "INSERT"},
         "outbox_schema_version": {"SELECT"},
+        "outbox_deployment": {"SELECT"},
     },
 }
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
@@ -145,6 +166,8 @@ EVERYONE_REFUSED = [
 REFUSED: dict[str, list[str]] = {
     AGENT: [
         TAMPER_OPERATION,
+        FORGE_OPERATION,
+        FORGE_OUTBOX_ROW,
         "UPDATE operations SET state = 'in_flight' WHERE state = 'prepared'",
         MARK_PUBLISHED,
         "DELETE FROM outbox",
@@ -155,6 +178,8 @@ REFUSED: dict[str, list[str]] = {
     ],
     DISPATCHER: [
         TAMPER_OPERATION,
+        "SELECT input FROM operations",
+        "SELECT * FROM operations",
         FORGE_OPERATION,
         FORGE_OUTBOX_ROW,
         FORGE_EVENT,
@@ -396,7 +421,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 1 is applied" in result.stdout
+        assert "schema version 2 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
             in result.stdout
@@ -408,7 +433,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 1
+            assert outbox_store.apply_schema(connection) == 2
             outbox_store.apply_roles(connection)
 
 
@@ -499,6 +524,8 @@ def test_the_consumer_executes_reconciles_and_escalates(
         (stale.id,),
     )
 
+    # The key of the short fingerprints its spans show.
+    assert len(run(consumer, outbox_store.fingerprint_key())) == 64
     # A message arrives: load, check the approval, note the wait.
     assert run(consumer, outbox_store.find_operation(waiting.id)) == waiting
     check = run(consumer, outbox_store.check_approval(waiting.id))
@@ -509,6 +536,17 @@ def test_the_consumer_executes_reconciles_and_escalates(
     # The reconciler: requeue a lost message, lease an unknown outcome, defer a lookup,
     # then give up on it: outcome_unknown -> escalated.
     requeued = run(consumer, outbox_store.requeue_stale_prepared(timedelta(0), 10))
+    # ... and end what nothing would move: escalate what keeps coming back undelivered,
+    # reject what was denied and never granted.
+    execute_admin(
+        roles_database,
+        "UPDATE outbox SET published_at = now() - interval '1 hour' WHERE operation_id = %s",
+        (stale.id,),
+    )
+    assert run(consumer, outbox_store.escalate_undeliverable(timedelta(0), 1, 10)) == [
+        (stale.id, "send_refund")
+    ]
+    assert run(consumer, outbox_store.reject_denied_operations(timedelta(hours=1), 10)) == []
     with psycopg.connect(consumer) as connection:
         runner = Store(connection)
         (due,) = runner.run(outbox_store.claim_reconciliation_batch(10))
@@ -665,4 +703,189 @@ def test_only_the_operator_grants_approvals(
         )
 
     assert isinstance(refused.value.driver_error, psycopg.errors.InsufficientPrivilege)
+    assert snapshot(roles_database) == before
+
+
+# --- attacks on the trust boundaries ------------------------------------------------
+
+
+def forged_refund_arguments(operation_id: uuid.UUID, amount_cents: int) -> dict[str, Any]:
+    """A refund decision written around the library: no approval asked for, and a
+    fingerprint that is not the input's."""
+    return {
+        "id": operation_id,
+        "run_id": "forged",
+        "decision_key": None,
+        "tool_name": "send_refund",
+        "tool_version": 1,
+        "side_effect": "deduplicated_write",
+        "input": Jsonb({"payment_id": "pay_forged", "amount_cents": amount_cents}),
+        "input_fingerprint": "0" * 64,
+        "requires_approval": False,
+        "headers": Jsonb({}),
+        "event_attributes": Jsonb({}),
+    }
+
+
+RECORD_DIRECTLY = (
+    "SELECT * FROM outbox_record_decision(%(id)s, %(run_id)s, %(decision_key)s, "
+    "%(tool_name)s, %(tool_version)s, %(side_effect)s, %(input)s, %(input_fingerprint)s, "
+    "%(requires_approval)s, %(headers)s, %(event_attributes)s)"
+)
+
+
+async def test_a_refund_forged_by_the_agent_role_is_escalated_as_tampering_never_paid(
+    login: Login, roles_database: str, registry: Registry, ledger: Ledger, settings: Settings
+) -> None:
+    agent, consumer_user = login(AGENT), login(CONSUMER)
+    forged = uuid.uuid4()
+    # 60,000 cents needs an approval; the forged row says it does not. The database
+    # cannot recompute a fingerprint, so it accepts the row through the agent's path.
+    with psycopg.connect(agent) as connection:
+        connection.execute(RECORD_DIRECTLY, forged_refund_arguments(forged, 60_000))
+    row = run(roles_database, outbox_store.get_operation(forged))
+    consumer = Consumer(
+        settings.model_copy(update={"database_url": SecretStr(consumer_user)}), registry
+    )
+    envelope = OperationMessage(
+        operation_id=forged,
+        outbox_id=1,
+        tool="send_refund",
+        tool_version=1,
+        input_fingerprint=row.input_fingerprint,
+    )
+    try:
+        (verdict,) = await consumer._prepare_many([envelope])
+    finally:
+        await consumer.close()
+
+    assert getattr(verdict, "result", None) == "tampered"
+    assert ledger.calls == []
+    final = run(roles_database, outbox_store.get_operation(forged))
+    assert final.state is S.ESCALATED
+    events = run(roles_database, outbox_store.events(forged))
+    assert [(e.name, e.attributes.get("check")) for e in events[-2:]] == [
+        ("operation.tampered", "fingerprint_mismatch"),
+        ("operation.escalated", "fingerprint_mismatch"),
+    ]
+    assert events[-1].attributes["reason"] == "tampered"
+    assert (
+        counter_value(
+            consumer,
+            "outbox_consumer_tampered_total",
+            tool="send_refund",
+            check="fingerprint_mismatch",
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("state", "'committed'"),
+        ("provider_reference", "'re_forged'"),
+        ("attempts", "1"),
+        ("result", "'{}'::jsonb"),
+    ],
+)
+def test_no_role_not_even_the_owner_inserts_an_operation_that_looks_executed(
+    roles_database: str, field: str, value: str
+) -> None:
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(roles_database) as connection,
+        pytest.raises(psycopg.errors.CheckViolation, match="must be prepared"),
+    ):
+        connection.execute(
+            f"INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, "
+            f"input, input_fingerprint, {field}) VALUES (gen_random_uuid(), 'forged', "
+            f"'send_refund', 1, 'deduplicated_write', '{{}}', repeat('0', 64), {value})"
+        )
+
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize(
+    "name", ["operation.resolved", "operation.committed", "operation.prepared"]
+)
+def test_the_agent_appends_no_event_but_its_own(
+    login: Login, roles_database: str, seeded: dict[str, Operation], name: str
+) -> None:
+    agent = login(AGENT)
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(agent) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="may not append"),
+    ):
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name, attributes) VALUES (%s, %s, %s)",
+            (seeded["escalated"].id, name, Jsonb({"by": "mallory", "decision": "rejected"})),
+        )
+
+    assert snapshot(roles_database) == before
+
+
+def test_the_agent_may_append_agent_completed(
+    login: Login, roles_database: str, seeded: dict[str, Operation]
+) -> None:
+    agent = login(AGENT)
+
+    with psycopg.connect(agent) as connection:
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name) VALUES (%s, 'agent.completed')",
+            (seeded["waiting"].id,),
+        )
+
+    names = [e.name for e in run(roles_database, outbox_store.events(seeded["waiting"].id))]
+    assert names[-1] == "agent.completed"
+
+
+@pytest.mark.parametrize("name", ["operation.resolved", "operation.prepared"])
+def test_the_consumer_appends_no_event_only_a_person_or_the_agent_path_writes(
+    login: Login, roles_database: str, seeded: dict[str, Operation], name: str
+) -> None:
+    consumer = login(CONSUMER)
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(consumer) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="may not append"),
+    ):
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name) VALUES (%s, %s)",
+            (seeded["escalated"].id, name),
+        )
+
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize("group", [CONSUMER, OPERATOR, None])
+@pytest.mark.parametrize(
+    "change",
+    [
+        'input = \'{"payment_id": "pay_other", "amount_cents": 60000}\'::jsonb',
+        "requires_approval = false",
+        "input_fingerprint = repeat('0', 64)",
+        "tool_name = 'send_email'",
+        "side_effect = 'idempotent_write'",
+    ],
+)
+def test_nobody_rewrites_a_recorded_intent(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str | None, change: str
+) -> None:
+    user = login(group) if group else roles_database  # None: the owner, a superuser here
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(user) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="intent"),
+    ):
+        connection.execute(
+            f"UPDATE operations SET {change} WHERE id = %s",
+            (seeded["waiting"].id,),
+        )
+
     assert snapshot(roles_database) == before

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from outbox import OperationState, Registry, Settings, record_decision, tracing
+from outbox.fingerprint_key import keyed_fingerprint
 
 from support import otel_helpers
 from support.consume_helpers import in_state, running_consumer
@@ -101,7 +102,7 @@ async def test_decision_publish_and_effect_are_one_trace(
         "outbox.tool": "send_refund",
         "outbox.tool_version": 1,
         "outbox.attempt": 1,
-        "outbox.fingerprint": op.input_fingerprint[:12],
+        "outbox.fingerprint": keyed_fingerprint(deployment_key(database_url), op.input_fingerprint),
         "outbox.outcome": "outcome_unknown",
         "outbox.code": "connection_lost",
     }
@@ -207,3 +208,8 @@ def test_without_the_api_tracing_is_a_no_op(
             handle.set_attributes({"outbox.outcome": "committed"})
             handle.set_status(False, "deadline_exceeded")
     assert [span.name for span in exporter.get_finished_spans()] == ["agent.turn"]
+
+
+def deployment_key(database_url: str) -> str:
+    key: str = execute_admin(database_url, "SELECT fingerprint_key FROM outbox_deployment")[0][0]
+    return key

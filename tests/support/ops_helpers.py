@@ -40,14 +40,16 @@ class Ops:
         with psycopg.connect(self.database_url) as connection:
             return Store(connection).run(plan)
 
-    def new(self, amount_cents: int = 100, tool: str = "send_refund") -> Operation:
+    def new(
+        self, amount_cents: int = 100, tool: str = "send_refund", run_id: str = "run"
+    ) -> Operation:
         tool_input: dict[str, Any] = (
             {"payment_id": "pay_1", "amount_cents": amount_cents, "reason": self.free_text}
             if tool == "send_refund"
             else {"title": self.free_text or "ticket", "body": self.free_text}
         )
         with psycopg.connect(self.database_url) as connection:
-            recorded = record_decision(connection, self.registry, tool, tool_input, run_id="run")
+            recorded = record_decision(connection, self.registry, tool, tool_input, run_id=run_id)
         return recorded.operation
 
     def get(self, operation_id: UUID) -> Operation:

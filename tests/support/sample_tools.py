@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from outbox import (
     ApprovalPolicy,
@@ -28,6 +28,8 @@ from outbox.outcomes import Reconciliation
 
 
 class RefundInput(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     payment_id: str = Field(min_length=1, max_length=64)
     amount_cents: int = Field(gt=0)
     currency: str = Field(default="EUR", pattern=r"^[A-Z]{3}$")
@@ -35,6 +37,8 @@ class RefundInput(BaseModel):
 
 
 class TicketInput(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     title: str
     body: str = ""
 

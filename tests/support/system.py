@@ -159,6 +159,7 @@ def running_system(
             "OUTBOX_DB_TRANSACTION_TIMEOUT": "5",
             "OUTBOX_METRICS_HOST": "127.0.0.1",
             "OUTBOX_METRICS_PORT": "0",
+            "OUTBOX_DECLARE_TOPOLOGY": str(settings.declare_topology).lower(),
         }
         system = System(settings=settings, provider=provider, environment=environment)
         try:

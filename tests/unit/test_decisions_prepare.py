@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 from pydantic import BaseModel, Field, field_serializer
 
 from outbox.contracts import ApprovalPolicy, Registry, SideEffect, ToolContract
-from outbox.decisions import MAX_INPUT_BYTES, prepare_decision
+from outbox.decisions import MAX_INPUT_BYTES, MAX_INPUT_DEPTH, prepare_decision
 from outbox.errors import InputRejected, ToolNotRegistered
 from outbox.fingerprint import intent_fingerprint
 from outbox.outcomes import EffectResult, ExecutionContext
@@ -23,6 +23,10 @@ class RefundInput(BaseModel):
 
 class NoteInput(BaseModel):
     note: str
+
+
+class DocumentInput(BaseModel):
+    data: Any
 
 
 class CardMethod(BaseModel):
@@ -92,6 +96,7 @@ def registry() -> Registry:
         contract("post_note", NoteInput, side_effect=SideEffect.READ_ONLY),
         contract("send_payout", PayoutInput),
         contract("exclaim", ExclaimedInput, side_effect=SideEffect.READ_ONLY),
+        contract("store_document", DocumentInput),
     ):
         registry.register(tool)
     return registry
@@ -319,3 +324,43 @@ def test_a_serializer_that_changes_the_value_once_is_refused_too() -> None:
     assert prepare_decision(registry, "shout", {"text": "HELLO"}, run_id="run_1").input == {
         "text": "HELLO"
     }
+
+
+def nested(depth: int, *, kind: str) -> Any:
+    value: Any = CANARY
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_input_nested_thousands_deep_is_rejected_as_input(registry: Registry, kind: str) -> None:
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "store_document", {"data": nested(5_000, kind=kind)}, run_id="r")
+
+    assert "nested" in str(info.value)
+    assert str(MAX_INPUT_DEPTH) in str(info.value)
+    assert CANARY not in str(info.value)
+
+
+def test_a_deep_model_instance_is_rejected_as_input_too(registry: Registry) -> None:
+    instance = DocumentInput.model_construct(data=nested(5_000, kind="list"))
+
+    with pytest.raises(InputRejected):
+        prepare_decision(registry, "store_document", instance, run_id="r")
+
+
+def test_input_at_the_depth_limit_is_accepted(registry: Registry) -> None:
+    # The model's own level counts: data sits one level below the input object.
+    decision = prepare_decision(
+        registry, "store_document", {"data": nested(MAX_INPUT_DEPTH - 1, kind="dict")}, run_id="r"
+    )
+
+    assert decision.input["data"] == nested(MAX_INPUT_DEPTH - 1, kind="dict")
+
+
+def test_input_one_level_past_the_depth_limit_is_refused(registry: Registry) -> None:
+    with pytest.raises(InputRejected):
+        prepare_decision(
+            registry, "store_document", {"data": nested(MAX_INPUT_DEPTH, kind="dict")}, run_id="r"
+        )

@@ -269,3 +269,14 @@ def test_equal_models_from_differently_ordered_dicts_fingerprint_equal(
 
     assert first == second
     assert model_fingerprint("send_refund", 2, first) == model_fingerprint("send_refund", 2, second)
+
+
+def test_a_value_nested_past_the_recursion_limit_is_rejected_as_input() -> None:
+    value: object = 1
+    for _ in range(5_000):
+        value = [value]
+
+    with pytest.raises(InputRejected) as info:
+        canonical_json(value)
+
+    assert "nested too deep" in str(info.value)

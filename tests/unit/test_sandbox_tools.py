@@ -11,9 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from outbox.contracts import OnUnknown, SideEffect
+from outbox.decisions import prepare_decision
+from outbox.errors import InputRejected
 from outbox.outcomes import (
     DefinitiveRejection,
     EffectResult,
@@ -411,3 +413,29 @@ def test_refund_input_refuses_what_the_provider_would(fields: dict[str, Any], fi
     with pytest.raises(ValidationError) as refused:
         RefundInput(**fields)
     assert [error["loc"] for error in refused.value.errors()] == [(field,)]
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "field"),
+    [
+        (RefundInput, {"payment_id": "pay_1", "amount_cents": True}, "amount_cents"),
+        (RefundInput, {"payment_id": "pay_1", "amount_cents": "100"}, "amount_cents"),
+        (RefundInput, {"payment_id": "pay_1", "amount_cents": 100.0}, "amount_cents"),
+        (RefundLookup, {"refund_id": b"re_1"}, "refund_id"),
+        (EmailInput, {"to": "a@example.com", "subject": b"hi", "body": ""}, "subject"),
+    ],
+)
+def test_inputs_are_strict_no_bool_for_an_amount_no_coerced_strings(
+    model: type[BaseModel], fields: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(fields)
+    assert [error["loc"] for error in refused.value.errors()] == [(field,)]
+
+
+def test_a_boolean_amount_is_refused_before_anything_is_recorded() -> None:
+    with pytest.raises(InputRejected) as refused:
+        prepare_decision(
+            tools.registry, "send_refund", {"payment_id": "pay_1", "amount_cents": True}, run_id="r"
+        )
+    assert refused.value.problems == ["amount_cents: Input should be a valid integer"]

@@ -5,10 +5,11 @@ import logging
 import os
 import sys
 
+import psycopg
 import pytest
 
-from outbox.errors import ConfigurationError
-from outbox.lifecycle import format_event, logfmt_value
+from outbox.errors import ConfigurationError, connect_failure
+from outbox.lifecycle import format_event, logfmt_value, printable
 from outbox.logs import JsonFormatter, LogfmtFormatter
 from outbox.settings import Settings, libpq_url, load_settings, redact_url, sqlalchemy_url
 
@@ -253,3 +254,120 @@ def test_agent_completed_refuses_free_text_outcomes() -> None:
 
     with pytest.raises(ValueError, match="outcome must match"):
         agent_completed("run_12", "the customer said: thanks!")
+
+
+# --- URLs libpq or the broker client cannot read: refused before any connection ------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # libpq quotes the offending part of the URI in its own message.
+        f"postgresql://app:can ary {PASSWORD_CANARY}@127.0.0.1:5432/ops",
+        f"postgresql://app:{PASSWORD_CANARY}@[127.0.0.1/ops",
+        # libpq reads this password whole; urlsplit stops at the "#" and would redact
+        # nothing.
+        f"postgresql://app:pw#{PASSWORD_CANARY}@db/ops",
+        # libpq takes the first "@", urlsplit the last: they disagree on the password.
+        f"postgresql://app:pw@{PASSWORD_CANARY}@db/ops",
+    ],
+)
+def test_a_database_url_libpq_cannot_read_is_refused_without_the_password(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", url)
+
+    with pytest.raises(ConfigurationError) as info:
+        load_settings()
+
+    message = str(info.value)
+    assert "OUTBOX_DATABASE_URL" in message
+    assert "percent-encode" in message
+    assert PASSWORD_CANARY not in message
+    assert len(message.splitlines()) == 1
+
+
+def test_a_percent_encoded_password_with_spaces_is_accepted() -> None:
+    settings = load_settings(database_url="postgresql://app:can%20ary%23pw@db:5432/ops")
+
+    assert settings.libpq_url == "postgresql://app:can%20ary%23pw@db:5432/ops"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [f"amqp://app:pw#{PASSWORD_CANARY}@mq:5672/", f"amqp://app:{PASSWORD_CANARY}@mq:port/"],
+)
+def test_an_amqp_url_the_client_cannot_read_is_refused_without_the_password(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.setenv("OUTBOX_AMQP_URL", url)
+
+    with pytest.raises(ConfigurationError) as info:
+        load_settings()
+
+    assert "OUTBOX_AMQP_URL" in str(info.value)
+    assert PASSWORD_CANARY not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "redacted"),
+    [
+        ("postgresql://app:s3#cret@db/ops", "postgresql://app:***@db/ops"),
+        ("postgresql://app:s3?cret@db/ops", "postgresql://app:***@db/ops"),
+        ("postgresql://app:s3/cret@db/ops", "postgresql://app:***@db/ops"),
+        (
+            "postgresql://app@db/ops?sslmode=require&password=s3cret",
+            "postgresql://app@db/ops?sslmode=require&password=***",
+        ),
+    ],
+)
+def test_redact_url_hides_passwords_urlsplit_does_not_see(url: str, redacted: str) -> None:
+    assert redact_url(url) == redacted
+
+
+# --- terminal-safe text --------------------------------------------------------------------
+
+
+def test_printable_escapes_every_terminal_control_and_keeps_the_rest() -> None:
+    hostile = "run\x1b[2J\x1b]0;owned\x07\rX\x9b31m\x85\u202eY\u2028\tZ\n\x7f"
+
+    shown = printable(hostile)
+
+    assert shown == (
+        "run\\u001b[2J\\u001b]0;owned\\u0007\\rX\\u009b31m\\u0085\\u202eY\\u2028\\tZ\\n\\u007f"
+    )
+    assert all(character.isprintable() for character in shown)
+
+
+def test_printable_leaves_ordinary_text_alone() -> None:
+    text = 'Zoë pays €5 😀 "quoted" C:\\tmp'
+
+    assert printable(text) == text
+
+
+def test_logfmt_value_escapes_c1_controls_and_bidi_overrides_too() -> None:
+    quoted = logfmt_value("a\x9b31mb\u202ec")
+
+    assert quoted == '"a\\u009b31mb\\u202ec"'
+
+
+@pytest.mark.parametrize(
+    ("libpq_says", "cause"),
+    [
+        (
+            'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+            'FATAL:  database "x" does not exist',
+            "the database does not exist",
+        ),
+        ("connection failed: FATAL:  password authentication failed for user", "password"),
+        (f'connection is bad: invalid integer value "{PASSWORD_CANARY}" for option', "Error"),
+    ],
+)
+def test_a_connection_failure_is_named_in_our_words_never_libpqs(
+    libpq_says: str, cause: str
+) -> None:
+    named = connect_failure(psycopg.OperationalError(libpq_says))
+
+    assert cause in named
+    assert PASSWORD_CANARY not in named
+    assert '"' not in named

@@ -1,0 +1,208 @@
+"""Every decision reaches one of the three endings, even when nothing would move it:
+a denied approval ends rejected, an operation no consumer can run is escalated after a
+few requeues, with the reason its messages were dead-lettered as evidence."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from consumer.worker import Consumer
+from outbox import OperationState, Registry, Settings, record_decision
+from outbox import store as outbox_store
+from outbox.broker import OperationMessage
+from outbox.contracts import Registry as ToolRegistry
+from outbox.models import ApprovalDecision
+
+from support.consume_helpers import event_names, events, operation
+from support.db_helpers import execute_admin
+from support.dispatch_helpers import counter_value
+from support.ops_helpers import Ops
+from support.sample_tools import Ledger, build_registry
+
+S = OperationState
+HOUR_AGO = "now() - interval '1 hour'"
+
+
+def decide(engine: Any, registry: Registry, tool: str = "send_refund", **fields: Any) -> Any:
+    tool_input = (
+        {"payment_id": "pay_1", "amount_cents": 100, **fields}
+        if tool == "send_refund"
+        else {"title": "t", **fields}
+    )
+    with engine.begin() as connection:
+        return record_decision(connection, registry, tool, tool_input, run_id="run").operation
+
+
+def sweeping(settings: Settings, **changes: Any) -> Settings:
+    return settings.model_copy(update={"requeue_stale_after": timedelta(minutes=1), **changes})
+
+
+def messages_long_gone(database_url: str, *operation_ids: Any) -> None:
+    """As if each operation's message was published an hour ago and dead-lettered."""
+    execute_admin(
+        database_url,
+        f"UPDATE outbox SET published_at = {HOUR_AGO} WHERE operation_id = ANY(%s)",
+        (list(operation_ids),),
+    )
+    execute_admin(
+        database_url,
+        f"UPDATE operations SET next_attempt_at = {HOUR_AGO} WHERE id = ANY(%s)",
+        (list(operation_ids),),
+    )
+
+
+async def sweep(settings: Settings, registry: Registry) -> Consumer:
+    consumer = Consumer(settings, registry)
+    try:
+        await consumer.requeue_stale()
+    finally:
+        await consumer.close()
+    return consumer
+
+
+async def test_a_denial_with_no_grant_after_it_ends_rejected(
+    settings: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ops = Ops(database_url, registry)
+    denied = decide(engine, registry, amount_cents=60_000)
+    regranted = decide(engine, registry, payment_id="pay_2", amount_cents=60_000)
+    recent = decide(engine, registry, payment_id="pay_3", amount_cents=60_000)
+    for target in (denied, regranted, recent):
+        ops.run(
+            outbox_store.decide_approval(
+                target.id, decision=ApprovalDecision.DENIED, approved_by="lead",
+                ttl=timedelta(hours=1),
+            )
+        )  # fmt: skip
+    ops.run(
+        outbox_store.decide_approval(
+            regranted.id, decision=ApprovalDecision.GRANTED, approved_by="lead",
+            ttl=timedelta(hours=1),
+        )
+    )  # fmt: skip
+    execute_admin(
+        database_url,
+        f"UPDATE approvals SET created_at = {HOUR_AGO} WHERE operation_id = ANY(%s)",
+        ([denied.id, regranted.id],),
+    )
+    execute_admin(
+        database_url,
+        "UPDATE approvals SET created_at = now() WHERE operation_id = %s AND decision = 'granted'",
+        (regranted.id,),
+    )
+
+    await sweep(sweeping(settings, approval_denial_grace=timedelta(minutes=15)), registry)
+
+    assert operation(database_url, denied.id).state is S.REJECTED
+    rejected = events(database_url, denied.id)[-1]
+    assert (rejected.name, rejected.attributes["policy"]) == (
+        "operation.rejected",
+        "approval_denied",
+    )
+    # A grant after the denial, or a denial still inside its grace: still prepared.
+    assert operation(database_url, regranted.id).state is S.PREPARED
+    assert operation(database_url, recent.id).state is S.PREPARED
+    assert ledger.calls == []
+
+
+async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
+    settings: Settings, engine: Any, database_url: str
+) -> None:
+    everything = build_registry()
+    refunds_only = ToolRegistry()
+    refunds_only.register(everything.get("send_refund"))
+    orphan = decide(engine, everything, tool="open_ticket")
+    row = operation(database_url, orphan.id)
+    envelope = OperationMessage(
+        operation_id=orphan.id,
+        outbox_id=1,
+        tool=row.tool_name,
+        tool_version=row.tool_version,
+        input_fingerprint=row.input_fingerprint,
+    )
+    consumer_settings = sweeping(settings, undeliverable_after_requeues=2)
+    cycles = 0
+    while operation(database_url, orphan.id).state is S.PREPARED:
+        assert cycles < 5, "the operation was requeued forever"
+        # A consumer without the tool turns each of its messages away to the dead letters.
+        consumer = Consumer(consumer_settings, refunds_only)
+        try:
+            (verdict,) = await consumer._prepare_many([envelope])
+        finally:
+            await consumer.close()
+        assert getattr(verdict, "dead_letter_reason", None) == "unknown_tool"
+        messages_long_gone(database_url, orphan.id)
+        consumer = await sweep(consumer_settings, refunds_only)
+        cycles += 1
+
+    assert cycles == 3  # two requeues, then the escalation
+    assert operation(database_url, orphan.id).state is S.ESCALATED
+    names = event_names(database_url, orphan.id)
+    assert names.count("operation.requeued") == 2
+    assert names.count("operation.dead_lettered") == 3
+    escalation = events(database_url, orphan.id)[-1]
+    assert escalation.name == "operation.escalated"
+    assert escalation.attributes == {
+        "from": "prepared",
+        "to": "escalated",
+        "reason": "undeliverable",
+        "requeues": 2,
+        "last_dead_letter": "unknown_tool",
+    }
+    assert (
+        counter_value(
+            consumer,
+            "outbox_escalations_total",
+            tool="open_ticket",
+            reason="undeliverable",
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize("amount_cents", [100, 60_000])
+async def test_a_forged_approval_flag_is_never_executed(
+    settings: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    database_url: str,
+    amount_cents: int,
+) -> None:
+    # The flag the decision was recorded with disagrees with the contract's policy on
+    # the stored input: cleared for a refund that needs approval, or set for one that
+    # does not. Either way the row was not written by the library.
+    forged = decide(engine, registry, amount_cents=amount_cents)
+    execute_admin(
+        database_url,
+        "ALTER TABLE operations DISABLE TRIGGER operations_guard_transition",
+    )
+    try:
+        execute_admin(
+            database_url,
+            "UPDATE operations SET requires_approval = NOT requires_approval WHERE id = %s",
+            (forged.id,),
+        )
+    finally:
+        execute_admin(
+            database_url, "ALTER TABLE operations ENABLE TRIGGER operations_guard_transition"
+        )
+    row = operation(database_url, forged.id)
+    envelope = OperationMessage(
+        operation_id=forged.id, outbox_id=1, tool=row.tool_name, tool_version=row.tool_version,
+        input_fingerprint=row.input_fingerprint,
+    )  # fmt: skip
+    consumer = Consumer(settings, registry)
+    try:
+        (verdict,) = await consumer._prepare_many([envelope])
+    finally:
+        await consumer.close()
+
+    assert getattr(verdict, "result", None) == "tampered"
+    assert operation(database_url, forged.id).state is S.ESCALATED
+    tampered = [e for e in events(database_url, forged.id) if e.name == "operation.tampered"]
+    assert [e.attributes["check"] for e in tampered] == ["approval_flag_mismatch"]
+    assert ledger.calls == []
