@@ -641,8 +641,10 @@ def test_cancel_ends_a_prepared_operation_rejected_with_who_and_why(cli: Cli, op
     assert (event.attributes["decision"], event.attributes["by"]) == ("cancel", "ana")
     assert event.attributes["evidence"] == "duplicate ticket"
     assert "prepared -> rejected" in out
-    # Who decided is in the event, not in any log line.
-    assert "ana" not in cli.caplog.text
+    # Who decided and why are in the event, not in any log line (stderr).
+    assert "operation.resolved" in cli.everything[-1]
+    assert "by=" not in cli.everything[-1]
+    assert "duplicate ticket" not in cli.everything[-1]
 
 
 @pytest.mark.parametrize(
@@ -683,8 +685,12 @@ def test_who_decided_an_approval_is_kept_out_of_every_log_line(
     person = f"approver-{uuid4().hex[:8]}@example.com"
     waiting = ops.new(amount_cents=60_000)
 
-    cli.ok("approvals", decision, waiting.display_id, "--by", person)
+    code, _, logged = cli("approvals", decision, waiting.display_id, "--by", person)
 
+    # The command's own log lines go to stderr (the operator's output to stdout).
+    assert code == 0
+    assert "operation.approval_" in logged
+    assert person not in logged
     assert person not in cli.caplog.text
     recorded = ops.run(outbox_store.check_approval(waiting.id)).approval
     assert recorded is not None
@@ -697,11 +703,14 @@ def test_resolution_evidence_and_resolver_are_kept_out_of_every_log_line(
     operation = ops.at(S.ESCALATED)
     person, evidence = f"resolver-{uuid4().hex[:8]}", f"evidence-{uuid4().hex}"
 
-    cli.ok(
+    code, _, logged = cli(
         "ops", "resolve", operation.display_id, "--rejected", "--evidence", evidence,
         "--by", person,
     )  # fmt: skip
 
-    assert person not in cli.caplog.text
-    assert evidence not in cli.caplog.text
+    assert code == 0
+    assert "operation.resolved" in logged
+    for secret in (person, evidence):
+        assert secret not in logged
+        assert secret not in cli.caplog.text
     assert resolved_event(ops, operation.id).attributes["by"] == person
