@@ -73,7 +73,8 @@ def migrate(url: str, *, roles: bool = False) -> MigrationReport:
 
 
 async def declare_broker_topology(settings: Settings) -> Topology:
-    """Declare the exchanges and queues (what the dispatcher also does at start)."""
+    """Declare the exchanges and queues both daemons require (unless they run with
+    --declare-topology)."""
     topology = Topology.from_settings(settings)
     connection = await connect_for_command(settings)
     async with connection:
