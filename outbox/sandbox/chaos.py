@@ -81,9 +81,13 @@ MIN_STREAM_SECONDS = 15.0
 # One fault every this many seconds of stream, beyond the one of each kind.
 FAULT_SPACING_SECONDS = 3.0
 # A fault that found nothing to act on (the daemon was between connections, the broker
-# already down) is tried again this much later, this many times.
+# already down, no refund in the provider's hands) is tried again this much later, this
+# many times, but not past this long after the last decision: with no new work, a
+# fault that needs some would wait in vain (a seed once spent 210 s of growing retries
+# on a kill-in-effect that could no longer find a refund to hold).
 FAULT_RETRY_SECONDS = 1.0
 FAULT_RETRIES = 20
+FAULT_RETRY_AFTER_STREAM_SECONDS = 10.0
 LOOP_SECONDS = 0.05
 MAX_AMOUNT_CENTS = 49_999  # under the sandbox tool's approval threshold (50,000)
 
@@ -702,6 +706,7 @@ class Chaos:
         pending = list(self.schedule)
         retries: Counter[ScheduledFault] = Counter()
         rate = self.operations / stream_seconds(self.operations)
+        retry_until = stream_seconds(self.operations) + FAULT_RETRY_AFTER_STREAM_SECONDS
         recorded = 0
         start = time.monotonic()
         with psycopg.connect(self.names.database_url) as connection:
@@ -724,10 +729,15 @@ class Chaos:
                 recorded = max(recorded, due)
                 while pending and pending[0].at <= elapsed:
                     fault = pending.pop(0)
-                    if not self._inject(fault, elapsed) and retries[fault] < FAULT_RETRIES:
+                    if self._inject(fault, elapsed):
+                        continue
+                    if retries[fault] >= FAULT_RETRIES or elapsed >= retry_until:
+                        say(f"  ! {fault.kind} found nothing to act on; given up")
+                        self.tally.faults_that_found_nothing += 1
+                    else:
                         retries[fault] += 1
                         later = ScheduledFault(
-                            fault.at + FAULT_RETRY_SECONDS * retries[fault], fault.kind, fault.slot
+                            round(elapsed + FAULT_RETRY_SECONDS, 1), fault.kind, fault.slot
                         )
                         retries[later] = retries[fault]
                         pending.append(later)
