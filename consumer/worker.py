@@ -112,6 +112,17 @@ class _Claimed:
     # expired: the lease runs from the database's transaction start, which is later than
     # the moment this process began the claim's transaction.
     lease_safe_until: float = float("inf")
+    # The input as the claim's checks validated it; validated again only when absent.
+    tool_input: Any = None
+
+
+@dataclass(frozen=True)
+class _Runnable:
+    """A delivery that passed every check: the contract to claim it under, and its
+    validated input (so the hot path validates it once)."""
+
+    contract: ToolContract[Any]
+    tool_input: Any
 
 
 @dataclass(frozen=True)
@@ -447,13 +458,15 @@ class Consumer(Stoppable):
             operations = await runner.run(
                 store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
             )
-            verdicts: list[_Skip | ToolContract[Any]] = []
+            verdicts: list[_Skip | _Runnable] = []
             wanted: dict[UUID, timedelta] = {}
             for envelope in envelopes:
                 verdict = await self._check(runner, envelope, operations.get(envelope.operation_id))
                 verdicts.append(verdict)
                 if not isinstance(verdict, _Skip):
-                    lease = verdict.deadline + timedelta(seconds=self.settings.lease_margin)
+                    lease = verdict.contract.deadline + timedelta(
+                        seconds=self.settings.lease_margin
+                    )
                     wanted.setdefault(envelope.operation_id, lease)
             claimed = await runner.run(
                 store.claim_many(sorted(wanted.items()), owner=self.worker_id)
@@ -473,13 +486,21 @@ class Consumer(Stoppable):
                     )
                     continue
                 lease_seconds = wanted[envelope.operation_id].total_seconds()
-                results.append(_Claimed(operation, verdict, lease_safe_until=began + lease_seconds))
+                results.append(
+                    _Claimed(
+                        operation,
+                        verdict.contract,
+                        lease_safe_until=began + lease_seconds,
+                        tool_input=verdict.tool_input,
+                    )
+                )
         return results
 
     async def _check(
         self, runner: AsyncStore, envelope: OperationMessage, operation: Operation | None
-    ) -> _Skip | ToolContract[Any]:
-        """Why this delivery must not run (a skip), or the contract to claim it under."""
+    ) -> _Skip | _Runnable:
+        """Why this delivery must not run (a skip), or the contract to claim it under
+        with its validated input."""
         if operation is None:
             return _Skip("invalid", "unknown_operation")
         if (
@@ -522,7 +543,7 @@ class Consumer(Stoppable):
                     )
                 )
                 return _Skip("awaiting_approval")
-        return contract
+        return _Runnable(contract, intent.tool_input)
 
     async def _tampered(
         self,
@@ -595,7 +616,9 @@ class Consumer(Stoppable):
         )
         started = time.monotonic()
         try:
-            tool_input = contract.input_model.model_validate(operation.input)
+            tool_input = claimed.tool_input
+            if tool_input is None:
+                tool_input = contract.input_model.model_validate(operation.input)
             async with asyncio.timeout(seconds):
                 effect = await contract.execute(tool_input, context)
             attempt = _Attempt("committed", "ok", effect)

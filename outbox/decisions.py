@@ -94,6 +94,8 @@ class DerivedIntent:
 
     requires_approval: bool
     disagreement: str | None = None
+    # The stored input validated by the contract's model: what the effect is called with.
+    tool_input: Any = None
 
 
 def derive_intent(contract: ToolContract[Any], operation: Operation) -> DerivedIntent:
@@ -120,7 +122,9 @@ def derive_intent(contract: ToolContract[Any], operation: Operation) -> DerivedI
         disagreement = "approval_flag_mismatch"
     else:
         disagreement = None
-    return DerivedIntent(requires_approval=requires_approval, disagreement=disagreement)
+    return DerivedIntent(
+        requires_approval=requires_approval, disagreement=disagreement, tool_input=validated
+    )
 
 
 def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | BaseModel) -> Any:

@@ -21,6 +21,7 @@ from outbox.sandbox.proxy import tcp_proxy
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import publish_state, record_many
+from support.system import connection_environment
 from support.waiting import eventually, eventually_sync
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
@@ -29,12 +30,7 @@ OUTBOX = str(Path(sys.executable).parent / "outbox")
 def daemon_environment(settings: Settings) -> dict[str, str]:
     return {
         **os.environ,
-        "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
-        "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
-        "OUTBOX_EXCHANGE": settings.exchange,
-        "OUTBOX_QUEUE": settings.queue,
-        "OUTBOX_DEAD_LETTER_EXCHANGE": settings.dead_letter_exchange,
-        "OUTBOX_DEAD_LETTER_QUEUE": settings.dead_letter_queue,
+        **connection_environment(settings),
         "OUTBOX_POLL_INTERVAL": "0.2",
         "OUTBOX_METRICS_HOST": "127.0.0.1",
         "OUTBOX_METRICS_PORT": "0",

@@ -18,6 +18,7 @@ import pytest
 from outbox import Settings
 
 from support.ports import closed_port, taken_port
+from support.system import connection_environment
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -55,15 +56,7 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def broker_environment(settings: Settings) -> dict[str, str]:
-    return {
-        "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
-        "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
-        "OUTBOX_EXCHANGE": settings.exchange,
-        "OUTBOX_QUEUE": settings.queue,
-        "OUTBOX_DEAD_LETTER_EXCHANGE": settings.dead_letter_exchange,
-        "OUTBOX_DEAD_LETTER_QUEUE": settings.dead_letter_queue,
-        "OUTBOX_LOG_LEVEL": "ERROR",
-    }
+    return {**connection_environment(settings), "OUTBOX_LOG_LEVEL": "ERROR"}
 
 
 # --- 1. no schema ----------------------------------------------------------------------

@@ -142,12 +142,7 @@ def running_system(
     with SandboxProvider(faults=faults, payment_amount_cents=payment_amount_cents) as provider:
         environment = {
             **os.environ,
-            "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
-            "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
-            "OUTBOX_EXCHANGE": settings.exchange,
-            "OUTBOX_QUEUE": settings.queue,
-            "OUTBOX_DEAD_LETTER_EXCHANGE": settings.dead_letter_exchange,
-            "OUTBOX_DEAD_LETTER_QUEUE": settings.dead_letter_queue,
+            **connection_environment(settings),
             "OUTBOX_TOOLS": "outbox.sandbox.tools",
             "OUTBOX_SANDBOX_URL": provider.url,
             REFUND_DEADLINE_ENV: str(refund_deadline),
@@ -167,3 +162,16 @@ def running_system(
         finally:
             for daemon in system.daemons:
                 daemon.close()
+
+
+def connection_environment(settings: Settings) -> dict[str, str]:
+    """The ``OUTBOX_*`` variables that point a subprocess at this test's database and
+    broker names."""
+    return {
+        "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
+        "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
+        "OUTBOX_EXCHANGE": settings.exchange,
+        "OUTBOX_QUEUE": settings.queue,
+        "OUTBOX_DEAD_LETTER_EXCHANGE": settings.dead_letter_exchange,
+        "OUTBOX_DEAD_LETTER_QUEUE": settings.dead_letter_queue,
+    }
