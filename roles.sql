@@ -10,7 +10,8 @@
 --
 --   outbox_agent       record_decision: insert_decision (EXECUTE on outbox_record_decision,
 --                      its only write path), get_operation_by_decision_key,
---                      fingerprint_key
+--                      fingerprint_key; await_outcome: listen_operation_changes,
+--                      operation_outcomes; check_approval: latest_approval
 --   outbox_dispatcher  claim_outbox_batch, mark_outbox_published, mark_outbox_failed,
 --                      outbox_backlog, operations_by_state, delete_published_outbox_rows,
 --                      listen_outbox_pending
@@ -98,6 +99,11 @@ GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer
     text, boolean, jsonb, jsonb) TO outbox_agent;
 GRANT SELECT ON operations TO outbox_agent;
 GRANT INSERT ON operation_events TO outbox_agent;
+-- await_outcome tells "waiting for a person's approval" from "running" by the latest
+-- approval decision, and check_approval reports the grant it found (its approver
+-- included: the service that asked may tell its user who approved). Reading only: a
+-- grant is a person's act, on the operator path.
+GRANT SELECT ON approvals TO outbox_agent;
 -- The key of the short fingerprints its events and log lines show (fingerprint_key);
 -- an operator may read it to match a log line to an operation.
 GRANT SELECT ON outbox_deployment TO outbox_agent, outbox_consumer, outbox_operator;

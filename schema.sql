@@ -257,6 +257,24 @@ CREATE TRIGGER outbox_notify_pending
     AFTER INSERT ON outbox
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_pending();
 
+-- Wake the agents that await an outcome (outbox/awaiting.py). Every change an agent
+-- can see (a transition, an approval asked for, granted or denied) appends an event in
+-- the same statement, so one statement-level trigger covers them all; the empty payload
+-- lets Postgres fold a transaction's notifications into one. Waiters poll as well: a
+-- notification nobody listened for is lost.
+CREATE OR REPLACE FUNCTION outbox_notify_operation_changed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('outbox_operation_changed', '');
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS operation_events_notify_changed ON operation_events;
+CREATE TRIGGER operation_events_notify_changed
+    AFTER INSERT ON operation_events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_operation_changed();
+
 -- The per-deployment key of the short fingerprints that logs, events and spans show
 -- (outbox/fingerprint_key.py): created once, at random, by the first migration.
 -- gen_random_uuid() draws from the server's strong random source.
@@ -308,3 +326,4 @@ $$;
 
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;

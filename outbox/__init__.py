@@ -8,6 +8,16 @@ one escalation to a person.
 
 from __future__ import annotations
 
+from outbox.awaiting import (
+    Outcome,
+    OutcomeStatus,
+    OutcomeWatcher,
+    await_outcome,
+    await_outcome_sync,
+    close_shared_watchers,
+    get_outcome,
+    get_outcome_async,
+)
 from outbox.contracts import (
     ApprovalPolicy,
     OnUnknown,
@@ -86,7 +96,10 @@ __all__ = [
     "OperationNotFound",
     "OperationState",
     "OutboxError",
+    "Outcome",
+    "OutcomeStatus",
     "OutcomeUnknown",
+    "OutcomeWatcher",
     "RecordedDecision",
     "Registry",
     "RetryPolicy",
@@ -98,8 +111,13 @@ __all__ = [
     "ToolNotRegistered",
     "TransientDatabaseError",
     "agent_completed",
+    "await_outcome",
+    "await_outcome_sync",
     "check_approval",
     "check_approval_async",
+    "close_shared_watchers",
+    "get_outcome",
+    "get_outcome_async",
     "grant_approval",
     "grant_approval_async",
     "intent_fingerprint",

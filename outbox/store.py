@@ -753,8 +753,11 @@ def schema_is_current(connection: psycopg.Connection[Any]) -> bool:
     """Whether this library's schema is applied: the newest table it needs exists. Asks
     the catalog only, which needs no grant, so a least-privilege role can tell too."""
     with wrap_database_errors("schema_is_current"):
-        row = connection.execute("SELECT to_regclass('outbox_deployment')").fetchone()
-    return row is not None and row[0] is not None
+        row = connection.execute(
+            "SELECT to_regclass('outbox_deployment') IS NOT NULL"
+            " AND to_regproc('outbox_notify_operation_changed') IS NOT NULL"
+        ).fetchone()
+    return row is not None and bool(row[0])
 
 
 def create_database(
@@ -867,6 +870,21 @@ def delete_published_outbox_rows(retention: timedelta, limit: int) -> Plan[int]:
 def listen_outbox_pending() -> Plan[None]:
     """LISTEN on the channel the outbox insert trigger notifies (autocommit connection)."""
     yield Step("listen_outbox_pending", {})
+
+
+# --- agents awaiting outcomes --------------------------------------------------------
+
+
+def listen_operation_changes() -> Plan[None]:
+    """LISTEN on the channel every new operation event notifies (autocommit connection)."""
+    yield Step("listen_operation_changes", {})
+
+
+def operation_outcomes(operation_ids: Sequence[UUID]) -> Plan[list[Row]]:
+    """The status rows of many operations in one round trip; ids with no visible
+    operation are absent. :mod:`outbox.awaiting` folds each into an ``Outcome``."""
+    rows = yield Step("operation_outcomes", {"ids": list(operation_ids)})
+    return rows
 
 
 # --- consumer and reconciler ---------------------------------------------------------

@@ -209,6 +209,26 @@ SELECT count(*) AS deleted FROM deleted
 -- Subscribe this session to the notifications the outbox insert trigger sends.
 LISTEN outbox_pending
 
+-- name: listen_operation_changes
+-- Subscribe this session to the notifications every new operation event sends (an outcome watcher).
+LISTEN outbox_operation_changed
+
+-- name: operation_outcomes
+-- Where each of these operations stands, with the latest approval decision of one that waits for approval: what an awaiting agent reads. No input, no approver.
+SELECT o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
+       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
+       o.last_error_class, o.updated_at, now() AS checked_at,
+       a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
+       a.expires_at AS approval_expires_at
+FROM operations o
+LEFT JOIN LATERAL (
+    SELECT decision, intent_hash, expires_at FROM approvals
+    WHERE operation_id = o.id
+    ORDER BY created_at DESC
+    LIMIT 1
+) a ON o.requires_approval AND o.state = 'prepared'
+WHERE o.id = ANY(%(ids)s::uuid[])
+
 -- name: insert_event
 -- Append one lifecycle event that moves no state (an approval wait, a deferred lookup).
 INSERT INTO operation_events (operation_id, name, attributes)

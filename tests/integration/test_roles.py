@@ -28,7 +28,18 @@ from pydantic import SecretStr
 
 from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
-from outbox import Operation, OperationState, Registry, Settings, record_decision
+from outbox import (
+    Operation,
+    OperationState,
+    OutcomeStatus,
+    OutcomeWatcher,
+    Registry,
+    Settings,
+    await_outcome_sync,
+    check_approval,
+    grant_approval,
+    record_decision,
+)
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.cli import run_command
@@ -60,7 +71,14 @@ TABLES = (
 # test_every_query_belongs_to_a_component: whoever adds one decides who needs it,
 # and the test of that component below proves the grants cover it.
 COMPONENT_QUERIES: dict[str, set[str]] = {
-    AGENT: {"insert_decision", "get_operation_by_decision_key", "fingerprint_key"},
+    AGENT: {
+        "insert_decision",
+        "get_operation_by_decision_key",
+        "fingerprint_key",
+        "listen_operation_changes",
+        "operation_outcomes",
+        "latest_approval",
+    },
     DISPATCHER: {
         "listen_outbox_pending",
         "claim_outbox_batch",
@@ -107,6 +125,7 @@ GRANTS: dict[str, dict[str, set[str]]] = {
     AGENT: {
         "operations": {"SELECT"},
         "operation_events": {"INSERT"},
+        "approvals": {"SELECT"},
         "outbox_deployment": {"SELECT"},
     },
     # The dispatcher reads the envelope's columns of operations, never the input: a
@@ -173,7 +192,6 @@ REFUSED: dict[str, list[str]] = {
         "DELETE FROM outbox",
         "SELECT count(*) FROM outbox",
         "SELECT count(*) FROM operation_events",
-        "SELECT count(*) FROM approvals",
         FORGE_APPROVAL,
     ],
     DISPATCHER: [
@@ -421,7 +439,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 2 is applied" in result.stdout
+        assert "schema version 3 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
             in result.stdout
@@ -433,7 +451,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 2
+            assert outbox_store.apply_schema(connection) == 3
             outbox_store.apply_roles(connection)
 
 
@@ -464,14 +482,63 @@ def test_the_agent_records_decisions_and_reads_them_back(
             decision_key="k",
         )
 
+    # The agent learns how its decisions stand: running, or waiting for a person.
+    with psycopg.connect(agent) as connection:
+        large = record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {**refund, "amount_cents": 60_000},
+            run_id="r",
+            decision_key="large",
+        )
+    running = await_outcome_sync(agent, first, timeout=0)
+    waiting = await_outcome_sync(agent, large, timeout=0)
+    with psycopg.connect(agent) as connection:
+        approval = check_approval(connection, large.operation.id)
+
     assert (first.created, again.created) == (True, False)
     assert again.operation.id == first.operation.id
-    assert execute_admin(roles_database, "SELECT state FROM operations") == [("prepared",)]
-    assert execute_admin(roles_database, "SELECT count(*) FROM outbox") == [(1,)]
+    assert (running.status, waiting.status) == ("pending", "awaiting_approval")
+    assert approval.status is ApprovalStatus.MISSING
+    assert execute_admin(roles_database, "SELECT state FROM operations") == [
+        ("prepared",),
+        ("prepared",),
+    ]
+    assert execute_admin(roles_database, "SELECT count(*) FROM outbox") == [(2,)]
     assert execute_admin(roles_database, "SELECT name FROM operation_events") == [
-        ("operation.prepared",)
+        ("operation.prepared",),
+        ("operation.prepared",),
     ]
     assert queries_run_by(ran, agent) == COMPONENT_QUERIES[AGENT]
+
+
+async def test_the_agent_awaits_an_approval_an_operator_grants(
+    login: Login, registry: Registry, ran: Ran
+) -> None:
+    agent, operator = login(AGENT), login(OPERATOR)
+    with psycopg.connect(agent) as connection:
+        large = record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": "pay_1", "amount_cents": 60_000},
+            run_id="r",
+            decision_key="large",
+        )
+
+    async with OutcomeWatcher(agent, poll_interval=0.2) as watcher:
+        before = await watcher.wait(large, timeout=0)
+        with psycopg.connect(operator) as connection:
+            grant_approval(
+                connection, large.operation.id, approved_by="lead", ttl=timedelta(hours=1)
+            )
+        after = await watcher.wait(large, timeout=0)
+
+    assert before.status is OutcomeStatus.AWAITING_APPROVAL
+    assert (before.approval, before.reason) == (ApprovalStatus.MISSING, "approval_missing")
+    assert (after.status, after.approval) == (OutcomeStatus.PENDING, ApprovalStatus.VALID)
+    assert {"listen_operation_changes", "operation_outcomes"} <= queries_run_by(ran, agent)
 
 
 async def test_the_dispatcher_publishes_what_the_agent_recorded(

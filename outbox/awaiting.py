@@ -1,0 +1,615 @@
+"""How a decision ended, for the agent that made it.
+
+``record_decision`` hands a decision to the runtime; :func:`await_outcome` tells the
+agent what became of it, so that ``agent.completed ... outcome=refund_confirmed`` is a
+line an agent writes after it *knows*.
+
+An :class:`Outcome` folds the operation's state into the five answers an agent can act
+on (:class:`OutcomeStatus`): done, definitively not done, still running (call again
+later), waiting for a person's approval, or with a person who checks the evidence.
+
+Waiting is read-only and cancellation-safe: it never changes the operation, and a
+timed-out wait says nothing about the operation, only that it had not reached the
+statuses asked for (it returns the latest state, it does not raise).
+
+One :class:`OutcomeWatcher` serves every waiter of a process on one dedicated
+connection: it ``LISTEN``\\ s before its first read (a notification sent before that is
+lost), answers all waiters with one batched status query per wake-up, and polls every
+``poll_interval`` as the safety net for notifications that were never sent or were lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any, Literal
+from uuid import UUID
+
+import psycopg
+import psycopg.rows
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine as SAEngine
+from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
+from sqlalchemy.orm import Session as SASession
+
+from outbox import store
+from outbox.connections import command_parameters
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseError,
+    OperationNotFound,
+    TransientDatabaseError,
+)
+from outbox.models import (
+    ApprovalStatus,
+    Operation,
+    RecordedDecision,
+    _Record,
+    display_operation_id,
+)
+from outbox.settings import libpq_url
+from outbox.states import OperationState
+from outbox.store import AsyncConnection, AsyncStore, Store, SyncConnection
+
+logger = logging.getLogger("outbox.awaiting")
+
+Until = Literal["final", "attention"]
+
+DEFAULT_TIMEOUT = timedelta(seconds=30)
+DEFAULT_POLL_INTERVAL = 1.0
+
+
+class OutcomeStatus(StrEnum):
+    """What an agent can do with a decision, now."""
+
+    COMMITTED = "committed"
+    """Final: the provider confirmed the effect."""
+    REJECTED = "rejected"
+    """Final: the effect did not and will not happen. Retrying the same key changes
+    nothing; a changed request is a new decision."""
+    PENDING = "pending"
+    """The runtime is on it (prepared, in flight, or an unknown outcome under
+    reconciliation): ask again later with the same decision key."""
+    AWAITING_APPROVAL = "awaiting_approval"
+    """The contract asks for a person's approval and there is no valid grant yet."""
+    ESCALATED = "escalated"
+    """The outcome is with a person, who decides with the evidence."""
+
+
+FINAL_STATUSES = frozenset({OutcomeStatus.COMMITTED, OutcomeStatus.REJECTED})
+ATTENTION_STATUSES = FINAL_STATUSES | {OutcomeStatus.AWAITING_APPROVAL, OutcomeStatus.ESCALATED}
+
+
+def _target(until: Until) -> frozenset[OutcomeStatus]:
+    if until == "final":
+        return FINAL_STATUSES
+    if until == "attention":
+        return ATTENTION_STATUSES
+    raise ValueError(f"until must be 'final' or 'attention', not {until!r}")
+
+
+class Outcome(_Record):
+    """Where one decision stands, as an agent (or an MCP client) reads it.
+
+    It carries no tool input and no provider message: ``reason`` is a code from a closed
+    alphabet (the error class, the escalation or approval reason), safe to show to a
+    model and to log.
+    """
+
+    operation_id: UUID
+    display_id: str
+    run_id: str
+    decision_key: str | None
+    tool: str
+    tool_version: int
+    status: OutcomeStatus
+    state: OperationState
+    """The operation's own state, for operators; ``status`` is what an agent acts on."""
+    final: bool
+    needs_person: bool
+    provider_reference: str | None
+    result: dict[str, Any] | None
+    """The tool's result, once committed."""
+    reason: str | None
+    approval: ApprovalStatus | None
+    """For an operation whose contract asks for approval and that is not yet executed."""
+    attempts: int
+    updated_at: datetime
+
+
+# --- reading --------------------------------------------------------------------------
+
+
+def _approval_status(row: dict[str, Any]) -> ApprovalStatus:
+    if row["approval_decision"] is None:
+        return ApprovalStatus.MISSING
+    if row["approval_decision"] == "denied":
+        return ApprovalStatus.DENIED
+    if row["approval_expires_at"] <= row["checked_at"]:
+        return ApprovalStatus.EXPIRED
+    if row["approval_intent_hash"] != row["input_fingerprint"]:
+        return ApprovalStatus.INTENT_CHANGED
+    return ApprovalStatus.VALID
+
+
+def outcome_from_row(row: dict[str, Any]) -> Outcome:
+    """Fold one ``operation_outcomes`` row into the status an agent acts on."""
+    state = OperationState(row["state"])
+    approval = (
+        _approval_status(row)
+        if row["requires_approval"] and state is OperationState.PREPARED
+        else None
+    )
+    reason: str | None = row["last_error_class"]
+    if state is OperationState.COMMITTED:
+        status = OutcomeStatus.COMMITTED
+        reason = None
+    elif state is OperationState.REJECTED:
+        status = OutcomeStatus.REJECTED
+    elif state is OperationState.ESCALATED:
+        status = OutcomeStatus.ESCALATED
+    elif approval is not None and approval is not ApprovalStatus.VALID:
+        status = OutcomeStatus.AWAITING_APPROVAL
+        reason = f"approval_{approval}"
+    else:
+        status = OutcomeStatus.PENDING
+    operation_id: UUID = row["id"]
+    return Outcome(
+        operation_id=operation_id,
+        display_id=display_operation_id(operation_id),
+        run_id=row["run_id"],
+        decision_key=row["decision_key"],
+        tool=row["tool_name"],
+        tool_version=row["tool_version"],
+        status=status,
+        state=state,
+        final=status in FINAL_STATUSES,
+        needs_person=status in (OutcomeStatus.AWAITING_APPROVAL, OutcomeStatus.ESCALATED),
+        provider_reference=row["provider_reference"],
+        result=row["result"] if state is OperationState.COMMITTED else None,
+        reason=reason,
+        approval=approval,
+        attempts=row["attempts"],
+        updated_at=row["updated_at"],
+    )
+
+
+def get_outcome(connection: SyncConnection, operation_id: UUID) -> Outcome:
+    """One read of where ``operation_id`` stands. Raises :class:`OperationNotFound`."""
+    rows = Store(connection, require_transaction=False).run(
+        store.operation_outcomes([operation_id])
+    )
+    return _only(rows, operation_id)
+
+
+async def get_outcome_async(connection: AsyncConnection, operation_id: UUID) -> Outcome:
+    """The async twin of :func:`get_outcome`."""
+    runner = await AsyncStore.on(connection, require_transaction=False)
+    return _only(await runner.run(store.operation_outcomes([operation_id])), operation_id)
+
+
+def _only(rows: list[dict[str, Any]], operation_id: UUID) -> Outcome:
+    if not rows:
+        raise _not_found(operation_id)
+    return outcome_from_row(rows[0])
+
+
+def _not_found(operation_id: UUID) -> OperationNotFound:
+    return OperationNotFound(
+        f"no operation {display_operation_id(operation_id)} is visible: if you just "
+        "recorded it, await its outcome after your transaction commits (an uncommitted "
+        "decision exists for no other session)"
+    )
+
+
+# --- what callers pass ----------------------------------------------------------------
+
+
+def operation_id_of(operation: UUID | RecordedDecision | Operation | Outcome) -> UUID:
+    if isinstance(operation, UUID):
+        return operation
+    if isinstance(operation, RecordedDecision):
+        return operation.operation.id
+    if isinstance(operation, Operation):
+        return operation.id
+    if isinstance(operation, Outcome):
+        return operation.operation_id
+    raise TypeError(
+        "operation must be an operation id (UUID), a RecordedDecision, an Operation or an "
+        f"Outcome, not {type(operation).__name__}"
+    )
+
+
+def _seconds(timeout: timedelta | float | None) -> float | None:
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds < 0:
+        raise ValueError("timeout must not be negative")
+    return seconds
+
+
+_CONNECTIONS = (
+    SAConnection,
+    SASession,
+    SAAsyncConnection,
+    SAAsyncSession,
+    psycopg.Connection,
+    psycopg.AsyncConnection,
+)
+
+
+def _as_outbox_error(error: BaseException) -> BaseException:
+    if isinstance(error, psycopg.Error):
+        return TransientDatabaseError(
+            f"the outcome watcher could not connect: {type(error).__name__}"
+        )
+    return error
+
+
+def _refuse_connection(source: object) -> None:
+    if isinstance(source, _CONNECTIONS):
+        raise ConfigurationError(
+            "await_outcome needs an engine, a database URL or an OutcomeWatcher, not a "
+            "connection: the connection that recorded the decision has not committed it "
+            "yet, so no other session can see it settle, and waiting inside that "
+            "transaction would hold it open until the wait times out. Commit first, then "
+            "await with the engine"
+        )
+
+
+def _url_of(source: AsyncEngine | SAEngine | str) -> str:
+    if isinstance(source, str):
+        return libpq_url(source)
+    if isinstance(source, AsyncEngine | SAEngine):
+        return libpq_url(source.url.render_as_string(hide_password=False))
+    raise TypeError(
+        "source must be an AsyncEngine, an Engine, a database URL or an OutcomeWatcher, "
+        f"not {type(source).__name__}"
+    )
+
+
+# --- the watcher ----------------------------------------------------------------------
+
+CHANGES_CHANNEL = "outbox_operation_changed"
+
+
+# A wait always answers with one read, even with ``timeout=0`` (a status check); how
+# long it may take for that read when the database is slow or away.
+FIRST_READ_WITHIN = 10.0
+
+
+class _Waiter:
+    __slots__ = ("future", "latest", "read", "target")
+
+    def __init__(self, target: frozenset[OutcomeStatus], future: asyncio.Future[Outcome]):
+        self.target = target
+        self.future = future
+        self.latest: Outcome | None = None
+        self.read = asyncio.Event()
+
+
+class OutcomeWatcher:
+    """Waits for many operations at once on one dedicated autocommit connection.
+
+    Use one per process and event loop::
+
+        async with OutcomeWatcher(database_url) as watcher:
+            outcome = await watcher.wait(recorded, timeout=20)
+
+    ``listen=False`` (or a database that refuses ``LISTEN``) leaves the poll alone: a
+    waiter is then answered within ``poll_interval`` of its operation settling.
+    """
+
+    def __init__(
+        self,
+        database: AsyncEngine | SAEngine | str,
+        *,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        listen: bool = True,
+        connect_parameters: dict[str, Any] | None = None,
+    ) -> None:
+        if poll_interval <= 0:
+            raise ValueError("poll_interval must be positive")
+        self._url = _url_of(database)
+        self.poll_interval = poll_interval
+        self.listen = listen
+        self._connect_parameters = connect_parameters or command_parameters()
+        self._waiters: dict[UUID, list[_Waiter]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._last_error: BaseException | None = None
+        self.reads = 0
+        """Batched status queries run so far (one per wake-up with waiters)."""
+        self.notifications = 0
+        self.listening = False
+
+    async def __aenter__(self) -> OutcomeWatcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect and (unless ``listen=False``) LISTEN; returns once that is done, so
+        that a decision committed after ``start`` returns cannot go unnoticed."""
+        if self._task is not None:
+            return
+        self._closed = False
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run(ready), name="outbox-outcome-watcher")
+        try:
+            await ready
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Stop watching. Waiters still waiting get their latest outcome, as on timeout."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+    @property
+    def pending_first_reads(self) -> int:
+        """Waiters that have not had their first read yet."""
+        return sum(
+            not waiter.read.is_set() for waiters in self._waiters.values() for waiter in waiters
+        )
+
+    async def wait(
+        self,
+        operation: UUID | RecordedDecision | Operation | Outcome,
+        *,
+        # Not asyncio.timeout: a wait that times out returns the latest outcome.
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109
+        until: Until = "attention",
+    ) -> Outcome:
+        """Return when the operation's status is in the ``until`` set, or the latest
+        outcome when ``timeout`` passes. Raises :class:`OperationNotFound` for an id no
+        session can see, and :class:`TransientDatabaseError` only when no read at all
+        succeeded before the timeout."""
+        operation_id = operation_id_of(operation)
+        target = _target(until)
+        seconds = _seconds(timeout)
+        if self._task is None:
+            await self.start()
+        waiter = _Waiter(target, asyncio.get_running_loop().create_future())
+        self._waiters.setdefault(operation_id, []).append(waiter)
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), seconds)
+        except TimeoutError:
+            if waiter.latest is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.read.wait(), FIRST_READ_WITHIN)
+            if waiter.future.done():
+                return waiter.future.result()
+            if waiter.latest is not None:
+                return waiter.latest
+            cause = f" (last error: {type(self._last_error).__name__})" if self._last_error else ""
+            raise TransientDatabaseError(
+                f"no read of {display_operation_id(operation_id)} succeeded; the outcome is "
+                f"unknown to this waiter, not to the runtime{cause}"
+            ) from None
+        finally:
+            self._forget(operation_id, waiter)
+
+    def _forget(self, operation_id: UUID, waiter: _Waiter) -> None:
+        waiters = self._waiters.get(operation_id)
+        if waiters is None:
+            return
+        with contextlib.suppress(ValueError):
+            waiters.remove(waiter)
+        if not waiters:
+            del self._waiters[operation_id]
+        if not waiter.future.done():
+            waiter.future.cancel()
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def _run(self, ready: asyncio.Future[None]) -> None:
+        failures = 0
+        while not self._closed:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url,
+                    autocommit=True,
+                    row_factory=psycopg.rows.dict_row,
+                    application_name="outbox-outcome-watcher",
+                    **self._connect_parameters,
+                ) as connection:
+                    await self._listen(connection)
+                    if not ready.done():
+                        ready.set_result(None)
+                    failures = 0
+                    self._last_error = None
+                    await self._serve(connection)
+            except asyncio.CancelledError:
+                raise
+            except (psycopg.Error, OSError, DatabaseError) as error:
+                self._last_error = error
+                self.listening = False
+                if not ready.done():
+                    ready.set_exception(_as_outbox_error(error))
+                    return
+                if isinstance(error, DatabaseError) and not isinstance(
+                    error, TransientDatabaseError
+                ):
+                    # A refusal (a missing grant, an old schema) will not heal by
+                    # retrying: every waiter hears it now rather than at its timeout.
+                    self._fail_waiters(error)
+                failures += 1
+                logger.warning(
+                    "outcome_watcher.reconnecting error=%s",
+                    type(error).__name__,
+                    extra={"action": "outcome_watcher.reconnecting"},
+                )
+                # Jittered backoff: many processes must not reconnect in lockstep.
+                backoff = min(5.0, 0.1 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0)  # noqa: S311
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff)
+                self._wake.clear()
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.future.done():
+                    waiter.future.set_exception(error)
+
+    async def _listen(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        self.listening = False
+        if self.listen:
+            await (await AsyncStore.on(connection, require_transaction=False)).run(
+                store.listen_operation_changes()
+            )
+            self.listening = True
+
+    async def _serve(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        runner = await AsyncStore.on(connection, require_transaction=False)
+        while not self._closed:
+            self._wake.clear()
+            if self._waiters:
+                await self._read(runner)
+            await self._wait_for_change(connection)
+
+    async def _read(self, runner: AsyncStore) -> None:
+        ids = list(self._waiters)
+        rows = await runner.run(store.operation_outcomes(ids))
+        self.reads += 1
+        found = {row["id"]: outcome_from_row(row) for row in rows}
+        for operation_id in ids:
+            waiters = self._waiters.get(operation_id, [])
+            outcome = found.get(operation_id)
+            for waiter in list(waiters):
+                if waiter.future.done():
+                    continue
+                if outcome is None:
+                    waiter.future.set_exception(_not_found(operation_id))
+                    waiter.read.set()
+                    continue
+                waiter.latest = outcome
+                waiter.read.set()
+                if outcome.status in waiter.target:
+                    waiter.future.set_result(outcome)
+
+    async def _wait_for_change(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """Until a notification, a new waiter or the poll interval, whichever is first."""
+        woken = asyncio.ensure_future(self._wake.wait())
+        waits: set[asyncio.Future[Any]] = {woken}
+        notified: asyncio.Task[int] | None = None
+        if self.listening:
+            notified = asyncio.create_task(self._next_notification(connection))
+            waits.add(notified)
+        try:
+            await asyncio.wait(waits, timeout=self.poll_interval, return_when="FIRST_COMPLETED")
+        finally:
+            woken.cancel()
+            if notified is not None and not notified.done():
+                notified.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await notified
+        if notified is not None and notified.done() and not notified.cancelled():
+            self.notifications += notified.result()
+
+    async def _next_notification(self, connection: psycopg.AsyncConnection[Any]) -> int:
+        received = 0
+        async for _ in connection.notifies(stop_after=1):
+            received += 1
+        return received
+
+
+# --- one call -------------------------------------------------------------------------
+
+_shared: dict[tuple[int, str], OutcomeWatcher] = {}
+
+
+async def await_outcome(
+    source: AsyncEngine | str | OutcomeWatcher,
+    operation: UUID | RecordedDecision | Operation | Outcome,
+    *,
+    timeout: timedelta | float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109
+    until: Until = "attention",
+) -> Outcome:
+    """Wait until the decision is ``committed`` or ``rejected`` (``until="final"``), or
+    also ``awaiting_approval`` / ``escalated`` (the default, ``"attention"``: those need a
+    person, and a tool call should not sit waiting for one).
+
+    ``source`` is the engine or URL of the database the decision was recorded in, or an
+    :class:`OutcomeWatcher`; never the connection that recorded it (refused). For an
+    engine or URL the process shares one watcher per event loop and database, closed by
+    :func:`close_shared_watchers`. A timeout returns the latest outcome; waiting never
+    changes the operation.
+    """
+    _refuse_connection(source)
+    if isinstance(source, OutcomeWatcher):
+        return await source.wait(operation, timeout=timeout, until=until)
+    url = _url_of(source)
+    key = (id(asyncio.get_running_loop()), url)
+    watcher = _shared.get(key)
+    if watcher is None:
+        watcher = _shared[key] = OutcomeWatcher(url)
+        try:
+            await watcher.start()
+        except BaseException:
+            _shared.pop(key, None)
+            raise
+    return await watcher.wait(operation, timeout=timeout, until=until)
+
+
+async def close_shared_watchers() -> None:
+    """Close the watchers :func:`await_outcome` opened for this event loop."""
+    loop_id = id(asyncio.get_running_loop())
+    for key in [key for key in _shared if key[0] == loop_id]:
+        await _shared.pop(key).close()
+
+
+def await_outcome_sync(
+    source: SAEngine | str,
+    operation: UUID | RecordedDecision | Operation | Outcome,
+    *,
+    timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+    until: Until = "attention",
+    poll_interval: float = DEFAULT_POLL_INTERVAL,
+) -> Outcome:
+    """The blocking twin of :func:`await_outcome`, on a connection of its own for the
+    length of the call (LISTEN, then read; re-read on a notification or every
+    ``poll_interval``)."""
+    _refuse_connection(source)
+    operation_id = operation_id_of(operation)
+    target = _target(until)
+    seconds = _seconds(timeout)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    with psycopg.connect(
+        _url_of(source),
+        autocommit=True,
+        row_factory=psycopg.rows.dict_row,
+        application_name="outbox-outcome-wait",
+        **command_parameters(),
+    ) as connection:
+        runner = Store(connection, require_transaction=False)
+        runner.run(store.listen_operation_changes())
+        while True:
+            outcome = _only(runner.run(store.operation_outcomes([operation_id])), operation_id)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if outcome.status in target or (remaining is not None and remaining <= 0):
+                return outcome
+            wait = poll_interval if remaining is None else min(poll_interval, remaining)
+            for _ in connection.notifies(timeout=wait, stop_after=1):
+                pass
