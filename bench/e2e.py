@@ -510,9 +510,13 @@ class OutboxSettings:
     batch_size: int
     lanes: int
     log_level: str
+    # Whether the operation_events trigger notifies outbox_operation_changed (what
+    # await_outcome's watcher listens to): the cost of that NOTIFY, measured.
+    change_notify: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "change_notify": self.change_notify,
             "consumer_processes": self.consumers,
             "prefetch": self.prefetch,
             "dispatcher_batch_size": self.batch_size,
@@ -543,6 +547,11 @@ class Bench:
     def fresh(self, system: str) -> str:
         name, url = self.database(system)
         recreate_database(self.admin_url, url, name, system)
+        if system == "outbox" and not self.outbox.change_notify:
+            with psycopg.connect(url) as connection:
+                connection.execute(
+                    "ALTER TABLE operation_events DISABLE TRIGGER operation_events_notify_changed"
+                )
         if system in ("minimal", "outbox"):
             with contextlib.suppress(Exception):
                 run_loop(delete_topology(self.amqp_url, self.names(system)))
@@ -997,6 +1006,11 @@ def main() -> None:
     parser.add_argument("--outbox-batch-size", type=int, default=200)
     parser.add_argument("--outbox-lanes", type=int, default=2)
     parser.add_argument("--outbox-log-level", default="INFO")
+    parser.add_argument(
+        "--outbox-without-change-notify",
+        action="store_true",
+        help="disable the NOTIFY that wakes await_outcome's watchers (to measure its cost)",
+    )
     parser.add_argument("--procrastinate-concurrency", type=int, default=1)
     parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -1013,6 +1027,7 @@ def main() -> None:
         batch_size=args.outbox_batch_size,
         lanes=args.outbox_lanes,
         log_level=args.outbox_log_level,
+        change_notify=not args.outbox_without_change_notify,
     )
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="outbox-e2e-") as logs:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import random
 import time
+import weakref
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
@@ -139,27 +140,43 @@ def _approval_status(row: dict[str, Any]) -> ApprovalStatus:
     return ApprovalStatus.VALID
 
 
+_STATUS_OF_STATE = {
+    OperationState.COMMITTED: OutcomeStatus.COMMITTED,
+    OperationState.REJECTED: OutcomeStatus.REJECTED,
+    OperationState.ESCALATED: OutcomeStatus.ESCALATED,
+}
+
+
+def status_of_row(row: dict[str, Any]) -> OutcomeStatus:
+    """The status alone: cheap enough to run on every row of every wake-up (building
+    the :class:`Outcome` is left for the waiters it answers)."""
+    state = OperationState(row["state"])
+    settled = _STATUS_OF_STATE.get(state)
+    if settled is not None:
+        return settled
+    if (
+        state is OperationState.PREPARED
+        and row["requires_approval"]
+        and _approval_status(row) is not ApprovalStatus.VALID
+    ):
+        return OutcomeStatus.AWAITING_APPROVAL
+    return OutcomeStatus.PENDING
+
+
 def outcome_from_row(row: dict[str, Any]) -> Outcome:
     """Fold one ``operation_outcomes`` row into the status an agent acts on."""
     state = OperationState(row["state"])
+    status = status_of_row(row)
     approval = (
         _approval_status(row)
         if row["requires_approval"] and state is OperationState.PREPARED
         else None
     )
     reason: str | None = row["last_error_class"]
-    if state is OperationState.COMMITTED:
-        status = OutcomeStatus.COMMITTED
+    if status is OutcomeStatus.COMMITTED:
         reason = None
-    elif state is OperationState.REJECTED:
-        status = OutcomeStatus.REJECTED
-    elif state is OperationState.ESCALATED:
-        status = OutcomeStatus.ESCALATED
-    elif approval is not None and approval is not ApprovalStatus.VALID:
-        status = OutcomeStatus.AWAITING_APPROVAL
+    elif status is OutcomeStatus.AWAITING_APPROVAL:
         reason = f"approval_{approval}"
-    else:
-        status = OutcomeStatus.PENDING
     operation_id: UUID = row["id"]
     return Outcome(
         operation_id=operation_id,
@@ -287,13 +304,17 @@ FIRST_READ_WITHIN = 10.0
 
 
 class _Waiter:
-    __slots__ = ("future", "latest", "read", "target")
+    __slots__ = ("future", "latest_row", "read", "target")
 
     def __init__(self, target: frozenset[OutcomeStatus], future: asyncio.Future[Outcome]):
         self.target = target
         self.future = future
-        self.latest: Outcome | None = None
+        self.latest_row: dict[str, Any] | None = None
         self.read = asyncio.Event()
+
+    @property
+    def latest(self) -> Outcome | None:
+        return None if self.latest_row is None else outcome_from_row(self.latest_row)
 
 
 class OutcomeWatcher:
@@ -323,6 +344,10 @@ class OutcomeWatcher:
         self.listen = listen
         self._connect_parameters = connect_parameters or command_parameters()
         self._waiters: dict[UUID, list[_Waiter]] = {}
+        # The last row read of each operation waited for, with its row version.
+        self._rows: dict[UUID, dict[str, Any]] = {}
+        # Operations with a waiter that has not been answered by a read yet.
+        self._arrived: set[UUID] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -363,6 +388,10 @@ class OutcomeWatcher:
                 await task
 
     @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
     def waiting(self) -> int:
         return sum(len(waiters) for waiters in self._waiters.values())
 
@@ -388,21 +417,24 @@ class OutcomeWatcher:
         operation_id = operation_id_of(operation)
         target = _target(until)
         seconds = _seconds(timeout)
-        if self._task is None:
+        if not self.running:
+            await self.close()  # a loop that ended (a lost connection retries in the task)
             await self.start()
         waiter = _Waiter(target, asyncio.get_running_loop().create_future())
         self._waiters.setdefault(operation_id, []).append(waiter)
+        self._arrived.add(operation_id)
         self._wake.set()
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), seconds)
         except TimeoutError:
-            if waiter.latest is None:
+            if waiter.latest_row is None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.read.wait(), FIRST_READ_WITHIN)
             if waiter.future.done():
                 return waiter.future.result()
-            if waiter.latest is not None:
-                return waiter.latest
+            latest = waiter.latest
+            if latest is not None:
+                return latest
             cause = f" (last error: {type(self._last_error).__name__})" if self._last_error else ""
             raise TransientDatabaseError(
                 f"no read of {display_operation_id(operation_id)} succeeded; the outcome is "
@@ -419,6 +451,7 @@ class OutcomeWatcher:
             waiters.remove(waiter)
         if not waiters:
             del self._waiters[operation_id]
+            self._rows.pop(operation_id, None)
         if not waiter.future.done():
             waiter.future.cancel()
 
@@ -490,23 +523,39 @@ class OutcomeWatcher:
             await self._wait_for_change(connection)
 
     async def _read(self, runner: AsyncStore) -> None:
+        # Only what changed since the last read comes back: a wake-up costs the same
+        # few rows whether 10 or 1,000 tool calls are waiting.
         ids = list(self._waiters)
-        rows = await runner.run(store.operation_outcomes(ids))
+        known = {
+            operation_id: (row["row_version"] if (row := self._rows.get(operation_id)) else None)
+            for operation_id in ids
+        }
+        arrived, self._arrived = self._arrived, set()
+        try:
+            rows = await runner.run(store.operation_outcomes_changed(known))
+        except BaseException:
+            self._arrived |= arrived  # answered by the read after the reconnect
+            raise
+        changed = set(arrived)
+        for row in rows:
+            self._rows[row["id"]] = row
+            changed.add(row["id"])
         self.reads += 1
-        found = {row["id"]: outcome_from_row(row) for row in rows}
-        for operation_id in ids:
+        for operation_id in changed:
             waiters = self._waiters.get(operation_id, [])
-            outcome = found.get(operation_id)
+            row = self._rows.get(operation_id)
+            status = None if row is None else status_of_row(row)
+            outcome: Outcome | None = None
             for waiter in list(waiters):
                 if waiter.future.done():
                     continue
-                if outcome is None:
-                    waiter.future.set_exception(_not_found(operation_id))
-                    waiter.read.set()
-                    continue
-                waiter.latest = outcome
                 waiter.read.set()
-                if outcome.status in waiter.target:
+                if row is None:
+                    waiter.future.set_exception(_not_found(operation_id))
+                    continue
+                waiter.latest_row = row
+                if status in waiter.target:
+                    outcome = outcome or outcome_from_row(row)
                     waiter.future.set_result(outcome)
 
     async def _wait_for_change(self, connection: psycopg.AsyncConnection[Any]) -> None:
@@ -537,7 +586,11 @@ class OutcomeWatcher:
 
 # --- one call -------------------------------------------------------------------------
 
-_shared: dict[tuple[int, str], OutcomeWatcher] = {}
+# Per event loop (a watcher's connection and task belong to the loop that started
+# them), then per database.
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, OutcomeWatcher]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def await_outcome(
@@ -561,23 +614,22 @@ async def await_outcome(
     if isinstance(source, OutcomeWatcher):
         return await source.wait(operation, timeout=timeout, until=until)
     url = _url_of(source)
-    key = (id(asyncio.get_running_loop()), url)
-    watcher = _shared.get(key)
-    if watcher is None:
-        watcher = _shared[key] = OutcomeWatcher(url)
+    watchers = _shared.setdefault(asyncio.get_running_loop(), {})
+    watcher = watchers.get(url)
+    if watcher is None or not watcher.running:
+        watcher = watchers[url] = OutcomeWatcher(url)
         try:
             await watcher.start()
         except BaseException:
-            _shared.pop(key, None)
+            watchers.pop(url, None)
             raise
     return await watcher.wait(operation, timeout=timeout, until=until)
 
 
 async def close_shared_watchers() -> None:
     """Close the watchers :func:`await_outcome` opened for this event loop."""
-    loop_id = id(asyncio.get_running_loop())
-    for key in [key for key in _shared if key[0] == loop_id]:
-        await _shared.pop(key).close()
+    for watcher in _shared.pop(asyncio.get_running_loop(), {}).values():
+        await watcher.close()
 
 
 def await_outcome_sync(

@@ -887,6 +887,17 @@ def operation_outcomes(operation_ids: Sequence[UUID]) -> Plan[list[Row]]:
     return rows
 
 
+def operation_outcomes_changed(known: Mapping[UUID, int | None]) -> Plan[list[Row]]:
+    """:func:`operation_outcomes` for the operations in ``known`` (id -> the row version
+    the caller read last, None if never) that changed since, with their new
+    ``row_version``; an unchanged operation is absent, and so is an id with no operation."""
+    rows = yield Step(
+        "operation_outcomes_changed",
+        {"ids": list(known), "row_versions": list(known.values())},
+    )
+    return rows
+
+
 # --- consumer and reconciler ---------------------------------------------------------
 
 

@@ -229,6 +229,26 @@ LEFT JOIN LATERAL (
 ) a ON o.requires_approval AND o.state = 'prepared'
 WHERE o.id = ANY(%(ids)s::uuid[])
 
+-- name: operation_outcomes_changed
+-- operation_outcomes for a watcher, without what it has already read: only operations whose row version (xmin, new with every update) differs from the one it holds, or that it has not read yet, or that wait for an approval (a grant changes no operation row).
+SELECT o.xmin::text::bigint AS row_version,
+       o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
+       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
+       o.last_error_class, o.updated_at, now() AS checked_at,
+       a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
+       a.expires_at AS approval_expires_at
+FROM unnest(%(ids)s::uuid[], %(row_versions)s::bigint[]) AS known (id, row_version)
+JOIN operations o ON o.id = known.id
+LEFT JOIN LATERAL (
+    SELECT decision, intent_hash, expires_at FROM approvals
+    WHERE operation_id = o.id
+    ORDER BY created_at DESC
+    LIMIT 1
+) a ON o.requires_approval AND o.state = 'prepared'
+WHERE known.row_version IS NULL
+   OR o.xmin::text::bigint <> known.row_version
+   OR (o.requires_approval AND o.state = 'prepared')
+
 -- name: insert_event
 -- Append one lifecycle event that moves no state (an approval wait, a deferred lookup).
 INSERT INTO operation_events (operation_id, name, attributes)

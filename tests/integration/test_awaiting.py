@@ -504,3 +504,14 @@ def _settle_in_one_transaction(url: str, operations: list[Operation]) -> None:
                 ]
             )
         )
+
+
+def test_each_event_loop_gets_a_watcher_of_its_own(database_url: str, registry: Registry) -> None:
+    operation = record(database_url, registry)
+
+    # asyncio.run ends its loop (and the shared watcher's task) each time: the second
+    # call must not find the first loop's dead watcher.
+    first = asyncio.run(await_outcome(database_url, operation, timeout=0))
+    second = asyncio.run(await_outcome(database_url, operation, timeout=0))
+
+    assert first.status is second.status is OutcomeStatus.PENDING

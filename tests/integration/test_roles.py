@@ -9,6 +9,7 @@ there.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from outbox import (
     OutcomeWatcher,
     Registry,
     Settings,
+    await_outcome,
     await_outcome_sync,
     check_approval,
     grant_approval,
@@ -77,6 +79,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "fingerprint_key",
         "listen_operation_changes",
         "operation_outcomes",
+        "operation_outcomes_changed",
         "latest_approval",
     },
     DISPATCHER: {
@@ -493,7 +496,7 @@ def test_the_agent_records_decisions_and_reads_them_back(
             decision_key="large",
         )
     running = await_outcome_sync(agent, first, timeout=0)
-    waiting = await_outcome_sync(agent, large, timeout=0)
+    waiting = asyncio.run(await_outcome(agent, large, timeout=0))
     with psycopg.connect(agent) as connection:
         approval = check_approval(connection, large.operation.id)
 
@@ -538,7 +541,7 @@ async def test_the_agent_awaits_an_approval_an_operator_grants(
     assert before.status is OutcomeStatus.AWAITING_APPROVAL
     assert (before.approval, before.reason) == (ApprovalStatus.MISSING, "approval_missing")
     assert (after.status, after.approval) == (OutcomeStatus.PENDING, ApprovalStatus.VALID)
-    assert {"listen_operation_changes", "operation_outcomes"} <= queries_run_by(ran, agent)
+    assert {"listen_operation_changes", "operation_outcomes_changed"} <= queries_run_by(ran, agent)
 
 
 async def test_the_dispatcher_publishes_what_the_agent_recorded(
