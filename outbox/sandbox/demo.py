@@ -37,6 +37,7 @@ import httpx
 import psycopg
 
 from outbox import lifecycle, store
+from outbox.awaiting import Outcome, OutcomeStatus, await_outcome_sync
 from outbox.broker import connect as connect_to_broker
 from outbox.decisions import record_decision
 from outbox.errors import ServiceUnavailable, connect_failure
@@ -45,7 +46,6 @@ from outbox.migrate import declare_broker_topology, migrate
 from outbox.models import Operation, OperationEvent
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.settings import Settings, database_name, redact_url, with_database
-from outbox.states import OperationState
 from outbox.store import Store
 
 TOOLS_MODULE = "outbox.sandbox.tools"
@@ -291,7 +291,7 @@ def with_effect_outbox(
         stop(daemon)
     for event in events_of(names.database_url, operation):
         say("   " + trace_line(event, operation))
-    outcome = "refund_confirmed" if final.state is OperationState.COMMITTED else str(final.state)
+    outcome = "refund_confirmed" if final.status is OutcomeStatus.COMMITTED else str(final.status)
     completed = lifecycle.agent_completed(run_id, outcome)
     name, _, fields = completed.partition(" ")
     say(f"   {name:<25} {fields}")
@@ -357,18 +357,15 @@ def stop(daemon: subprocess.Popen[bytes]) -> None:
 
 def wait_until_settled(
     database_url: str, operation: Operation, daemons: list[subprocess.Popen[bytes]]
-) -> Operation:
+) -> Outcome:
+    """What the agent does: await the outcome (in slices, to notice a daemon that died
+    or a Ctrl-C between them)."""
     deadline = time.monotonic() + SETTLE_WITHIN_SECONDS
     while True:
         checkpoint()
-        with psycopg.connect(database_url) as connection:
-            current = Store(connection).run(store.get_operation(operation.id))
-        if current.state in (
-            OperationState.COMMITTED,
-            OperationState.REJECTED,
-            OperationState.ESCALATED,
-        ):
-            return current
+        outcome = await_outcome_sync(database_url, operation, timeout=0.5)
+        if outcome.status is not OutcomeStatus.PENDING:
+            return outcome
         for daemon in daemons:
             if daemon.poll() is not None:
                 checkpoint()  # Ctrl-C in a terminal stops the daemons too: not a failure
@@ -379,9 +376,8 @@ def wait_until_settled(
         if time.monotonic() > deadline:
             raise ServiceUnavailable(
                 f"{operation.display_id} did not settle within {SETTLE_WITHIN_SECONDS:g} s "
-                f"(state {current.state})"
+                f"(state {outcome.state})"
             )
-        time.sleep(0.05)  # polling the database for the outcome, with the deadline above
 
 
 def events_of(database_url: str, operation: Operation) -> list[OperationEvent]:
