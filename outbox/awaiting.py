@@ -351,6 +351,7 @@ class OutcomeWatcher:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._closed_by_caller = False
         self._last_error: BaseException | None = None
         self.reads = 0
         """Batched status queries run so far (one per wake-up with waiters)."""
@@ -367,19 +368,35 @@ class OutcomeWatcher:
     async def start(self) -> None:
         """Connect and (unless ``listen=False``) LISTEN; returns once that is done, so
         that a decision committed after ``start`` returns cannot go unnoticed."""
-        if self._task is not None:
+        if self.running:
             return
         self._closed = False
+        self._closed_by_caller = False
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(ready), name="outbox-outcome-watcher")
         try:
             await ready
         except BaseException:
-            await self.close()
+            await self._stop()
             raise
 
     async def close(self) -> None:
         """Stop watching. Waiters still waiting get their latest outcome, as on timeout."""
+        self._closed_by_caller = True
+        await self._stop()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if waiter.future.done():
+                    continue
+                latest = waiter.latest
+                if latest is not None:
+                    waiter.future.set_result(latest)
+                else:
+                    waiter.future.set_exception(
+                        TransientDatabaseError("the outcome watcher closed before its first read")
+                    )
+
+    async def _stop(self) -> None:
         self._closed = True
         task, self._task = self._task, None
         if task is not None:
@@ -417,8 +434,14 @@ class OutcomeWatcher:
         operation_id = operation_id_of(operation)
         target = _target(until)
         seconds = _seconds(timeout)
+        if self._closed_by_caller:
+            raise ConfigurationError(
+                "this OutcomeWatcher was closed: start() it again, or wait on a running one"
+            )
         if not self.running:
-            await self.close()  # a loop that ended (a lost connection retries in the task)
+            # Never started, or its loop's task was cancelled with the loop; a lost
+            # connection does not end the task (it reconnects), a close() does.
+            self._task = None
             await self.start()
         waiter = _Waiter(target, asyncio.get_running_loop().create_future())
         self._waiters.setdefault(operation_id, []).append(waiter)

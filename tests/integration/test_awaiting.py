@@ -515,3 +515,20 @@ def test_each_event_loop_gets_a_watcher_of_its_own(database_url: str, registry: 
     second = asyncio.run(await_outcome(database_url, operation, timeout=0))
 
     assert first.status is second.status is OutcomeStatus.PENDING
+
+
+async def test_closing_the_watcher_answers_its_waiters_with_their_latest_outcome(
+    database_url: str, registry: Registry
+) -> None:
+    operation = record(database_url, registry)
+    watcher = OutcomeWatcher(database_url, poll_interval=30)
+    await watcher.start()
+    waiting = asyncio.create_task(watcher.wait(operation, timeout=None, until="final"))
+    await eventually(lambda: _all_read(watcher, 1), within=10, what="the watcher read it once")
+
+    await watcher.close()
+    outcome = await asyncio.wait_for(waiting, 10)
+
+    assert outcome.status is OutcomeStatus.PENDING
+    with pytest.raises(ConfigurationError, match="was closed"):
+        await watcher.wait(operation, timeout=0)
