@@ -162,6 +162,10 @@ class ToolContract(Generic[InputT]):
     """The runtime cancels a call that runs longer; the lease outlives it by a margin."""
     description: str = ""
     """The intended business effect, in a sentence, for the contract card."""
+    additive_only: bool = False
+    """For writes: the effect only adds (a new record, a new message) and never overwrites
+    or deletes anything. Only the tool's author can know this, so it is opt-in; without
+    it a write is exported as possibly destructive, MCP's cautious default."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -172,12 +176,21 @@ class ToolContract(Generic[InputT]):
         return f"{self.name!r} v{self.version}"
 
     def mcp_annotations(self) -> dict[str, bool]:
-        """MCP tool annotations derived from this contract (exported, never imported)."""
-        read_only = self.side_effect is SideEffect.READ_ONLY
+        """MCP tool annotations derived from this contract (exported, never imported).
+
+        MCP reads ``destructiveHint: false`` as "performs only additive updates", which no
+        side-effect class establishes, so only ``additive_only`` claims it. A read-only
+        tool says nothing more: the other hints are meaningful only for writes.
+        ``idempotentHint`` is true only for an ``idempotent_write``: a deduplicated write
+        is safe to repeat only with the same key, and a client retry without it is a new
+        decision.
+        """
+        if self.side_effect is SideEffect.READ_ONLY:
+            return {"readOnlyHint": True}
         return {
-            "readOnlyHint": read_only,
-            "destructiveHint": self.side_effect is SideEffect.NON_REPEATABLE_WRITE,
-            "idempotentHint": read_only or self.side_effect is SideEffect.IDEMPOTENT_WRITE,
+            "readOnlyHint": False,
+            "destructiveHint": not self.additive_only,
+            "idempotentHint": self.side_effect is SideEffect.IDEMPOTENT_WRITE,
         }
 
     def card(self) -> str:
@@ -275,6 +288,12 @@ def contract_problems(contract: ToolContract[Any]) -> list[str]:
         problems.append("dedupe_window applies only to a deduplicated_write")
     if contract.deadline <= timedelta(0):
         problems.append("deadline must be positive")
+    if not isinstance(contract.additive_only, bool):
+        problems.append("additive_only must be True or False")
+    elif contract.additive_only and contract.side_effect is SideEffect.READ_ONLY:
+        problems.append(
+            "additive_only applies only to writes; a read_only tool changes nothing to add to"
+        )
     return problems
 
 
@@ -354,6 +373,11 @@ def _contract_card(contract: ToolContract[Any]) -> str:
             f"{contract.side_effect.value}: "
             + _CLASS_MEANING[contract.side_effect].format(
                 window=_duration(contract.dedupe_window) if contract.dedupe_window else "unset"
+            )
+            + (
+                " Declared additive only: it adds and never overwrites or deletes."
+                if contract.additive_only
+                else ""
             ),
         ),
         ("Operation id", _operation_id_answer(contract)),

@@ -98,6 +98,25 @@ def test_card_ends_with_the_mcp_annotations() -> None:
     )
 
 
+def test_a_read_only_card_exports_only_the_read_only_hint() -> None:
+    assert contract(SideEffect.READ_ONLY).card().splitlines()[-1] == (
+        "MCP hints (exported, never policy): readOnlyHint=true"
+    )
+
+
+def test_an_additive_only_write_says_so_and_exports_it() -> None:
+    tool = contract(SideEffect.DEDUPLICATED_WRITE, additive_only=True)
+
+    assert answers(tool.card())[2].endswith(
+        "Declared additive only: it adds and never overwrites or deletes."
+    )
+    assert tool.card().splitlines()[-1] == (
+        "MCP hints (exported, never policy): readOnlyHint=false, destructiveHint=false, "
+        "idempotentHint=false"
+    )
+    assert "additive" not in contract(SideEffect.DEDUPLICATED_WRITE).card()
+
+
 def test_card_quotes_the_description_or_asks_for_one() -> None:
     described = contract(SideEffect.READ_ONLY, description="Tell whether the host answers.")
     assert answers(described.card())[1] == "Intended effect: Tell whether the host answers."

@@ -420,25 +420,60 @@ def test_approval_policy_above_applies_strictly_above_the_threshold(
     assert "amount > 100" in policy.explanation
 
 
+def test_a_read_only_tool_claims_only_that_it_is_read_only() -> None:
+    # destructiveHint and idempotentHint are meaningful only for writes (MCP spec).
+    assert refund_contract(side_effect=SideEffect.READ_ONLY).mcp_annotations() == {
+        "readOnlyHint": True
+    }
+
+
 @pytest.mark.parametrize(
-    ("side_effect", "read_only", "destructive", "idempotent"),
+    ("side_effect", "idempotent"),
     [
-        (SideEffect.READ_ONLY, True, False, True),
-        (SideEffect.IDEMPOTENT_WRITE, False, False, True),
-        (SideEffect.DEDUPLICATED_WRITE, False, False, False),
-        (SideEffect.NON_REPEATABLE_WRITE, False, True, False),
+        (SideEffect.IDEMPOTENT_WRITE, True),
+        # Safe to repeat only with the same key: a client retry without it is a new decision.
+        (SideEffect.DEDUPLICATED_WRITE, False),
+        (SideEffect.NON_REPEATABLE_WRITE, False),
     ],
 )
-def test_mcp_annotations_follow_the_side_effect_class(
-    side_effect: SideEffect, read_only: bool, destructive: bool, idempotent: bool
+def test_a_write_is_destructive_unless_declared_additive_only(
+    side_effect: SideEffect, idempotent: bool
 ) -> None:
-    contract = refund_contract(side_effect=side_effect)
+    # destructiveHint=false means "performs only additive updates": no side-effect class
+    # establishes that, only the contract's author can.
+    default = refund_contract(side_effect=side_effect)
+    additive = refund_contract(side_effect=side_effect, additive_only=True)
 
-    assert contract.mcp_annotations() == {
-        "readOnlyHint": read_only,
-        "destructiveHint": destructive,
+    assert default.mcp_annotations() == {
+        "readOnlyHint": False,
+        "destructiveHint": True,
         "idempotentHint": idempotent,
     }
+    assert additive.mcp_annotations() == {
+        "readOnlyHint": False,
+        "destructiveHint": False,
+        "idempotentHint": idempotent,
+    }
+
+
+def test_additive_only_on_a_read_only_tool_is_refused(registry: Registry) -> None:
+    contract = refund_contract(side_effect=SideEffect.READ_ONLY, additive_only=True)
+
+    assert_refused(registry, contract, "additive_only applies only to writes")
+
+
+def test_additive_only_must_be_a_bool(registry: Registry) -> None:
+    # A truthy string would otherwise export destructiveHint=false.
+    contract = refund_contract(additive_only=cast(bool, "yes"))
+
+    assert_refused(registry, contract, "additive_only must be True or False")
+
+
+def test_additive_only_defaults_to_false_and_a_write_may_declare_it(registry: Registry) -> None:
+    assert refund_contract().additive_only is False
+    contract = refund_contract(name="append_note", additive_only=True)
+
+    assert registry.register(contract) is contract
 
 
 @pytest.mark.parametrize("signal", [DefinitiveRejection, NotSent, OutcomeUnknown])
