@@ -1,0 +1,169 @@
+"""``outbox mcp``: serve the tool registry as MCP tools (see :mod:`outbox.mcp_tools`).
+
+This module is what ``outbox`` loads to offer the subcommand, so it imports nothing from
+the optional ``mcp`` SDK: without the ``mcp`` extra every other command keeps working,
+and ``outbox mcp`` says what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+from typing import Any
+
+from outbox.cli import add_setting_flags, run_async
+from outbox.connections import DATABASE_BOUND_SETTINGS
+from outbox.errors import ConfigurationError
+from outbox.loading import TOOLS_ENV, load_registry, module_list
+from outbox.settings import Settings
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+DEFAULT_WAIT_SECONDS = 20.0
+# The run of calls that name none. Decision keys are unique per run, so a default that
+# changed between restarts would let a retry after a restart become a second decision.
+DEFAULT_RUN_ID = "mcp"
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError("must be a finite number of seconds, 0 or more")
+    return value
+
+
+def register(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "mcp",
+        help="serve the tools of a tools module as MCP tools, each call recorded exactly once",
+        description="Serve every tool of the given tools modules as an MCP tool (latest "
+        "version). A call records the decision, waits up to --wait seconds for its outcome "
+        "and answers with it: committed, rejected, pending, awaiting_approval or escalated. "
+        "Clients send a decision key in the request _meta under "
+        '"io.effect-outbox/decision-key" and send it again when they retry: the same key is '
+        "the same decision, never a second effect. Writes that must not happen twice are "
+        "refused without one. Approvals are never asked of the client: a person grants them "
+        "with `outbox approvals grant`. Needs the mcp extra (pip install 'effect-outbox[mcp]').",
+    )
+    parser.add_argument(
+        "--tools",
+        dest="tool_modules",
+        action="append",
+        metavar="MODULE",
+        help="a module exposing `registry` or `build_registry()`; repeatable, or "
+        f"comma-separated [env {TOOLS_ENV}]",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("stdio", "http"),
+        default="stdio",
+        help="stdio (the host starts this process) or streamable HTTP [stdio]",
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        help=f"HTTP: address to bind; anything but loopback needs a bearer token [{DEFAULT_HOST}]",
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help=f"HTTP: port to bind [{DEFAULT_PORT}]"
+    )
+    parser.add_argument(
+        "--bearer-token-env",
+        metavar="NAME",
+        default=None,
+        help="HTTP: require `Authorization: Bearer <token>`, the token read from the "
+        "environment variable NAME (never from a flag, which others can read)",
+    )
+    parser.add_argument(
+        "--wait",
+        type=seconds,
+        default=DEFAULT_WAIT_SECONDS,
+        metavar="SECONDS",
+        help="how long a call waits for the outcome before it answers pending; an MCP "
+        f"client's own timeout must be longer [{DEFAULT_WAIT_SECONDS:g}]",
+    )
+    parser.add_argument(
+        "--run-id",
+        default=DEFAULT_RUN_ID,
+        metavar="ID",
+        help='the run of calls whose _meta names none ("io.effect-outbox/run-id"); decision '
+        "keys are unique per run, so keep it across restarts. Over HTTP the run is always "
+        f"prefixed with the caller's principal [{DEFAULT_RUN_ID}]",
+    )
+    parser.add_argument(
+        "--require-key",
+        action="store_true",
+        help="refuse every call without a decision key, reads and idempotent writes too",
+    )
+    add_setting_flags(parser, "database_url", *DATABASE_BOUND_SETTINGS)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    http = args.transport == "http"
+    if not http and (
+        args.host is not None or args.port is not None or args.bearer_token_env is not None
+    ):
+        raise ConfigurationError("--host, --port and --bearer-token-env apply to --transport http")
+    host = args.host or DEFAULT_HOST
+    port = DEFAULT_PORT if args.port is None else args.port
+    if not 0 <= port <= 65535:
+        raise ConfigurationError("--port must be between 0 and 65535")
+    token = bearer_token(args.bearer_token_env)
+    if http:
+        # Checked before anything is loaded or bound: an open door must never start serving.
+        check_exposure(host, token)
+    registry = load_registry(module_list(args.tool_modules or [os.environ.get(TOOLS_ENV, "")]))
+    try:
+        from outbox import mcp_tools, mcp_transports
+    except ImportError as missing:
+        raise ConfigurationError(
+            f"`outbox mcp` needs the MCP SDK ({getattr(missing, 'name', None) or 'mcp'} is "
+            "not installed): pip install 'effect-outbox[mcp]'"
+        ) from None
+    server = mcp_tools.build_server(
+        registry,
+        settings,
+        mcp_tools.ServerOptions(run_id=args.run_id, wait=args.wait, require_key=args.require_key),
+    )
+    if http:
+        run_async(mcp_transports.serve_http(server, host=host, port=port, bearer_token=token))
+    else:
+        run_async(mcp_transports.serve_stdio(server))
+    return 0
+
+
+def bearer_token(variable: str | None) -> str | None:
+    if variable is None:
+        return None
+    token = os.environ.get(variable, "").strip()
+    if not token:
+        # The variable's name only; its value is never printed.
+        raise ConfigurationError(
+            f"--bearer-token-env names {variable!r}, which is unset or empty; put the token there"
+        )
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, bearer_token: str | None) -> None:
+    """Refuse to serve HTTP beyond loopback without a bearer token."""
+    if bearer_token is None and not is_loopback(host):
+        raise ConfigurationError(
+            f"--host {host} is not a loopback address and no bearer token is configured: "
+            "anyone who reaches it could record decisions. Serve on 127.0.0.1, or pass "
+            "--bearer-token-env NAME with the token in that variable"
+        )

@@ -1,0 +1,228 @@
+"""The demo's claim made through MCP: an agent whose call timed out retries with the same
+decision key and hears "committed", and the provider refunded once.
+
+`outbox mcp` runs as a real stdio subprocess of the official MCP client; the dispatcher
+and consumer run as daemons; the payment sandbox commits the refund and loses its
+response."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import httpx2
+import psycopg
+import pytest
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.types import RequestParamsMeta, TextContent
+
+from outbox import Outcome, Settings
+from outbox.mcp_tools import DECISION_KEY_META, RECORDED_META
+from outbox.sandbox.provider import Faults
+
+from support.ports import closed_port, taken_port
+from support.system import Daemon, System, running_system
+from support.waiting import eventually
+
+OUTBOX = str(Path(sys.executable).parent / "outbox")
+KEY = "call_refund_CANARY_5d1e"
+REFUND = {"payment_id": "pay_1", "amount_cents": 1250}
+# The provider holds the committed refund's response until the test releases it, so the
+# first call's client timeout fires while the effect has happened and nobody knows it.
+HELD = 600_000
+
+
+def operations(system: System) -> list[tuple[Any, ...]]:
+    with psycopg.connect(system.database_url) as connection:
+        return connection.execute(
+            "SELECT id, run_id, decision_key, state FROM operations"
+        ).fetchall()
+
+
+@pytest.mark.timeout(180)
+async def test_a_timed_out_call_retried_with_its_key_is_one_refund(
+    settings: Settings, tmp_path: Path
+) -> None:
+    faults = Faults(drop_response_every=1, delay_ms=HELD)
+    # A deadline longer than the test: the consumer waits for the held response.
+    with running_system(settings, faults=faults, refund_deadline=120.0) as system:
+        system.start("dispatcher")
+        system.start("consumer")
+        server = StdioServerParameters(
+            command=OUTBOX,
+            args=["mcp", "--tools", "outbox.sandbox.tools", "--run-id", "t1", "--wait", "60"],
+            env=system.environment,
+        )
+        server_log = tmp_path / "mcp.log"
+        meta = cast("RequestParamsMeta", {DECISION_KEY_META: KEY})
+        with server_log.open("w") as errlog:
+            async with Client(stdio_client(server, errlog=errlog)) as client:
+                with pytest.raises(MCPError) as timed_out:
+                    await client.call_tool("send_refund", REFUND, read_timeout_seconds=5, meta=meta)
+                assert timed_out.value.code == -32001  # the client gave up, not the server
+
+                async def the_provider_committed() -> bool:
+                    return bool(system.provider.ledger()["totals"]["refunds"] == 1)
+
+                await eventually(
+                    the_provider_committed,
+                    within=60,
+                    what="the provider to commit the refund whose response it holds",
+                )
+                system.provider.set_faults(delay_ms=0)  # released, and then lost
+                retry = await client.call_tool("send_refund", REFUND, meta=meta)
+
+    outcome = Outcome.model_validate(retry.structured_content)
+    ledger = system.provider.ledger()
+    assert retry.is_error is False
+    assert outcome.status == "committed"
+    assert (outcome.run_id, outcome.decision_key) == ("t1", KEY)
+    assert retry.meta is not None
+    assert retry.meta[RECORDED_META] == "existing"  # the first, timed-out call recorded it
+    block = retry.content[0]
+    assert isinstance(block, TextContent)
+    assert (
+        block.text
+        == f"Done: send_refund committed (provider reference {ledger['refunds'][0]['id']})."
+    )
+    assert ledger["totals"]["refunds"] == 1
+    assert system.refunds_for(outcome.operation_id) == 1
+    assert [(row[0], row[3]) for row in operations(system)] == [(outcome.operation_id, "committed")]
+    assert "operation.reconciled" in system.events(outcome.operation_id)
+    log = server_log.read_text()
+    assert "mcp.ready" in log
+    assert KEY not in log  # a client-chosen key never reaches a log line
+
+
+@pytest.mark.parametrize(
+    ("transport", "expected"),
+    [
+        ([], "outbox mcp: error: the outcome watcher could not connect: OperationalError"),
+        (
+            ["--transport", "http", "--port", "0"],
+            "outbox mcp: error: the outcome watcher could not connect: OperationalError",
+        ),
+    ],
+    ids=["stdio", "http"],
+)
+def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
+    transport: list[str], expected: str
+) -> None:
+    result = subprocess.run(
+        [OUTBOX, "mcp", "--tools", "outbox.sandbox.tools", *transport],
+        env={
+            **os.environ,
+            "OUTBOX_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{closed_port()}/x",
+        },
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert result.returncode == 1
+    assert result.stdout == ""  # on stdio, stdout is the protocol's alone
+    assert result.stderr.splitlines()[-1].startswith(expected)
+    assert "Traceback" not in result.stderr
+
+
+TOKEN = "tok-CANARY-2b8e41"
+
+
+def test_http_through_the_command_answers_only_the_token_holder(database_url: str) -> None:
+    port = closed_port()
+    process = subprocess.Popen(
+        [
+            OUTBOX,
+            "mcp",
+            "--tools",
+            "outbox.sandbox.tools",
+            "--transport",
+            "http",
+            "--port",
+            str(port),
+            "--bearer-token-env",
+            "OUTBOX_TEST_MCP_TOKEN",
+            "--run-id",
+            "h1",
+            "--wait",
+            "0",
+        ],
+        env={**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_TEST_MCP_TOKEN": TOKEN},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = Daemon("mcp", process)
+    try:
+        server.wait_for_line("Uvicorn running on", within=60)
+        url = f"http://127.0.0.1:{port}/mcp"
+        refused, outcome = asyncio.run(_call_over_http(url))
+        server.signal(signal.SIGTERM)
+        code = process.wait(timeout=30)
+        output = server.output()
+    finally:
+        server.close()
+
+    assert refused == 401
+    assert outcome.run_id == "bearer:h1"
+    assert outcome.status == "pending"  # --wait 0: the answer right after recording
+    assert code == 0
+    assert "mcp.stopping signal=SIGTERM" in output
+    assert "Traceback" not in output
+    assert TOKEN not in output
+    assert KEY not in output
+
+
+async def _call_over_http(url: str) -> tuple[int, Outcome]:
+    async with httpx2.AsyncClient() as anonymous:
+        refused = await anonymous.post(
+            url,
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}},
+            headers={"Accept": "application/json, text/event-stream"},
+        )
+    meta = cast("RequestParamsMeta", {DECISION_KEY_META: KEY})
+    async with (
+        create_mcp_http_client(headers={"Authorization": f"Bearer {TOKEN}"}) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        result = await client.call_tool("send_refund", REFUND, meta=meta)
+    return refused.status_code, Outcome.model_validate(result.structured_content)
+
+
+def test_http_on_a_taken_port_fails_in_one_line(database_url: str) -> None:
+    with taken_port() as port:
+        result = subprocess.run(
+            [
+                OUTBOX,
+                "mcp",
+                "--tools",
+                "outbox.sandbox.tools",
+                "--transport",
+                "http",
+                "--port",
+                str(port),
+            ],
+            env={**os.environ, "OUTBOX_DATABASE_URL": database_url},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"outbox mcp: error: the MCP HTTP server could not listen on 127.0.0.1:{port} (the "
+        "log line above says why)"
+    )
