@@ -259,9 +259,11 @@ CREATE TRIGGER outbox_notify_pending
 
 -- Wake the agents that await an outcome (outbox/awaiting.py). Every change an agent
 -- can see (a transition, an approval asked for, granted or denied) appends an event in
--- the same statement, so one statement-level trigger covers them all; the empty payload
--- lets Postgres fold a transaction's notifications into one. Waiters poll as well: a
--- notification nobody listened for is lost.
+-- the same statement. The events of a decision's birth and of each claim change nothing
+-- an agent acts on (it reads both as pending) and are most of the traffic, so they
+-- notify nobody: the NOTIFY is kept off the agent's record transaction and off the
+-- consumer's claim. The empty payload lets Postgres fold a transaction's notifications
+-- into one. Waiters poll as well: a notification nobody listened for is lost.
 CREATE OR REPLACE FUNCTION outbox_notify_operation_changed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -273,7 +275,9 @@ $$;
 DROP TRIGGER IF EXISTS operation_events_notify_changed ON operation_events;
 CREATE TRIGGER operation_events_notify_changed
     AFTER INSERT ON operation_events
-    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_operation_changed();
+    FOR EACH ROW
+    WHEN (NEW.name NOT IN ('operation.prepared', 'operation.attempted', 'agent.completed'))
+    EXECUTE FUNCTION outbox_notify_operation_changed();
 
 -- The per-deployment key of the short fingerprints that logs, events and spans show
 -- (outbox/fingerprint_key.py): created once, at random, by the first migration.

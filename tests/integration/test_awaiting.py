@@ -532,3 +532,35 @@ async def test_closing_the_watcher_answers_its_waiters_with_their_latest_outcome
     assert outcome.status is OutcomeStatus.PENDING
     with pytest.raises(ConfigurationError, match="was closed"):
         await watcher.wait(operation, timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ((S.IN_FLIGHT, S.COMMITTED), OutcomeStatus.COMMITTED),
+        ((S.IN_FLIGHT, S.REJECTED), OutcomeStatus.REJECTED),
+        ((S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.COMMITTED), OutcomeStatus.COMMITTED),
+        ((S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED), OutcomeStatus.ESCALATED),
+        ((S.REJECTED,), OutcomeStatus.REJECTED),
+        ((S.ESCALATED,), OutcomeStatus.ESCALATED),
+    ],
+    ids=lambda value: "-".join(value) if isinstance(value, tuple) else str(value),
+)
+async def test_every_ending_wakes_its_waiter_by_notification_not_by_the_poll(
+    database_url: str,
+    registry: Registry,
+    watcher: OutcomeWatcher,
+    path: tuple[OperationState, ...],
+    status: OutcomeStatus,
+) -> None:
+    operation = record(database_url, registry)
+    # The watcher polls every 30 s: an ending that notified nobody would time out here.
+    waiting = asyncio.create_task(watcher.wait(operation, timeout=10))
+    await eventually(lambda: _all_read(watcher, 1), within=10, what="the watcher read it once")
+    notified = watcher.notifications
+
+    move(database_url, operation, *path)
+    outcome = await waiting
+
+    assert outcome.status is status
+    assert watcher.notifications > notified
