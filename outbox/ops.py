@@ -457,9 +457,10 @@ def cmd_approvals_deny(args: argparse.Namespace, settings: Settings) -> int:
         )
     print(f"approval {approval.id}: denied by {printable(person)} for {operation.display_id}")
     print(
-        f"the operation stays {operation.state} (the state machine has no edge from "
-        "prepared to rejected): the consumer refuses to execute it while this denial is "
-        "its latest approval decision; a later grant would supersede it"
+        f"the operation stays {operation.state} for now: the consumer refuses to execute "
+        "it while this denial is its latest approval decision, a later grant supersedes "
+        "it, and with no grant the consumer ends it rejected (approval_denied) after "
+        "OUTBOX_APPROVAL_DENIAL_GRACE"
     )
     return 0
 
@@ -690,8 +691,9 @@ def add_commands(
         "deny",
         cmd_approvals_deny,
         "refuse one operation: the consumer will not execute it",
-        "Record a denial. The operation keeps its state (there is no prepared -> rejected "
-        "edge); the consumer refuses to execute it while the denial is its latest decision.",
+        "Record a denial. The consumer refuses to execute the operation while the denial "
+        "is its latest decision; a later grant supersedes it, and with no grant the "
+        "operation ends rejected (approval_denied) after OUTBOX_APPROVAL_DENIAL_GRACE.",
     )
     deny.add_argument("operation_id", metavar="OP_ID", help="op_<uuid> or a bare uuid")
     deny.add_argument("--by", required=True, help="who denies (name or email)")

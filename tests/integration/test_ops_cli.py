@@ -472,6 +472,7 @@ def test_deny_records_a_denial_and_leaves_the_state_alone(cli: Cli, ops: Ops) ->
     assert "denied by lead@example.com" in out
     assert "the consumer refuses to execute it" in out
     assert "stays prepared" in out
+    assert "ends it rejected (approval_denied) after OUTBOX_APPROVAL_DENIAL_GRACE" in out
     rows = json.loads(cli.ok("approvals", "pending", "--json"))
     assert [(r["id"], r["approval_status"]) for r in rows] == [(waiting.display_id, "denied")]
     # A later grant supersedes the denial.
