@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import aiormq.exceptions
 import psycopg
 
-from outbox import store
+from outbox import schema
 from outbox.broker import Topology, connect_for_command, declare_topology
 from outbox.connections import command_parameters
 from outbox.errors import ConfigurationError, connect_failure
@@ -38,9 +38,9 @@ def ensure_database(url: str) -> bool:
             with psycopg.connect(
                 with_database(url, MAINTENANCE_DATABASE), autocommit=True, **command_parameters()
             ) as admin:
-                if store.database_exists(admin, name):
+                if schema.database_exists(admin, name):
                     raise _unreachable(url, first_failure) from None
-                return store.create_database(admin, name)
+                return schema.create_database(admin, name)
         except psycopg.OperationalError:
             raise _unreachable(url, first_failure) from None
 
@@ -59,9 +59,9 @@ def migrate(url: str, *, roles: bool = False) -> MigrationReport:
         # One transaction for both files: the grants never name a table that is not
         # there yet, and a failure leaves neither half applied.
         with psycopg.connect(libpq_url(url), **command_parameters()) as connection:
-            version = store.apply_schema(connection)
+            version = schema.apply_schema(connection)
             if roles:
-                granted = store.apply_roles(connection)
+                granted = schema.apply_roles(connection)
     except psycopg.OperationalError as failure:
         raise _unreachable(libpq_url(url), failure) from None
     return MigrationReport(

@@ -1,7 +1,8 @@
 """The SQL effect-outbox runs, loaded by name from ``queries.sql``, and the DDL.
 
 A query starts with ``-- name: <name>`` followed by a one-line ``-- <description>``;
-its text runs to the next header. Parsed once, at import.
+its text runs to the next header, less the comment lines at its end: a heading that
+groups the queries below it belongs to no query. Parsed once, at import.
 """
 
 from __future__ import annotations
@@ -38,13 +39,20 @@ def parse_queries(text: str) -> dict[str, Query]:
         first_line, _, rest = body.partition("\n")
         if not first_line.startswith("-- ") or not first_line[3:].strip():
             raise QueryFileError(f"query {name!r} needs a one-line '-- description' under its name")
-        sql = rest.strip().rstrip(";").strip()
+        sql = _without_trailing_comments(rest).strip().rstrip(";").strip()
         if not sql:
             raise QueryFileError(f"query {name!r} has no SQL")
         if name in queries:
             raise QueryFileError(f"query {name!r} is defined twice")
         queries[name] = Query(name=name, description=first_line[3:].strip(), sql=sql)
     return queries
+
+
+def _without_trailing_comments(text: str) -> str:
+    lines = text.strip().splitlines()
+    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
+        lines.pop()
+    return "\n".join(lines)
 
 
 def schema_sql() -> str:

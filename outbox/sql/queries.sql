@@ -1,5 +1,10 @@
--- Every statement effect-outbox runs, by name. Parsed once by outbox.sql; only
--- outbox.store executes them. Parameters use psycopg's %(name)s style.
+-- Every statement effect-outbox runs, by name. Parsed once by outbox.sql; only the
+-- runner in outbox.store executes them. Parameters use psycopg's %(name)s style.
+-- Grouped by the module whose plans run them. Two kinds of SQL live elsewhere: the DDL
+-- (schema.sql and roles.sql at the repository root) and CREATE/DROP DATABASE, which
+-- outbox.schema composes because a database name is an identifier, not a parameter.
+
+-- ==== outbox.store.operations: what every component shares (record, read, claim, commit, move)
 
 -- name: insert_decision
 -- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql); no row back when (run_id, decision_key) is taken.
@@ -110,6 +115,13 @@ FROM outbox
 WHERE operation_id = %(operation_id)s
 ORDER BY id
 
+-- name: insert_event
+-- Append one lifecycle event that moves no state (an approval wait, a deferred lookup).
+INSERT INTO operation_events (operation_id, name, attributes)
+VALUES (%(operation_id)s, %(name)s, %(attributes)s)
+
+-- ==== outbox.store.approvals: a person's grant or denial, and the check before an effect
+
 -- name: insert_approval
 -- Record a person's grant or denial bound to the operation's intent; a grant for a waiting operation also queues a fresh outbox row.
 WITH decided AS (
@@ -148,6 +160,50 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) a ON true
 WHERE o.id = %(operation_id)s
+
+-- ==== outbox.store.awaiting: the agent's reads while it awaits outcomes
+
+-- name: listen_operation_changes
+-- Subscribe this session to the notifications every new operation event sends (an outcome watcher).
+LISTEN outbox_operation_changed
+
+-- name: operation_outcomes
+-- Where each of these operations stands, with the latest approval decision of one that waits for approval: what an awaiting agent reads. No input, no approver.
+SELECT o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
+       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
+       o.last_error_class, o.updated_at, now() AS checked_at,
+       a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
+       a.expires_at AS approval_expires_at
+FROM operations o
+LEFT JOIN LATERAL (
+    SELECT decision, intent_hash, expires_at FROM approvals
+    WHERE operation_id = o.id
+    ORDER BY created_at DESC
+    LIMIT 1
+) a ON o.requires_approval AND o.state = 'prepared'
+WHERE o.id = ANY(%(ids)s::uuid[])
+
+-- name: operation_outcomes_changed
+-- operation_outcomes for a watcher, without what it has already read: only operations whose row version (xmin, new with every update) differs from the one it holds, or that it has not read yet, or that wait for an approval (a grant changes no operation row).
+SELECT o.xmin::text::bigint AS row_version,
+       o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
+       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
+       o.last_error_class, o.updated_at, now() AS checked_at,
+       a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
+       a.expires_at AS approval_expires_at
+FROM unnest(%(ids)s::uuid[], %(row_versions)s::bigint[]) AS known (id, row_version)
+JOIN operations o ON o.id = known.id
+LEFT JOIN LATERAL (
+    SELECT decision, intent_hash, expires_at FROM approvals
+    WHERE operation_id = o.id
+    ORDER BY created_at DESC
+    LIMIT 1
+) a ON o.requires_approval AND o.state = 'prepared'
+WHERE known.row_version IS NULL
+   OR o.xmin::text::bigint <> known.row_version
+   OR (o.requires_approval AND o.state = 'prepared')
+
+-- ==== outbox.store.dispatch: the dispatcher's outbox rows and gauges
 
 -- name: claim_outbox_batch
 -- Lock up to batch_size available, unpublished rows in id order (skipping rows another dispatcher holds), with what the message needs.
@@ -190,6 +246,12 @@ SELECT count(*) AS pending,
 FROM outbox
 WHERE published_at IS NULL
 
+-- name: operations_by_state
+-- How many operations are in each state, for the outbox_operations gauge; states with no rows are absent.
+SELECT state, count(*)::bigint AS operations
+FROM operations
+GROUP BY state
+
 -- name: delete_published_outbox_rows
 -- Delete one small batch of rows published before the cutoff; rows locked elsewhere wait for the next pass.
 WITH deleted AS (
@@ -209,50 +271,7 @@ SELECT count(*) AS deleted FROM deleted
 -- Subscribe this session to the notifications the outbox insert trigger sends.
 LISTEN outbox_pending
 
--- name: listen_operation_changes
--- Subscribe this session to the notifications every new operation event sends (an outcome watcher).
-LISTEN outbox_operation_changed
-
--- name: operation_outcomes
--- Where each of these operations stands, with the latest approval decision of one that waits for approval: what an awaiting agent reads. No input, no approver.
-SELECT o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
-       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
-       o.last_error_class, o.updated_at, now() AS checked_at,
-       a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
-       a.expires_at AS approval_expires_at
-FROM operations o
-LEFT JOIN LATERAL (
-    SELECT decision, intent_hash, expires_at FROM approvals
-    WHERE operation_id = o.id
-    ORDER BY created_at DESC
-    LIMIT 1
-) a ON o.requires_approval AND o.state = 'prepared'
-WHERE o.id = ANY(%(ids)s::uuid[])
-
--- name: operation_outcomes_changed
--- operation_outcomes for a watcher, without what it has already read: only operations whose row version (xmin, new with every update) differs from the one it holds, or that it has not read yet, or that wait for an approval (a grant changes no operation row).
-SELECT o.xmin::text::bigint AS row_version,
-       o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
-       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
-       o.last_error_class, o.updated_at, now() AS checked_at,
-       a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
-       a.expires_at AS approval_expires_at
-FROM unnest(%(ids)s::uuid[], %(row_versions)s::bigint[]) AS known (id, row_version)
-JOIN operations o ON o.id = known.id
-LEFT JOIN LATERAL (
-    SELECT decision, intent_hash, expires_at FROM approvals
-    WHERE operation_id = o.id
-    ORDER BY created_at DESC
-    LIMIT 1
-) a ON o.requires_approval AND o.state = 'prepared'
-WHERE known.row_version IS NULL
-   OR o.xmin::text::bigint <> known.row_version
-   OR (o.requires_approval AND o.state = 'prepared')
-
--- name: insert_event
--- Append one lifecycle event that moves no state (an approval wait, a deferred lookup).
-INSERT INTO operation_events (operation_id, name, attributes)
-VALUES (%(operation_id)s, %(name)s, %(attributes)s)
+-- ==== outbox.store.reconcile: the reconciler's leases, lookups and endings
 
 -- name: claim_reconciliation_batch
 -- Lock unknown outcomes due for a lookup and in-flight operations whose lease expired, skipping rows others hold.
@@ -399,6 +418,8 @@ WITH denied AS (
 )
 SELECT id AS operation_id FROM moved
 
+-- ==== outbox.store.operator: `outbox ops`, `outbox approvals`, `outbox stats`
+
 -- name: list_operation_summaries
 -- Operations for `outbox ops list`, newest change first, filtered by state, tool and age; never the input.
 SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
@@ -428,8 +449,44 @@ FROM operations
 GROUP BY tool_name, state
 ORDER BY tool_name, state
 
--- name: operations_by_state
--- How many operations are in each state, for the outbox_operations gauge; states with no rows are absent.
-SELECT state, count(*)::bigint AS operations
-FROM operations
-GROUP BY state
+-- ==== outbox.schema: migrations and database administration (the DDL itself is schema.sql and roles.sql)
+
+-- name: take_migration_lock
+-- Queue behind any other migration of this database until this transaction ends (outbox.schema passes the shared key).
+SELECT pg_advisory_xact_lock(%(key)s)
+
+-- name: has_schema_version_table
+-- Whether the schema's version table exists; asks the catalog, so it works on an empty database.
+SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
+
+-- name: schema_version
+-- The highest applied schema version (NULL when the table is empty).
+SELECT max(version) AS version FROM outbox_schema_version
+
+-- name: schema_is_current
+-- Whether this library's schema is applied: the newest table and function it needs exist. Catalog only, so any role may ask.
+SELECT to_regclass('outbox_deployment') IS NOT NULL
+       AND to_regproc('outbox_notify_operation_changed') IS NOT NULL AS is_current
+
+-- name: database_exists
+-- Whether a database of this name exists on the server.
+SELECT 1 FROM pg_database WHERE datname = %(name)s
+
+-- ==== outbox.store.diagnostics: only `outbox chaos` runs these
+
+-- name: terminate_backends
+-- End every session of these applications in this database except the caller's own; how many ended.
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS ended
+FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = ANY(%(application_names)s)
+  AND pid <> pg_backend_pid()
+
+-- name: session_snapshot
+-- Every other session in this database: who, in what state, how long in its transaction, what it waits for, and the head of its statement (never its parameters).
+SELECT pid, application_name, state,
+       round(extract(epoch FROM clock_timestamp() - xact_start)::numeric, 1) AS in_transaction_s,
+       wait_event_type, wait_event,
+       left(regexp_replace(query, '\s+', ' ', 'g'), 160) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+ORDER BY xact_start NULLS LAST

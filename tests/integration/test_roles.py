@@ -50,6 +50,7 @@ from outbox.models import ApprovalDecision, ApprovalStatus
 from outbox.sql import QUERIES, roles_sql
 from outbox.states import EventName
 from outbox.store import Plan, Store
+from outbox.store import runner as store_runner
 
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
@@ -68,6 +69,10 @@ TABLES = (
     "outbox_schema_version",
     "outbox_deployment",
 )
+
+# Not group roles: `outbox migrate` runs as the schema's owner, and `outbox chaos` as
+# an administrator of its own database; roles.sql grants them nothing.
+MIGRATE, CHAOS = "outbox migrate", "outbox chaos"
 
 # Which statements of queries.sql each component runs. A query nobody claims fails
 # test_every_query_belongs_to_a_component: whoever adds one decides who needs it,
@@ -106,6 +111,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "claim_reconciliation_batch",
         "lease_for_reconciliation",
         "defer_reconciliation",
+        "schema_is_current",
     },
     OPERATOR: {
         "list_operation_summaries",
@@ -119,6 +125,13 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "count_operations_by_tool_and_state",
         "outbox_backlog",
     },
+    MIGRATE: {
+        "database_exists",
+        "take_migration_lock",
+        "has_schema_version_table",
+        "schema_version",
+    },
+    CHAOS: {"terminate_backends", "session_snapshot"},
 }
 
 # What each group holds, table by table; everything else is refused.
@@ -270,8 +283,8 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> Ran:
     component sends, and which user sent it.
     """
     seen: Ran = []
-    sync_fetch = outbox_store._PsycopgExecutor.fetch
-    async_fetch = outbox_store._PsycopgAsyncExecutor.fetch
+    sync_fetch = store_runner._PsycopgExecutor.fetch
+    async_fetch = store_runner._PsycopgAsyncExecutor.fetch
 
     def fetch(self: Any, step: outbox_store.Step) -> list[dict[str, Any]]:
         seen.append((self._connection.info.user, step.query))
@@ -281,8 +294,8 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> Ran:
         seen.append((self._connection.info.user, step.query))
         return await async_fetch(self, step)
 
-    monkeypatch.setattr(outbox_store._PsycopgExecutor, "fetch", fetch)
-    monkeypatch.setattr(outbox_store._PsycopgAsyncExecutor, "fetch", fetch_async)
+    monkeypatch.setattr(store_runner._PsycopgExecutor, "fetch", fetch)
+    monkeypatch.setattr(store_runner._PsycopgAsyncExecutor, "fetch", fetch_async)
     return seen
 
 
@@ -594,6 +607,9 @@ def test_the_consumer_executes_reconciles_and_escalates(
         (stale.id,),
     )
 
+    # At start: is the schema there? The catalog answers without a grant.
+    with psycopg.connect(consumer) as connection:
+        assert outbox_store.schema_is_current(connection)
     # The key of the short fingerprints its spans show.
     assert len(run(consumer, outbox_store.fingerprint_key())) == 64
     # A message arrives: load, check the approval, note the wait.

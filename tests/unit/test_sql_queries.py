@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import re
+import ast
 from pathlib import Path
 
 import pytest
 
-from outbox import store
+from outbox import schema, store
 from outbox.sql import QUERIES, QueryFileError, parse_queries
 
 TWO_QUERIES = """\
@@ -31,6 +31,23 @@ def test_parses_names_descriptions_and_sql() -> None:
     assert queries["get_thing"].sql == "SELECT * FROM things WHERE id = %(id)s"
     assert queries["count_things"].description == "How many things there are."
     assert queries["count_things"].sql == "SELECT count(*)\nFROM things"
+
+
+def test_a_heading_between_queries_belongs_to_neither() -> None:
+    text = (
+        "-- ==== reads\n\n-- name: get_thing\n-- One thing.\nSELECT 1;\n\n"
+        "-- ==== writes\n--\n\n-- name: put_thing\n-- Put one.\nINSERT INTO things DEFAULT VALUES\n"
+    )
+
+    queries = parse_queries(text)
+
+    assert queries["get_thing"].sql == "SELECT 1"
+    assert queries["put_thing"].sql == "INSERT INTO things DEFAULT VALUES"
+
+
+def test_a_query_of_comments_only_has_no_sql() -> None:
+    with pytest.raises(QueryFileError, match=r"query 'get_thing' has no SQL"):
+        parse_queries("-- name: get_thing\n-- One thing.\n-- SELECT 1\n")
 
 
 def test_a_file_without_headers_has_no_queries() -> None:
@@ -76,26 +93,56 @@ def test_query_without_sql_is_refused(body: str) -> None:
         parse_queries(text)
 
 
-def store_step_names() -> set[str]:
-    source = Path(store.__file__).read_text(encoding="utf-8")
-    return set(re.findall(r'Step\(\s*"([a-z_][a-z0-9_]*)"', source))
+# The code that runs SQL: the store package, and outbox.schema for the migrations.
+SQL_MODULES = [*sorted(Path(store.__file__).parent.glob("*.py")), Path(schema.__file__)]
 
 
-def test_every_query_the_store_runs_exists() -> None:
-    used = store_step_names()
+def step_names(source: str) -> tuple[set[str], list[int]]:
+    """The query names ``Step("name", ...)`` calls in ``source`` give, and the lines of
+    any Step whose name is not a string literal (which this scan could not check)."""
+    names: set[str] = set()
+    computed: list[int] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func
+        if not (isinstance(called, ast.Name) and called.id == "Step") and not (
+            isinstance(called, ast.Attribute) and called.attr == "Step"
+        ):
+            continue
+        first = node.args[0] if node.args else None
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            names.add(first.value)
+        else:
+            computed.append(node.lineno)
+    return names, computed
 
-    assert used, "no Step(...) found in outbox/store.py: the pattern no longer matches"
-    assert used <= set(QUERIES), f"missing from queries.sql: {sorted(used - set(QUERIES))}"
+
+def queries_run() -> set[str]:
+    run: set[str] = set()
+    for path in SQL_MODULES:
+        names, computed = step_names(path.read_text(encoding="utf-8"))
+        assert computed == [], f"{path.name}: name each Step with a literal (lines {computed})"
+        run |= names
+    return run
 
 
-def test_every_query_in_the_file_is_run_by_the_store() -> None:
-    unused = set(QUERIES) - store_step_names()
+def test_the_scan_sees_multiline_steps_and_flags_computed_names() -> None:
+    source = (
+        'def plan():\n    rows = yield Step(\n        "get_thing",\n        {"id": 1},\n    )\n'
+        '    yield store.Step("count_things", {})\n    yield Step(name, {})\n'
+        '    Other("not_a_step")\n'
+    )
 
-    assert not unused, f"dead queries in queries.sql: {sorted(unused)}"
+    assert step_names(source) == ({"get_thing", "count_things"}, [7])
 
 
-def test_every_real_query_has_a_description_and_sql() -> None:
-    for query in QUERIES.values():
-        assert query.description
-        assert query.sql
-        assert not query.sql.endswith(";")
+def test_every_query_the_code_runs_is_named_in_queries_sql() -> None:
+    run = queries_run()
+
+    assert run, "no Step(...) found: the scan no longer matches how plans name queries"
+    assert run - set(QUERIES) == set(), "missing from queries.sql"
+
+
+def test_every_query_named_in_queries_sql_is_run() -> None:
+    assert set(QUERIES) - queries_run() == set(), "dead queries in queries.sql"

@@ -1,0 +1,119 @@
+"""The DDL and database administration: apply ``schema.sql`` and ``roles.sql``, read
+the applied schema version, and create, find and drop databases.
+
+:mod:`outbox.migrate` (``outbox migrate``) drives these; the consumer asks
+:func:`schema_is_current` at start, and the tests, the demo and the benchmarks make and
+drop their databases here. Everything runs on a plain psycopg connection. The plain
+statements are named in ``queries.sql`` and run through the store's runner, like every
+other statement. Two kinds of SQL are not: the DDL scripts themselves (``schema.sql``
+and ``roles.sql``, each a file of its own), and CREATE/DROP DATABASE, whose database
+name is an identifier that no query parameter can carry, so they are composed here
+with :mod:`psycopg.sql`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import psycopg.errors
+import psycopg.sql
+
+from outbox.errors import DatabaseError, wrap_database_errors
+from outbox.sql import roles_sql, schema_sql
+from outbox.store.runner import Plan, Step, Store
+
+# pg_advisory_xact_lock key shared by every migrating process ("outbox" in ASCII).
+_MIGRATION_LOCK = 0x6F7574626F78
+
+# The NOLOGIN group roles roles.sql creates, one per component.
+ROLES = ("outbox_agent", "outbox_dispatcher", "outbox_consumer", "outbox_operator")
+
+
+def apply_schema(connection: psycopg.Connection[Any]) -> int:
+    """Apply ``schema.sql`` in the connection's transaction; returns the schema version.
+
+    Concurrent callers queue on an advisory lock, so two migrations never interleave.
+    """
+    runner = Store(connection, require_transaction=False)
+    runner.run(_take_migration_lock())
+    with wrap_database_errors("apply_schema"):
+        connection.execute(schema_sql().encode())
+    return runner.run(_schema_version()) or 0
+
+
+def apply_roles(connection: psycopg.Connection[Any]) -> tuple[str, ...]:
+    """Apply ``roles.sql`` in the connection's transaction; returns the group roles.
+
+    Run it after :func:`apply_schema` (the grants name its tables), usually in the same
+    transaction. It queues on the same advisory lock, so it never interleaves with a
+    migration of this database.
+    """
+    Store(connection, require_transaction=False).run(_take_migration_lock())
+    with wrap_database_errors("apply_roles"):
+        connection.execute(roles_sql().encode())
+    return ROLES
+
+
+def schema_version(connection: psycopg.Connection[Any]) -> int | None:
+    """The highest applied schema version, or None when the schema is absent."""
+    return Store(connection, require_transaction=False).run(_schema_version())
+
+
+def schema_is_current(connection: psycopg.Connection[Any]) -> bool:
+    """Whether this library's schema is applied: the newest table it needs exists. Asks
+    the catalog only, which needs no grant, so a least-privilege role can tell too."""
+    return Store(connection, require_transaction=False).run(_schema_is_current())
+
+
+def create_database(
+    connection: psycopg.Connection[Any], name: str, *, template: str | None = None
+) -> bool:
+    """CREATE DATABASE on an autocommit connection; False if it already existed."""
+    statement = psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name))
+    if template is not None:
+        statement += psycopg.sql.SQL(" TEMPLATE {}").format(psycopg.sql.Identifier(template))
+    try:
+        with wrap_database_errors("create_database"):
+            connection.execute(statement)
+    except DatabaseError as error:
+        if isinstance(error.driver_error, psycopg.errors.DuplicateDatabase):
+            return False
+        raise
+    return True
+
+
+def drop_database(connection: psycopg.Connection[Any], name: str) -> None:
+    """DROP DATABASE IF EXISTS ... WITH (FORCE), on an autocommit connection."""
+    statement = psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+        psycopg.sql.Identifier(name)
+    )
+    with wrap_database_errors("drop_database"):
+        connection.execute(statement)
+
+
+def database_exists(connection: psycopg.Connection[Any], name: str) -> bool:
+    return Store(connection, require_transaction=False).run(_database_exists(name))
+
+
+def _take_migration_lock() -> Plan[None]:
+    yield Step("take_migration_lock", {"key": _MIGRATION_LOCK})
+
+
+def _schema_version() -> Plan[int | None]:
+    rows = yield Step("has_schema_version_table", {})
+    if not rows[0]["present"]:
+        return None
+    rows = yield Step("schema_version", {})
+    version: int | None = rows[0]["version"]
+    return version
+
+
+def _schema_is_current() -> Plan[bool]:
+    rows = yield Step("schema_is_current", {})
+    return bool(rows[0]["is_current"])
+
+
+def _database_exists(name: str) -> Plan[bool]:
+    rows = yield Step("database_exists", {"name": name})
+    return bool(rows)

@@ -1,0 +1,163 @@
+"""The store: the only code that executes SQL, cut by who runs it.
+
+- :mod:`~outbox.store.runner`: steps, plans, and the runners that execute a plan on
+  any supported connection, inside the caller's transaction;
+- :mod:`~outbox.store.operations`: recording decisions, reading, claiming, committing
+  and moving operations, shared by every component;
+- :mod:`~outbox.store.approvals`: granting, denying and checking approvals;
+- :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
+- :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
+- :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
+- :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions;
+- :mod:`~outbox.store.diagnostics`: the sessions ``outbox chaos`` ends and inspects.
+
+Every statement they run is named in ``outbox/sql/queries.sql``. The DDL and database
+administration live in :mod:`outbox.schema`.
+
+Callers use the package as one namespace (``from outbox import store``;
+``store.transition(...)``), so everything public is re-exported here, the schema
+functions included.
+"""
+
+from __future__ import annotations
+
+# outbox.schema runs its statements through outbox.store.runner, and this package
+# re-exports its functions: the import works because ``import outbox`` loads the store
+# (through outbox.awaiting) before anything can import outbox.schema.
+from outbox.schema import (
+    ROLES,
+    apply_roles,
+    apply_schema,
+    create_database,
+    database_exists,
+    drop_database,
+    schema_is_current,
+    schema_version,
+)
+from outbox.store.approvals import check_approval, decide_approval
+from outbox.store.awaiting import (
+    listen_operation_changes,
+    operation_outcomes,
+    operation_outcomes_changed,
+)
+from outbox.store.diagnostics import session_snapshot, terminate_backends
+from outbox.store.dispatch import (
+    NOTIFY_CHANNEL,
+    Backlog,
+    ClaimedRow,
+    FailedPublish,
+    claim_outbox_batch,
+    delete_published_outbox_rows,
+    listen_outbox_pending,
+    mark_outbox_failed,
+    mark_outbox_published,
+    operations_by_state,
+    outbox_backlog,
+)
+from outbox.store.operations import (
+    ConfirmedEffect,
+    NewDecision,
+    append_event,
+    claim,
+    claim_many,
+    commit_many,
+    events,
+    find_operation,
+    find_operations,
+    fingerprint_key,
+    get_operation,
+    outbox_rows,
+    record_decision,
+    transition,
+)
+from outbox.store.operator import (
+    RESOLUTION_EVIDENCE_LIMIT,
+    OperationStats,
+    OperationSummary,
+    PendingApproval,
+    list_operation_summaries,
+    operation_stats,
+    pending_approvals,
+    resolve_operation,
+)
+from outbox.store.reconcile import (
+    claim_reconciliation_batch,
+    defer_reconciliation,
+    escalate_undeliverable,
+    lease_for_reconciliation,
+    reject_denied_operations,
+    requeue_stale_prepared,
+)
+from outbox.store.runner import (
+    AsyncConnection,
+    AsyncStore,
+    Plan,
+    Row,
+    Step,
+    Store,
+    SyncConnection,
+)
+
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "RESOLUTION_EVIDENCE_LIMIT",
+    "ROLES",
+    "AsyncConnection",
+    "AsyncStore",
+    "Backlog",
+    "ClaimedRow",
+    "ConfirmedEffect",
+    "FailedPublish",
+    "NewDecision",
+    "OperationStats",
+    "OperationSummary",
+    "PendingApproval",
+    "Plan",
+    "Row",
+    "Step",
+    "Store",
+    "SyncConnection",
+    "append_event",
+    "apply_roles",
+    "apply_schema",
+    "check_approval",
+    "claim",
+    "claim_many",
+    "claim_outbox_batch",
+    "claim_reconciliation_batch",
+    "commit_many",
+    "create_database",
+    "database_exists",
+    "decide_approval",
+    "defer_reconciliation",
+    "delete_published_outbox_rows",
+    "drop_database",
+    "escalate_undeliverable",
+    "events",
+    "find_operation",
+    "find_operations",
+    "fingerprint_key",
+    "get_operation",
+    "lease_for_reconciliation",
+    "list_operation_summaries",
+    "listen_operation_changes",
+    "listen_outbox_pending",
+    "mark_outbox_failed",
+    "mark_outbox_published",
+    "operation_outcomes",
+    "operation_outcomes_changed",
+    "operation_stats",
+    "operations_by_state",
+    "outbox_backlog",
+    "outbox_rows",
+    "pending_approvals",
+    "record_decision",
+    "reject_denied_operations",
+    "requeue_stale_prepared",
+    "resolve_operation",
+    "schema_is_current",
+    "schema_version",
+    "session_snapshot",
+    "terminate_backends",
+    "transition",
+]

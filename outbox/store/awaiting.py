@@ -1,0 +1,32 @@
+"""The agent's reads while it awaits outcomes (:mod:`outbox.awaiting`): where its
+operations stand, and the notifications that say one changed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from uuid import UUID
+
+from outbox.store.runner import Plan, Row, Step
+
+
+def listen_operation_changes() -> Plan[None]:
+    """LISTEN on the channel every new operation event notifies (autocommit connection)."""
+    yield Step("listen_operation_changes", {})
+
+
+def operation_outcomes(operation_ids: Sequence[UUID]) -> Plan[list[Row]]:
+    """The status rows of many operations in one round trip; ids with no visible
+    operation are absent. :mod:`outbox.awaiting` folds each into an ``Outcome``."""
+    rows = yield Step("operation_outcomes", {"ids": list(operation_ids)})
+    return rows
+
+
+def operation_outcomes_changed(known: Mapping[UUID, int | None]) -> Plan[list[Row]]:
+    """:func:`operation_outcomes` for the operations in ``known`` (id -> the row version
+    the caller read last, None if never) that changed since, with their new
+    ``row_version``; an unchanged operation is absent, and so is an id with no operation."""
+    rows = yield Step(
+        "operation_outcomes_changed",
+        {"ids": list(known), "row_versions": list(known.values())},
+    )
+    return rows

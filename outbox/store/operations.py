@@ -1,0 +1,338 @@
+"""The operations every component shares: recording a decision, reading operations,
+claiming and committing them, moving them along the state machine, and their events
+and outbox rows.
+
+Each function is a plan (see :mod:`outbox.store.runner`): it names its statements and
+the runner executes them in the caller's transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from uuid import UUID, uuid4
+
+from psycopg.types.json import Jsonb
+
+from outbox import lifecycle
+from outbox.errors import (
+    DecisionConflict,
+    IllegalTransition,
+    LeaseLost,
+    OperationNotFound,
+    SchemaMissing,
+    TransientDatabaseError,
+)
+from outbox.fingerprint_key import key_from_environment, keyed_fingerprint
+from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision
+from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
+from outbox.store.runner import Plan, Step
+
+
+@dataclass(frozen=True)
+class NewDecision:
+    """A validated, fingerprinted decision, ready to be written."""
+
+    run_id: str
+    decision_key: str | None
+    tool_name: str
+    tool_version: int
+    side_effect: str
+    input: dict[str, Any]
+    input_fingerprint: str
+    requires_approval: bool
+    headers: dict[str, str]
+
+
+def fingerprint_key() -> Plan[str]:
+    """The key of the short fingerprints logs, events and spans show:
+    ``OUTBOX_FINGERPRINT_KEY`` if set, else the database's (asked once per process)."""
+    from_environment = key_from_environment()
+    if from_environment is not None:
+        return from_environment
+    rows = yield Step("fingerprint_key", {})
+    if not rows:
+        raise SchemaMissing()
+    key: str = rows[0]["fingerprint_key"]
+    return key
+
+
+def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
+    """Insert operation + outbox row + prepared event, or return the one already there."""
+    key = yield from fingerprint_key()
+    attributes: dict[str, lifecycle.Scalar] = {
+        "tool": decision.tool_name,
+        "tool_version": decision.tool_version,
+        "fingerprint": keyed_fingerprint(key, decision.input_fingerprint),
+        "run_id": decision.run_id,
+    }
+    # A key-holder that rolls back between our insert and our read frees the key again;
+    # then our decision is still unrecorded and the insert is tried once more.
+    for _ in range(3):
+        rows = yield Step(
+            "insert_decision",
+            {
+                "id": uuid4(),
+                "run_id": decision.run_id,
+                "decision_key": decision.decision_key,
+                "tool_name": decision.tool_name,
+                "tool_version": decision.tool_version,
+                "side_effect": decision.side_effect,
+                "input": Jsonb(decision.input),
+                "input_fingerprint": decision.input_fingerprint,
+                "requires_approval": decision.requires_approval,
+                "headers": Jsonb(decision.headers),
+                "event_attributes": Jsonb(attributes),
+            },
+        )
+        if rows:
+            operation = Operation.model_validate(rows[0])
+            lifecycle.emit(EventName.PREPARED, operation, attributes)
+            return RecordedDecision(operation=operation, created=True)
+        rows = yield Step(
+            "get_operation_by_decision_key",
+            {"run_id": decision.run_id, "decision_key": decision.decision_key},
+        )
+        if rows:
+            existing = Operation.model_validate(rows[0])
+            _refuse_changed_intent(existing, decision, key)
+            return RecordedDecision(operation=existing, created=False)
+    raise TransientDatabaseError(
+        "the decision key kept changing hands between insert and read; retry the transaction"
+    )
+
+
+def _refuse_changed_intent(existing: Operation, decision: NewDecision, key: str) -> None:
+    if (
+        existing.input_fingerprint == decision.input_fingerprint
+        and existing.tool_name == decision.tool_name
+        and existing.tool_version == decision.tool_version
+    ):
+        return
+    raise DecisionConflict(
+        f"decision key already recorded in this run for {existing.display_id} "
+        f"(tool {existing.tool_name!r} v{existing.tool_version}, fingerprint "
+        f"{keyed_fingerprint(key, existing.input_fingerprint)}); the new intent has "
+        f"fingerprint {keyed_fingerprint(key, decision.input_fingerprint)}. Use a new "
+        "decision key for a new decision",
+        operation_id=existing.id,
+    )
+
+
+def find_operation(operation_id: UUID) -> Plan[Operation | None]:
+    rows = yield Step("get_operation", {"id": operation_id})
+    return Operation.model_validate(rows[0]) if rows else None
+
+
+def get_operation(operation_id: UUID) -> Plan[Operation]:
+    operation = yield from find_operation(operation_id)
+    if operation is None:
+        raise OperationNotFound(f"no operation with id {operation_id}")
+    return operation
+
+
+def claim(operation_id: UUID, *, owner: str, lease: timedelta) -> Plan[Operation | None]:
+    """prepared -> in_flight with a new fencing token; None if another claim won.
+
+    Commit this before calling the provider: the claim is what makes a second worker
+    (or a redelivered message) see the operation as taken.
+    """
+    claimed = yield from claim_many([(operation_id, lease)], owner=owner)
+    return claimed.get(operation_id)
+
+
+def find_operations(operation_ids: Sequence[UUID]) -> Plan[dict[UUID, Operation]]:
+    """Many operations by id in one round trip; ids with no operation are absent."""
+    rows = yield Step("get_operations", {"ids": list(operation_ids)})
+    operations = (Operation.model_validate(row) for row in rows)
+    return {operation.id: operation for operation in operations}
+
+
+def claim_many(
+    claims: Sequence[tuple[UUID, timedelta]], *, owner: str
+) -> Plan[dict[UUID, Operation]]:
+    """:func:`claim` for many operations in one statement, each with its own lease.
+
+    Operations another claim won (or that are not due) are absent from the result. As
+    with :func:`claim`, commit this before calling any provider.
+    """
+    if any(lease <= timedelta(0) for _, lease in claims):
+        raise ValueError("lease must be positive")
+    if not claims:
+        return {}
+    rows = yield Step(
+        "claim_operations",
+        {
+            "ids": [operation_id for operation_id, _ in claims],
+            "leases": [lease for _, lease in claims],
+            "owner": owner,
+        },
+    )
+    claimed: dict[UUID, Operation] = {}
+    for row in rows:
+        operation = Operation.model_validate(row)
+        lifecycle.emit(
+            EventName.ATTEMPTED,
+            operation,
+            {"attempt": operation.attempts, "lease_token": operation.lease_token},
+        )
+        claimed[operation.id] = operation
+    return claimed
+
+
+@dataclass(frozen=True)
+class ConfirmedEffect:
+    """A provider confirmed the effect of an operation this worker holds in flight."""
+
+    operation: Operation
+    """As claimed: in flight, under the lease token the write must still hold."""
+    provider_reference: str | None
+    result: Mapping[str, Any]
+    attributes: Mapping[str, lifecycle.Scalar]
+
+
+def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation]]:
+    """``in_flight -> committed`` for many operations in one statement, each only under
+    its own fencing token, with the event :func:`transition` would append.
+
+    An operation whose token is stale or that left ``in_flight`` is absent from the
+    result and unchanged; settle it with :func:`transition`, which says why.
+    """
+    if not effects:
+        return {}
+    attributes = [
+        {
+            "from": str(OperationState.IN_FLIGHT),
+            "to": str(OperationState.COMMITTED),
+            **effect.attributes,
+            **(
+                {"provider_reference": effect.provider_reference}
+                if effect.provider_reference is not None
+                else {}
+            ),
+        }
+        for effect in effects
+    ]
+    rows = yield Step(
+        "commit_operations",
+        {
+            "ids": [effect.operation.id for effect in effects],
+            "lease_tokens": [effect.operation.lease_token for effect in effects],
+            "provider_references": [effect.provider_reference for effect in effects],
+            "results": [Jsonb(dict(effect.result)) for effect in effects],
+            "event_attributes": [Jsonb(event) for event in attributes],
+        },
+    )
+    events = {effect.operation.id: event for effect, event in zip(effects, attributes, strict=True)}
+    committed: dict[UUID, Operation] = {}
+    for row in rows:
+        operation = Operation.model_validate(row)
+        lifecycle.emit(EventName.COMMITTED, operation, events[operation.id])
+        committed[operation.id] = operation
+    return committed
+
+
+_DEFAULT_EVENTS = {
+    OperationState.COMMITTED: EventName.COMMITTED,
+    OperationState.REJECTED: EventName.REJECTED,
+    OperationState.PREPARED: EventName.RETRY_SCHEDULED,
+    OperationState.OUTCOME_UNKNOWN: EventName.OUTCOME_UNKNOWN,
+    OperationState.ESCALATED: EventName.ESCALATED,
+}
+
+
+def transition(
+    operation_id: UUID,
+    *,
+    source: OperationState,
+    target: OperationState,
+    lease_token: int | None = None,
+    event: EventName | None = None,
+    attributes: Mapping[str, str | int | float | bool | None] | None = None,
+    provider_reference: str | None = None,
+    result: Mapping[str, Any] | None = None,
+    error_class: str | None = None,
+    delay: timedelta | None = None,
+    reconcile_attempt: bool = False,
+    requeue: bool | None = None,
+) -> Plan[Operation]:
+    """Move one operation ``source -> target`` if, and only if, it is still in ``source``
+    and (for fenced sources) still under ``lease_token``.
+
+    Appends the lifecycle event in the same statement. Moving to ``prepared`` queues a
+    fresh outbox row available after ``delay`` unless ``requeue=False`` (an operation
+    that waits for an approval is queued by the grant instead). Raises
+    :class:`IllegalTransition` for an edge the state machine forbids,
+    :class:`LeaseLost` when the token is stale, and changes nothing in either case.
+    """
+    if target is OperationState.IN_FLIGHT:
+        raise IllegalTransition("use claim() to move an operation in_flight")
+    if not is_legal(source, target):
+        raise IllegalTransition(
+            f"{source} -> {target} is not a legal transition; from {source} an operation "
+            f"may go to: {', '.join(legal_targets(source)) or 'nowhere (terminal)'}"
+        )
+    if source in FENCED_SOURCES and lease_token is None:
+        raise IllegalTransition(
+            f"leaving {source} needs the lease token of the claim that put it there"
+        )
+    event_name = event or _DEFAULT_EVENTS[target]
+    event_attributes = {"from": str(source), "to": str(target), **(attributes or {})}
+    if provider_reference is not None:
+        event_attributes["provider_reference"] = provider_reference
+    if error_class is not None:
+        event_attributes.setdefault("reason", error_class)
+    rows = yield Step(
+        "transition_operation",
+        {
+            "id": operation_id,
+            "source": str(source),
+            "target": str(target),
+            "lease_token": lease_token,
+            "provider_reference": provider_reference,
+            "result": Jsonb(dict(result)) if result is not None else None,
+            "error_class": error_class,
+            "delay": delay,
+            "reconcile_increment": 1 if reconcile_attempt else 0,
+            "event_name": str(event_name),
+            "event_attributes": Jsonb(event_attributes),
+            "requeue": target is OperationState.PREPARED if requeue is None else requeue,
+        },
+    )
+    if rows:
+        operation = Operation.model_validate(rows[0])
+        lifecycle.emit(event_name, operation, event_attributes)
+        return operation
+    current = yield from get_operation(operation_id)
+    if current.state is not source:
+        raise IllegalTransition(
+            f"{current.display_id} is {current.state}, not {source}: another process moved "
+            "it first; nothing was changed"
+        )
+    raise LeaseLost(
+        f"{current.display_id} is now under lease token {current.lease_token}, not "
+        f"{lease_token}: another worker took it over; nothing was changed"
+    )
+
+
+def events(operation_id: UUID) -> Plan[list[OperationEvent]]:
+    rows = yield Step("list_events", {"operation_id": operation_id})
+    return [OperationEvent.model_validate(row) for row in rows]
+
+
+def outbox_rows(operation_id: UUID) -> Plan[list[OutboxRow]]:
+    rows = yield Step("list_outbox_rows", {"operation_id": operation_id})
+    return [OutboxRow.model_validate(row) for row in rows]
+
+
+def append_event(
+    operation: Operation, name: EventName, attributes: Mapping[str, lifecycle.Scalar]
+) -> Plan[None]:
+    """Record a lifecycle event that moves no state (an approval wait, for instance)."""
+    yield Step(
+        "insert_event",
+        {"operation_id": operation.id, "name": str(name), "attributes": Jsonb(dict(attributes))},
+    )
+    lifecycle.emit(name, operation, attributes)

@@ -1,0 +1,179 @@
+"""The operator's commands (``outbox ops``, ``outbox approvals``, ``outbox stats``):
+list operations, list those waiting for an approval, count them, and let a person
+resolve one with evidence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from psycopg.types.json import Jsonb
+
+from outbox import lifecycle
+from outbox.errors import IllegalTransition
+from outbox.models import ApprovalCheck, Operation
+from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
+from outbox.store.approvals import check_approval
+from outbox.store.dispatch import Backlog, outbox_backlog
+from outbox.store.operations import get_operation
+from outbox.store.runner import Plan, Row, Step
+
+# How many characters of an operator's evidence a resolution keeps in its event.
+RESOLUTION_EVIDENCE_LIMIT = 500
+
+
+@dataclass(frozen=True)
+class OperationSummary:
+    """What an operator sees of an operation in a listing: everything but its input."""
+
+    id: UUID
+    run_id: str
+    tool_name: str
+    tool_version: int
+    side_effect: str
+    input_fingerprint: str
+    requires_approval: bool
+    state: OperationState
+    attempts: int
+    reconcile_attempts: int
+    provider_reference: str | None
+    last_error_class: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Row) -> OperationSummary:
+        return cls(**{**row, "state": OperationState(row["state"])})
+
+
+@dataclass(frozen=True)
+class PendingApproval:
+    operation: OperationSummary
+    check: ApprovalCheck
+
+
+@dataclass(frozen=True)
+class OperationStats:
+    by_tool: dict[str, dict[str, int]]
+    """tool name -> state -> operations."""
+    backlog: Backlog
+    pending_approvals: int
+
+
+def list_operation_summaries(
+    *,
+    states: list[OperationState] | None = None,
+    tool: str | None = None,
+    since: datetime | None = None,
+    within: timedelta | None = None,
+    limit: int = 50,
+) -> Plan[list[OperationSummary]]:
+    """Operations by last change, newest first. ``within`` is measured on the database's
+    clock, so a skewed operator machine cannot shift the window."""
+    rows = yield Step(
+        "list_operation_summaries",
+        {
+            "states": [str(s) for s in states] if states else None,
+            "tool": tool,
+            "since": since,
+            "ago": within,
+            "limit": limit,
+        },
+    )
+    return [OperationSummary.from_row(row) for row in rows]
+
+
+def pending_approvals() -> Plan[list[PendingApproval]]:
+    """Prepared operations that need an approval and have no valid one.
+
+    Each candidate goes through :func:`check_approval`, the rule the consumer applies,
+    so what this lists is exactly what the consumer would refuse to execute.
+    """
+    rows = yield Step("list_approval_candidates", {})
+    pending = []
+    for row in rows:
+        summary = OperationSummary.from_row(row)
+        check = yield from check_approval(summary.id)
+        if not check.is_valid:
+            pending.append(PendingApproval(operation=summary, check=check))
+    return pending
+
+
+def operation_stats() -> Plan[OperationStats]:
+    rows = yield Step("count_operations_by_tool_and_state", {})
+    by_tool: dict[str, dict[str, int]] = {}
+    for row in rows:
+        by_tool.setdefault(row["tool_name"], {})[row["state"]] = int(row["operations"])
+    backlog = yield from outbox_backlog()
+    pending = yield from pending_approvals()
+    return OperationStats(by_tool=by_tool, backlog=backlog, pending_approvals=len(pending))
+
+
+def resolve_operation(
+    operation_id: UUID,
+    *,
+    source: OperationState,
+    target: OperationState,
+    decision: str,
+    resolved_by: str,
+    evidence: str,
+    provider_reference: str | None = None,
+) -> Plan[Operation]:
+    """A person settles an operation: ``source -> target`` with an
+    ``operation.resolved`` event carrying their name, their decision and their evidence.
+
+    The evidence is the operator's own free text, written to be kept with the operation:
+    it is stored (truncated) in the event, and never logged. Moving to ``prepared``
+    queues a fresh outbox row available at once: the resolution authorizes a retry.
+    """
+    if not resolved_by.strip():
+        raise ValueError("resolved_by must name the person who resolved the operation")
+    if not evidence.strip():
+        raise ValueError("a resolution needs evidence")
+    if not is_legal(source, target):
+        raise IllegalTransition(
+            f"{source} -> {target} is not a legal transition; from {source} an operation "
+            f"may go to: {', '.join(legal_targets(source)) or 'nowhere (terminal)'}"
+        )
+    if source in FENCED_SOURCES:
+        raise IllegalTransition(
+            f"a person cannot resolve an operation that is {source}: a worker holds it"
+        )
+    logged: dict[str, lifecycle.Scalar] = {
+        "from": str(source),
+        "to": str(target),
+        "decision": decision,
+    }
+    if provider_reference is not None:
+        logged["provider_reference"] = provider_reference
+    # Who and why are kept in the event, where they belong; a log line carries ids.
+    stored = {**logged, "by": resolved_by, "evidence": evidence[:RESOLUTION_EVIDENCE_LIMIT]}
+    retry = target is OperationState.PREPARED
+    rows = yield Step(
+        "transition_operation",
+        {
+            "id": operation_id,
+            "source": str(source),
+            "target": str(target),
+            "lease_token": None,
+            "provider_reference": provider_reference,
+            "result": None,
+            "error_class": None,
+            # A retry the person authorized is due now, not after a lookup's backoff.
+            "delay": timedelta(0) if retry else None,
+            "reconcile_increment": 0,
+            "event_name": str(EventName.RESOLVED),
+            "event_attributes": Jsonb(stored),
+            "requeue": retry,
+        },
+    )
+    if not rows:
+        current = yield from get_operation(operation_id)
+        raise IllegalTransition(
+            f"{current.display_id} is {current.state}, not {source}: another process moved "
+            "it first; nothing was changed"
+        )
+    operation = Operation.model_validate(rows[0])
+    lifecycle.emit(EventName.RESOLVED, operation, logged)
+    return operation

@@ -1,0 +1,309 @@
+"""The runner: the one place effect-outbox's plans meet a database connection.
+
+Each named operation is written once, as a *plan*: a generator that yields
+``(query name, parameters)`` steps and receives each step's rows. A sync runner and
+an async runner drive the same plan over whatever connection the caller holds:
+
+- SQLAlchemy 2 ``Connection`` or ``Session``, or plain ``psycopg.Connection``;
+- SQLAlchemy ``AsyncConnection`` or ``AsyncSession``, or ``psycopg.AsyncConnection``.
+
+A step names a statement of ``outbox/sql/queries.sql``; the executors here look it up
+and run it, so no plan holds SQL text. Plans run inside the caller's transaction and
+never commit: the caller's commit is what makes an operation, its outbox row and its
+event exist, together or not at all.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+import psycopg.rows
+from psycopg.pq import TransactionStatus
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine as SAEngine
+from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
+from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
+from sqlalchemy.orm import Session as SASession
+
+from outbox import lifecycle
+from outbox.errors import ConfigurationError, wrap_database_errors
+from outbox.sql import QUERIES
+
+Row = dict[str, Any]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One statement of a plan: a query's name in ``queries.sql`` and its parameters."""
+
+    query: str
+    params: Mapping[str, Any]
+
+
+Plan = Generator[Step, list[Row], T]
+
+SyncConnection = SAConnection | SASession | psycopg.Connection[Any]
+AsyncConnection = SAAsyncConnection | SAAsyncSession | psycopg.AsyncConnection[Any]
+
+
+# One executor per connection flavour, all of them speaking psycopg underneath.
+class _SyncExecutor(Protocol):
+    def fetch(self, step: Step) -> list[Row]: ...
+
+
+class _AsyncExecutor(Protocol):
+    async def fetch(self, step: Step) -> list[Row]: ...
+
+
+# Statements whose answer never changes for a database: asked once per process and
+# database, then answered from memory (a round trip saved on every decision).
+_IMMUTABLE_QUERIES = frozenset({"fingerprint_key"})
+_remembered: dict[tuple[str, str], list[Row]] = {}
+
+
+def _database_of(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> str:
+    # Per user too: each role proves on its own that it may read what it is served.
+    info = driver.info
+    return f"{info.user}@{info.host}:{info.port}/{info.dbname}"
+
+
+def _check_driver_connection(driver: object, require_transaction: bool) -> None:
+    if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
+        raise ConfigurationError(
+            f"effect-outbox needs the psycopg 3 driver, got {type(driver).__module__}."
+            f"{type(driver).__name__}; use a postgresql+psycopg:// URL"
+        )
+    if (
+        require_transaction
+        and driver.autocommit
+        and driver.info.transaction_status == TransactionStatus.IDLE
+    ):
+        raise ConfigurationError(
+            "the connection is in autocommit mode outside a transaction: the operation, its "
+            "outbox row and its event would not commit together. Open a transaction first "
+            "(engine.begin(), session.begin(), or psycopg's conn.transaction())"
+        )
+
+
+# Lifecycle lines of a plan run on a SQLAlchemy connection wait in the DBAPI connection's
+# info for the transaction's end: written when it commits, dropped when it rolls back.
+# SQLAlchemy's "commit" event fires as the commit is issued, so a commit that then fails
+# still writes them; a plain psycopg connection has no such event, so there they are
+# written as each plan finishes (the caller's rollback cannot take them back).
+_HELD_LINES = "outbox_lifecycle_lines"
+_ENGINES_OBSERVED: weakref.WeakSet[SAEngine] = weakref.WeakSet()
+
+
+def _hold_until_commit(connection: SAConnection, lines: list[lifecycle.Line]) -> None:
+    if not lines:
+        return
+    engine = connection.engine
+    if engine not in _ENGINES_OBSERVED:
+        sa_event.listen(engine, "commit", _write_held_lines)
+        sa_event.listen(engine, "rollback", _drop_held_lines)
+        _ENGINES_OBSERVED.add(engine)
+    connection.info.setdefault(_HELD_LINES, []).extend(lines)
+
+
+def _write_held_lines(connection: SAConnection) -> None:
+    lifecycle.write_all(connection.info.pop(_HELD_LINES, []))
+
+
+def _drop_held_lines(connection: SAConnection) -> None:
+    connection.info.pop(_HELD_LINES, None)
+
+
+class _SQLAlchemyExecutor:
+    def __init__(self, connection: SAConnection, require_transaction: bool) -> None:
+        _check_driver_connection(connection.connection.driver_connection, require_transaction)
+        self._connection = connection
+
+    @property
+    def commit_observer(self) -> SAConnection:
+        return self._connection
+
+    @property
+    def database(self) -> str:
+        driver = self._connection.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        return _database_of(driver)
+
+    def fetch(self, step: Step) -> list[Row]:
+        result = self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
+        return [dict(row) for row in result.mappings()] if result.returns_rows else []
+
+
+class _PsycopgExecutor:
+    def __init__(self, connection: psycopg.Connection[Any], require_transaction: bool) -> None:
+        _check_driver_connection(connection, require_transaction)
+        self._connection = connection
+
+    @property
+    def database(self) -> str:
+        return _database_of(self._connection)
+
+    def fetch(self, step: Step) -> list[Row]:
+        with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
+            cursor.execute(QUERIES[step.query].sql, step.params)
+            return cursor.fetchall() if cursor.description else []
+
+
+class _SQLAlchemyAsyncExecutor:
+    def __init__(self, connection: SAAsyncConnection, require_transaction: bool) -> None:
+        self._connection = connection
+        self._require_transaction = require_transaction
+        self._checked = False
+
+    @property
+    def commit_observer(self) -> SAConnection | None:
+        return self._connection.sync_connection
+
+    @property
+    def database(self) -> str:
+        sync = self._connection.sync_connection
+        driver = sync.connection.driver_connection if sync is not None else None
+        assert isinstance(driver, psycopg.AsyncConnection)
+        return _database_of(driver)
+
+    async def fetch(self, step: Step) -> list[Row]:
+        if not self._checked:
+            raw = await self._connection.get_raw_connection()
+            _check_driver_connection(raw.driver_connection, self._require_transaction)
+            self._checked = True
+        result = await self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
+        return [dict(row) for row in result.mappings()] if result.returns_rows else []
+
+
+class _PsycopgAsyncExecutor:
+    def __init__(self, connection: psycopg.AsyncConnection[Any], require_transaction: bool) -> None:
+        _check_driver_connection(connection, require_transaction)
+        self._connection = connection
+
+    @property
+    def database(self) -> str:
+        return _database_of(self._connection)
+
+    async def fetch(self, step: Step) -> list[Row]:
+        async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
+            await cursor.execute(QUERIES[step.query].sql, step.params)
+            return await cursor.fetchall() if cursor.description else []
+
+
+def _sync_executor(connection: SyncConnection, require_transaction: bool) -> _SyncExecutor:
+    if isinstance(connection, SASession):
+        return _SQLAlchemyExecutor(connection.connection(), require_transaction)
+    if isinstance(connection, SAConnection):
+        return _SQLAlchemyExecutor(connection, require_transaction)
+    if isinstance(connection, psycopg.Connection):
+        return _PsycopgExecutor(connection, require_transaction)
+    raise ConfigurationError(_unsupported(connection, "a sync"))
+
+
+async def _async_executor(connection: AsyncConnection, require_transaction: bool) -> _AsyncExecutor:
+    if isinstance(connection, SAAsyncSession):
+        return _SQLAlchemyAsyncExecutor(await connection.connection(), require_transaction)
+    if isinstance(connection, SAAsyncConnection):
+        return _SQLAlchemyAsyncExecutor(connection, require_transaction)
+    if isinstance(connection, psycopg.AsyncConnection):
+        return _PsycopgAsyncExecutor(connection, require_transaction)
+    raise ConfigurationError(_unsupported(connection, "an async"))
+
+
+def _unsupported(connection: object, flavour: str) -> str:
+    return (
+        f"{type(connection).__name__} is not {flavour} connection effect-outbox can use; pass "
+        "a SQLAlchemy Connection/Session (AsyncConnection/AsyncSession for async) or a "
+        "psycopg (Async)Connection"
+    )
+
+
+class Store:
+    """Runs plans on a sync connection, inside the caller's transaction.
+
+    ``require_transaction=False`` admits an autocommit connection, for statements that
+    stand alone (LISTEN, reads); anything that writes related rows keeps the default.
+    """
+
+    def __init__(self, connection: SyncConnection, *, require_transaction: bool = True) -> None:
+        self._executor = _sync_executor(connection, require_transaction)
+
+    def run(self, plan: Plan[T]) -> T:
+        observer = getattr(self._executor, "commit_observer", None)
+        if observer is None:
+            return self._run(plan)
+        with lifecycle.held() as lines:
+            result = self._run(plan)
+        _hold_until_commit(observer, lines)
+        return result
+
+    def _run(self, plan: Plan[T]) -> T:
+        rows: list[Row] | None = None
+        try:
+            while True:
+                step = plan.send(rows) if rows is not None else next(plan)
+                remembered = _remembered_rows(self._executor, step)
+                if remembered is not None:
+                    rows = remembered
+                    continue
+                with wrap_database_errors(step.query):
+                    rows = self._executor.fetch(step)
+                _remember(self._executor, step, rows)
+        except StopIteration as finished:
+            return finished.value  # type: ignore[no-any-return]
+
+
+class AsyncStore:
+    """Runs plans on an async connection, inside the caller's transaction."""
+
+    def __init__(self, executor: _AsyncExecutor) -> None:
+        self._executor = executor
+
+    @classmethod
+    async def on(
+        cls, connection: AsyncConnection, *, require_transaction: bool = True
+    ) -> AsyncStore:
+        return cls(await _async_executor(connection, require_transaction))
+
+    async def run(self, plan: Plan[T]) -> T:
+        observer = getattr(self._executor, "commit_observer", None)
+        if observer is None:
+            return await self._run(plan)
+        with lifecycle.held() as lines:
+            result = await self._run(plan)
+        _hold_until_commit(observer, lines)
+        return result
+
+    async def _run(self, plan: Plan[T]) -> T:
+        rows: list[Row] | None = None
+        try:
+            while True:
+                step = plan.send(rows) if rows is not None else next(plan)
+                remembered = _remembered_rows(self._executor, step)
+                if remembered is not None:
+                    rows = remembered
+                    continue
+                with wrap_database_errors(step.query):
+                    rows = await self._executor.fetch(step)
+                _remember(self._executor, step, rows)
+        except StopIteration as finished:
+            return finished.value  # type: ignore[no-any-return]
+
+
+def _remembered_rows(executor: object, step: Step) -> list[Row] | None:
+    if step.query not in _IMMUTABLE_QUERIES:
+        return None
+    database = getattr(executor, "database", None)
+    return _remembered.get((database, step.query)) if database else None
+
+
+def _remember(executor: object, step: Step, rows: list[Row]) -> None:
+    if step.query in _IMMUTABLE_QUERIES and rows:
+        database = getattr(executor, "database", None)
+        if database:
+            _remembered[(database, step.query)] = rows
