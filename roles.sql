@@ -1,4 +1,4 @@
--- effect-outbox: least privilege in Postgres (DESIGN.md section 7).
+-- effect-outbox: least privilege in Postgres (docs/design.md section 7).
 --
 -- Applied by `outbox migrate --roles`, after schema.sql, in the same transaction and
 -- under the same advisory lock. Idempotent: applying it again changes nothing.

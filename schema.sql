@@ -100,7 +100,7 @@ CREATE TABLE IF NOT EXISTS approvals (
 
 CREATE INDEX IF NOT EXISTS approvals_operation ON approvals (operation_id, created_at DESC);
 
--- The state machine of DESIGN.md section 5, enforced by the database itself so that
+-- The state machine of docs/design.md section 5, enforced by the database itself so that
 -- no code path (a bug, a manual UPDATE) can move an operation along an illegal edge.
 CREATE OR REPLACE FUNCTION outbox_guard_transition() RETURNS trigger
 LANGUAGE plpgsql AS $$

@@ -29,7 +29,7 @@ All on the same Postgres and RabbitMQ, in this order:
 
 Uses (and recreates) its own database (``--database-url``, default
 ``outbox_bench_dispatcher``) and its own exchanges and queues (``bench.dispatcher.*``);
-drops and deletes them at the end. Exits 1 when a check failed. Compare with DESIGN.md
+drops and deletes them at the end. Exits 1 when a check failed. Compare with docs/design.md
 section 14 (aio-pika, persistent, quorum, 256 confirms outstanding: ~7,000 msgs/s;
 awaiting each confirm: ~1,100 msgs/s).
 """

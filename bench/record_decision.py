@@ -4,7 +4,7 @@
 
 Uses (and recreates) the database named by --database-url (default: outbox_bench on
 localhost). Prints tx/s per run and the median, for sync threads and for asyncio tasks.
-Compare with DESIGN.md section 14 (raw SQL: ~2,700 tx/s for two INSERTs, ~7,900 for one
+Compare with docs/design.md section 14 (raw SQL: ~2,700 tx/s for two INSERTs, ~7,900 for one
 CTE, 8 connections): the gap is this library's validation, canonicalization and
 fingerprinting in Python, on a 2-core machine where one core saturates first.
 """

@@ -4,7 +4,7 @@ Every flag that maps to a setting is generated from :class:`Settings`, so its he
 always names its ``OUTBOX_*`` variable and the two cannot drift apart.
 
 The daemons add their own subcommands through the ``outbox.commands`` entry point
-group: the base package never imports them (DESIGN.md section 2).
+group: the base package never imports them (docs/design.md section 2).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, *names: str) -> None:
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """Run a daemon's coroutine on uvloop where it is installed (it measured 25-58%
-    faster here, DESIGN.md section 14), else on the default asyncio loop."""
+    faster here, docs/design.md section 14), else on the default asyncio loop."""
     try:
         import uvloop
     except ImportError:

@@ -1,4 +1,4 @@
-"""Tool contracts and the registry that refuses the unsafe ones (DESIGN.md section 3)."""
+"""Tool contracts and the registry that refuses the unsafe ones (docs/design.md section 3)."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ class ToolContract(Generic[InputT]):
         }
 
     def card(self) -> str:
-        """The contract card: written answers to the eight questions of DESIGN.md
+        """The contract card: written answers to the eight questions of docs/design.md
         section 3, derived from the contract's fields so that it cannot drift from them."""
         return _contract_card(self)
 

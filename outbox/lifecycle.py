@@ -1,4 +1,4 @@
-"""Lifecycle events in the log, one line per transition, in the form of DESIGN.md section 10:
+"""Lifecycle events in the log, one line per transition, in the form of docs/design.md section 10:
 
     operation.outcome_unknown id=op_3f2a... tool=send_refund reason=deadline_exceeded
 
@@ -76,7 +76,7 @@ def format_event(name: str, attributes: Mapping[str, Scalar]) -> str:
 
 Line = tuple[str, Operation, dict[str, Scalar]]
 # Set while a store plan runs on a connection whose commit can be observed: lines wait
-# there for the commit (see outbox.store), so a rolled-back decision leaves no line.
+# there for the commit (see outbox.store.runner), so a rolled-back decision leaves no line.
 _waiting_for_commit: ContextVar[list[Line] | None] = ContextVar(
     "outbox_lifecycle_waiting_for_commit", default=None
 )

@@ -1,4 +1,4 @@
-"""The operation state machine (DESIGN.md section 5).
+"""The operation state machine (docs/design.md section 5).
 
 ``schema.sql`` enforces the same edges with a trigger; a unit test keeps the two in
 step, so a change to one without the other fails the suite.

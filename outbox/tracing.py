@@ -9,7 +9,7 @@ and the consumer starts the attempt span as its child, so decision -> publish ->
 is one trace. Reconciliation has no message in hand and starts a trace of its own,
 tied to the operation by its id attribute.
 
-Span attributes obey the redaction rules of DESIGN.md section 10: only the keys in
+Span attributes obey the redaction rules of docs/design.md section 10: only the keys in
 :data:`ALLOWED_ATTRIBUTES` (ids, codes, counters, the sanitized fingerprint, the
 provider reference) are accepted. Tool inputs never reach a span.
 """

@@ -1,6 +1,6 @@
 """A payment-provider sandbox: refunds and emails over real HTTP, with injectable faults.
 
-The runtime has to tell "the effect failed" from "we failed to observe it" (DESIGN.md
+The runtime has to tell "the effect failed" from "we failed to observe it" (docs/design.md
 section 1). A mock that raises exceptions cannot show that difference; this server can:
 it commits a refund and then drops the connection, fails before committing, answers 409
 while a key is executing, forgets idempotency keys as Stripe does after 24 h, and turns

@@ -1,4 +1,4 @@
-"""Tool inputs stay in ``operations.input`` and nowhere else (DESIGN.md section 10):
+"""Tool inputs stay in ``operations.input`` and nowhere else (docs/design.md section 10):
 not in either daemon's log, at DEBUG and in both formats, not in the metrics, not in
 ``operation_events``, not in the messages on the broker."""
 

@@ -1,4 +1,4 @@
-"""outbox is the base layer; the two daemons import only from it (DESIGN.md section 2)."""
+"""outbox is the base layer; the two daemons import only from it (docs/design.md section 2)."""
 
 from __future__ import annotations
 

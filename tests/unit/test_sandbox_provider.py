@@ -395,7 +395,7 @@ def test_a_pruned_key_replayed_creates_a_second_refund(
 ) -> None:
     """The trap the runtime avoids: past the provider's dedupe window a key no longer
     deduplicates, so the runtime reconciles by lookup instead of replaying the key
-    (DESIGN.md section 12). The lookup still finds the refund."""
+    (docs/design.md section 12). The lookup still finds the refund."""
     provider.set_faults(prune_keys_older_than_s=0.0)
 
     first = refund(client, "key-1").json()
