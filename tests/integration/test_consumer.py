@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import sqlalchemy.exc
 
-from consumer.worker import Consumer, _Claimed
+from consumer.policy import LEASE_LOST_BEFORE_CALL, AttemptOutcome
+from consumer.reconciler import Reconciler
+from consumer.worker import Claimed, Consumer
 from dispatcher.daemon import Dispatcher
 from outbox import OperationState, Registry, Settings, grant_approval, record_decision
 from outbox.broker import OperationMessage
@@ -355,8 +357,8 @@ async def test_a_prepared_operation_whose_message_was_lost_is_queued_again(
     sweeping = fast.model_copy(update={"requeue_stale_after": timedelta(minutes=1)})
     consumer = Consumer(sweeping, registry)
     try:
-        requeued = await consumer.requeue_stale()
-        again = await consumer.requeue_stale()
+        requeued = await consumer.reconciler.requeue_stale()
+        again = await consumer.reconciler.requeue_stale()
     finally:
         await consumer.close()
 
@@ -413,16 +415,16 @@ async def test_a_worker_whose_lease_ran_out_before_the_call_does_not_call(
     )
     consumer = Consumer(fast, registry)
     try:
-        claimed = await consumer._prepare(envelope)
-        assert isinstance(claimed, _Claimed)
+        claimed = await consumer.claim(envelope)
+        assert isinstance(claimed, Claimed)
         # As if the process stalled between its claim and the call for the whole lease.
         stalled = dataclasses.replace(claimed, lease_safe_until=time.monotonic() - 0.001)
-        attempt = await consumer._execute(stalled)
-        await consumer._record(stalled, attempt)
+        attempt = await consumer.attempt(stalled)
+        await consumer.record(stalled, attempt)
     finally:
         await consumer.close()
 
-    assert (attempt.outcome, attempt.code) == ("not_sent", "lease_lost_before_call")
+    assert (attempt.outcome, attempt.code) == (AttemptOutcome.NOT_SENT, LEASE_LOST_BEFORE_CALL)
     assert ledger.calls == []
     after = operation(database_url, op.id)
     assert (after.state, after.last_error_class) == (S.PREPARED, "lease_lost_before_call")
@@ -453,15 +455,15 @@ async def test_the_reconciler_outlives_a_failed_pass(
     failure: Exception,
 ) -> None:
     failures_left = [3]
-    real_pass = Consumer.reconcile_once
+    real_pass = Reconciler.reconcile_once
 
-    async def failing_at_first(self: Consumer) -> int:
+    async def failing_at_first(self: Reconciler) -> int:
         if failures_left[0]:
             failures_left[0] -= 1
             raise failure
         return await real_pass(self)
 
-    monkeypatch.setattr(Consumer, "reconcile_once", failing_at_first)
+    monkeypatch.setattr(Reconciler, "reconcile_once", failing_at_first)
     ledger.faults.append("drop_response")
     op = decide(engine, registry)
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from consumer.worker import _Batcher
+from consumer.batching import Batcher
 
 
 async def test_what_queues_during_a_flush_goes_together_into_the_next() -> None:
@@ -21,7 +21,7 @@ async def test_what_queues_during_a_flush_goes_together_into_the_next() -> None:
             await gate.wait()
         return [item * 10 for item in items]
 
-    batcher = _Batcher(flush, limit=3)
+    batcher = Batcher(flush, limit=3)
     first = asyncio.ensure_future(batcher.submit(1))
     await first_flush_started.wait()  # the first flush holds one item, waiting at the gate
     rest = [asyncio.ensure_future(batcher.submit(n)) for n in range(2, 7)]
@@ -38,7 +38,7 @@ async def test_a_failed_flush_fails_every_submitter_of_its_batch_only() -> None:
             raise RuntimeError("database gone")
         return items
 
-    batcher = _Batcher(flush, limit=2)
+    batcher = Batcher(flush, limit=2)
     results = await asyncio.gather(*(batcher.submit(n) for n in (1, 2, 3)), return_exceptions=True)
 
     assert [type(r) for r in results[:2]] == [RuntimeError, RuntimeError]
@@ -48,17 +48,20 @@ async def test_a_failed_flush_fails_every_submitter_of_its_batch_only() -> None:
 
 async def test_a_cancelled_flush_cancels_its_submitters() -> None:
     started = asyncio.Event()
+    flushing: list[asyncio.Task[object]] = []
 
     async def flush(items: list[int]) -> list[int]:
+        task = asyncio.current_task()
+        assert task is not None
+        flushing.append(task)
         started.set()
         await asyncio.Event().wait()
         return items
 
-    batcher = _Batcher(flush, limit=4)
+    batcher = Batcher(flush, limit=4)
     waiting = asyncio.ensure_future(batcher.submit(1))
     await started.wait()
-    assert batcher._running is not None
-    batcher._running.cancel()
+    flushing[0].cancel()  # as when the loop shuts down under a running flush
 
     with pytest.raises(asyncio.CancelledError):
         await waiting

@@ -1,0 +1,244 @@
+"""What may follow an outcome: the consumer's decisions as pure functions.
+
+DESIGN.md section 5 says, per side-effect class, what may happen after an attempt and
+after a lookup. This module turns that table into values: a :class:`Transition` to
+write under the fencing token the decision was made with, an :class:`Escalation` to a
+person, a :class:`Deferral` of the next lookup, or :class:`LookUp`. It reads nothing
+but its arguments, so every row of the table is testable in milliseconds; the worker
+and the reconciler only write the decisions through the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from outbox.contracts import OnUnknown, SideEffect, ToolContract
+from outbox.lifecycle import Scalar
+from outbox.models import Operation
+from outbox.outcomes import EffectResult, Found, NotFound, Reconciliation
+from outbox.states import EventName, OperationState
+
+S = OperationState
+
+# The code of an attempt a worker gave up before calling: its lease ran out first.
+LEASE_LOST_BEFORE_CALL = "lease_lost_before_call"
+
+
+class AttemptOutcome(StrEnum):
+    """What one call of a tool's ``execute`` came to (also a metric label value)."""
+
+    COMMITTED = "committed"
+    """The provider confirmed the effect."""
+    REJECTED = "rejected"
+    """The provider refused for good; the effect did not happen."""
+    NOT_SENT = "not_sent"
+    """The request provably never reached the provider, or was never made."""
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    """The effect may have happened."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    outcome: AttemptOutcome
+    code: str
+    effect: EffectResult | None = None
+    """What the provider confirmed; set exactly when the outcome is committed."""
+
+
+class EscalationReason(StrEnum):
+    """Why an unknown outcome goes to a person (a metric label and an event attribute)."""
+
+    BY_CONTRACT = "escalate_by_contract"
+    RECONCILE_BUDGET_EXHAUSTED = "reconcile_budget_exhausted"
+    RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
+    DEDUPE_WINDOW_PASSED = "dedupe_window_passed"
+    NO_RECONCILE = "no_reconcile"
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Move the operation ``source -> target``, but only if it is still in ``source``
+    under the fencing token the decision was made with."""
+
+    source: OperationState
+    target: OperationState
+    attributes: Mapping[str, Scalar]
+    """The lifecycle event's attributes, besides the ones the store adds."""
+    event: EventName | None = None
+    """None: the store's event for ``target``."""
+    error_class: str | None = None
+    delay: timedelta | None = None
+    """How long a move back to ``prepared`` waits before the next attempt."""
+    reconcile_attempt: bool = False
+    """Whether the move counts a lookup."""
+    provider_reference: str | None = None
+    result: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """Hand the operation to a person: ``transition`` moves it to ``escalated`` with the
+    evidence gathered so far."""
+
+    reason: EscalationReason
+    transition: Transition
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """An inconclusive lookup: count it, and look again after ``delay``."""
+
+    code: str
+    delay: timedelta
+
+
+@dataclass(frozen=True)
+class LookUp:
+    """Ask the provider (the tool's ``reconcile``) before anything else may happen."""
+
+
+def after_attempt(
+    operation: Operation, contract: ToolContract[Any], attempt: Attempt
+) -> Transition:
+    """Where an attempt leaves the in-flight ``operation`` it was made for."""
+    attributes: dict[str, Scalar] = {"attempt": operation.attempts}
+    if attempt.outcome is AttemptOutcome.COMMITTED:
+        assert attempt.effect is not None
+        return Transition(
+            S.IN_FLIGHT,
+            S.COMMITTED,
+            attributes,
+            provider_reference=attempt.effect.provider_reference,
+            result=dict(attempt.effect.result),
+        )
+    if attempt.outcome is AttemptOutcome.REJECTED:
+        return Transition(S.IN_FLIGHT, S.REJECTED, attributes, error_class=attempt.code)
+    if attempt.outcome is AttemptOutcome.NOT_SENT:
+        # Never called: neither the tool's retry budget nor its codes apply.
+        if attempt.code == LEASE_LOST_BEFORE_CALL or contract.retry.may_retry(
+            operation.attempts, attempt.code
+        ):
+            return Transition(
+                S.IN_FLIGHT,
+                S.PREPARED,
+                {**attributes, "policy": "retry_not_sent"},
+                error_class=attempt.code,
+                delay=contract.retry.backoff(operation.attempts),
+            )
+        # Every attempt provably never left: the effect did not happen, for good.
+        return Transition(
+            S.IN_FLIGHT,
+            S.REJECTED,
+            {**attributes, "policy": "retry_budget_exhausted"},
+            error_class=attempt.code,
+        )
+    # The first lookup waits one backoff step: a provider that is still finishing the
+    # request would only answer "in progress".
+    return Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        attributes,
+        error_class=attempt.code,
+        delay=contract.retry.initial_backoff,
+    )
+
+
+def after_lease_expired(operation: Operation) -> Transition:
+    """An in-flight operation whose worker died or stalled past its lease: the effect
+    may have happened, so it is an unknown outcome, never a retry."""
+    return Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        {"attempt": operation.attempts, "policy": "lease_expired"},
+        error_class="lease_expired",
+    )
+
+
+def for_unknown_outcome(
+    operation: Operation, contract: ToolContract[Any], *, now: datetime
+) -> LookUp | Transition | Escalation:
+    """What an unknown outcome due for attention needs, per side-effect class: a lookup,
+    a retry (only where repeating the call is safe), or a person."""
+    if contract.on_unknown is OnUnknown.ESCALATE:
+        return escalation(operation, EscalationReason.BY_CONTRACT)
+    if contract.reconcile is not None:
+        if operation.reconcile_attempts >= contract.retry.reconcile_max_attempts:
+            return escalation(operation, EscalationReason.RECONCILE_BUDGET_EXHAUSTED)
+        return LookUp()
+    if operation.attempts >= contract.retry.max_attempts:
+        return escalation(operation, EscalationReason.RETRY_BUDGET_EXHAUSTED)
+    if contract.side_effect in (SideEffect.READ_ONLY, SideEffect.IDEMPOTENT_WRITE):
+        return _retry_unknown(operation, contract)
+    if contract.side_effect is SideEffect.DEDUPLICATED_WRITE:
+        assert contract.dedupe_window is not None
+        first = operation.first_attempt_at or operation.created_at
+        # Replaying the key is safe only while the target still remembers it.
+        if now < first + contract.dedupe_window - contract.deadline:
+            return _retry_unknown(operation, contract)
+        return escalation(operation, EscalationReason.DEDUPE_WINDOW_PASSED)
+    return escalation(operation, EscalationReason.NO_RECONCILE)
+
+
+def after_lookup(
+    operation: Operation, contract: ToolContract[Any], result: Reconciliation
+) -> Transition | Escalation | Deferral:
+    """Where a lookup leaves the unknown outcome it was made for."""
+    if isinstance(result, Found):
+        return Transition(
+            S.OUTCOME_UNKNOWN,
+            S.COMMITTED,
+            {"result": "committed", "method": "lookup"},
+            event=EventName.RECONCILED,
+            provider_reference=result.provider_reference,
+            result=dict(result.result),
+            reconcile_attempt=True,
+        )
+    if isinstance(result, NotFound):
+        # Proven absent: the only road back to an attempt for a non-repeatable write.
+        return Transition(
+            S.OUTCOME_UNKNOWN,
+            S.PREPARED,
+            {"result": "not_found", "method": "lookup"},
+            event=EventName.RECONCILED,
+            reconcile_attempt=True,
+        )
+    if operation.reconcile_attempts + 1 >= contract.retry.reconcile_max_attempts:
+        return escalation(
+            operation, EscalationReason.RECONCILE_BUDGET_EXHAUSTED, lookup_code=result.code
+        )
+    return Deferral(result.code, contract.retry.backoff(operation.reconcile_attempts + 1))
+
+
+def escalation(
+    operation: Operation, reason: EscalationReason, *, lookup_code: str | None = None
+) -> Escalation:
+    """An unknown outcome handed to a person, with the evidence gathered so far (a
+    ``lookup_code`` when an inconclusive lookup is what exhausted the budget)."""
+    return Escalation(
+        reason,
+        Transition(
+            S.OUTCOME_UNKNOWN,
+            S.ESCALATED,
+            {
+                "reason": str(reason),
+                "attempts": operation.attempts,
+                "reconcile_attempts": operation.reconcile_attempts + (1 if lookup_code else 0),
+                "last_error": lookup_code or operation.last_error_class,
+            },
+            error_class=lookup_code,
+            reconcile_attempt=lookup_code is not None,
+        ),
+    )
+
+
+def _retry_unknown(operation: Operation, contract: ToolContract[Any]) -> Transition:
+    return Transition(
+        S.OUTCOME_UNKNOWN,
+        S.PREPARED,
+        {"policy": f"retry_{contract.side_effect}"},
+        delay=contract.retry.backoff(max(1, operation.attempts)),
+    )

@@ -1,0 +1,260 @@
+"""The reconciler: settles what no delivery will.
+
+It looks up every unknown outcome before anything else may happen to it, and takes over
+operations whose worker died holding the lease: an expired lease means *outcome
+unknown*, not "retry". Every few passes it also sweeps prepared operations that no
+message reaches any more. It runs as a loop beside the consumer's deliveries, in the
+same process; what it decides comes from :mod:`consumer.policy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import traceback
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from consumer import policy
+from consumer.database import TRANSIENT_DATABASE, Database, transition_plan
+from consumer.policy import Deferral, Escalation, LookUp, Transition
+from consumer.telemetry import log, span_attributes
+from outbox import store, tracing
+from outbox.contracts import Registry, ToolContract
+from outbox.errors import IllegalTransition, OutboxError, ToolNotRegistered
+from outbox.metrics import ConsumerMetrics
+from outbox.models import Operation
+from outbox.outcomes import (
+    ExecutionContext,
+    Found,
+    NotFound,
+    Reconciliation,
+    StillUnknown,
+)
+from outbox.settings import Settings
+from outbox.signals import Stoppable
+from outbox.states import OperationState
+from outbox.store import AsyncStore
+
+S = OperationState
+
+STALE_SWEEP_SECONDS = 30.0
+RECONCILER_BACKOFF_SECONDS = 1.0
+
+
+class Reconciler(Stoppable):
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        metrics: ConsumerMetrics,
+        database: Database,
+        *,
+        worker_id: str,
+    ) -> None:
+        super().__init__()
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        self.database = database
+        self.worker_id = worker_id
+
+    async def run(self) -> None:
+        """Reconcile and sweep until :meth:`stop`, outliving any failed pass."""
+        last_sweep = 0.0
+        while not self.stopping:
+            try:
+                if time.monotonic() - last_sweep > self._stale_sweep_seconds:
+                    last_sweep = time.monotonic()
+                    await self.requeue_stale()
+                busy = await self.reconcile_once()
+            except (OutboxError, *TRANSIENT_DATABASE) as error:
+                # The loop outlives any one failure: it is what settles unknown outcomes.
+                log(
+                    logging.WARNING,
+                    "consumer.reconcile_failed",
+                    f"consumer.reconcile_failed error={type(error).__name__}",
+                )
+                busy = 0
+            except Exception as error:
+                # Nor an unforeseen one: a reconciler that died while this process goes
+                # on consuming would leave expired leases and unknown outcomes unsettled
+                # with nothing to show for it. Loudly, then again after a pause.
+                log(
+                    logging.ERROR,
+                    "consumer.reconcile_crashed",
+                    f"consumer.reconcile_crashed error={type(error).__name__} "
+                    f"where={_raised_at(error)}",
+                )
+                await self._sleep(RECONCILER_BACKOFF_SECONDS)
+                busy = 0
+            if not busy:
+                await self._sleep(self.settings.reconcile_interval)
+
+    @property
+    def _stale_sweep_seconds(self) -> float:
+        # Twice per requeue period at least, so a stale operation waits at most 1.5x it.
+        return min(STALE_SWEEP_SECONDS, self.settings.requeue_stale_after.total_seconds() / 2)
+
+    async def requeue_stale(self) -> list[UUID]:
+        """Queue again prepared operations that no message has reached for
+        ``requeue_stale_after`` (their message was dead-lettered or lost); escalate those
+        queued again too often already; end as rejected those whose approval was denied
+        and never granted. Nothing prepared waits forever. Returns the requeued ids."""
+        settings = self.settings
+        escalated = await self.database.run(
+            store.escalate_undeliverable(
+                settings.requeue_stale_after,
+                settings.undeliverable_after_requeues,
+                settings.reconcile_batch,
+            )
+        )
+        requeued = await self.database.run(
+            store.requeue_stale_prepared(settings.requeue_stale_after, settings.reconcile_batch)
+        )
+        rejected = await self.database.run(
+            store.reject_denied_operations(settings.approval_denial_grace, settings.reconcile_batch)
+        )
+        for _, tool in escalated:
+            self.metrics.escalations.labels(tool, "undeliverable").inc()
+        for count, action in (
+            (len(escalated), "escalated_undeliverable"),
+            (len(requeued), "requeued_stale"),
+            (len(rejected), "rejected_denied"),
+        ):
+            if count:
+                log(
+                    logging.WARNING,
+                    f"consumer.{action}",
+                    f"consumer.{action} operations={count}",
+                )
+        return requeued
+
+    async def reconcile_once(self) -> int:
+        """One pass; returns how many operations it took up."""
+        lookups: list[tuple[Operation, ToolContract[Any]]] = []
+        async with self.database.transaction() as connection:
+            runner = await AsyncStore.on(connection)
+            await self.database.remember_fingerprint_key(runner)
+            candidates = await runner.run(
+                store.claim_reconciliation_batch(self.settings.reconcile_batch)
+            )
+            for operation in candidates:
+                try:
+                    contract = self.registry.get(operation.tool_name, operation.tool_version)
+                except ToolNotRegistered:
+                    continue  # a consumer that has the tool will take it
+                leased = await self._triage(runner, operation, contract)
+                if leased is not None:
+                    lookups.append((leased, contract))
+        if lookups:
+            await asyncio.gather(*(self._look_up(*lookup) for lookup in lookups))
+        return len(candidates)
+
+    async def _triage(
+        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+    ) -> Operation | None:
+        """Settle what the policy can without a lookup; returns the operation leased
+        for a lookup if it needs one."""
+        if operation.state is S.IN_FLIGHT:
+            operation = await runner.run(
+                transition_plan(operation, policy.after_lease_expired(operation))
+            )
+        decision = policy.for_unknown_outcome(operation, contract, now=datetime.now(UTC))
+        if isinstance(decision, LookUp):
+            lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)
+            return await runner.run(
+                store.lease_for_reconciliation(operation, owner=self.worker_id, lease=lease)
+            )
+        await self._apply(runner, operation, contract, decision)
+        return None
+
+    async def _apply(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        decision: Transition | Escalation | Deferral,
+    ) -> None:
+        if isinstance(decision, Deferral):
+            await runner.run(
+                store.defer_reconciliation(
+                    operation.id,
+                    lease_token=operation.lease_token,
+                    reason=decision.code,
+                    delay=decision.delay,
+                )
+            )
+        elif isinstance(decision, Escalation):
+            await runner.run(transition_plan(operation, decision.transition))
+            self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
+        else:
+            await runner.run(transition_plan(operation, decision))
+
+    async def _look_up(self, operation: Operation, contract: ToolContract[Any]) -> None:
+        """Ask the provider under the reconciler's lease, then write what the answer
+        allows in a transaction of its own."""
+        assert contract.reconcile is not None
+        seconds = contract.deadline.total_seconds()
+        context = ExecutionContext(
+            operation_id=operation.id,
+            attempt=operation.attempts,
+            deadline=time.monotonic() + seconds,
+        )
+        result: Reconciliation
+        # No message here to carry a traceparent: a new trace, tied to the operation by id.
+        with tracing.span(
+            f"outbox.reconcile {contract.name}",
+            parent_traceparent=None,
+            attributes={
+                **span_attributes(operation, contract, self.database.fingerprint_key),
+                "outbox.reconcile_attempt": operation.reconcile_attempts + 1,
+            },
+        ) as traced:
+            try:
+                tool_input = contract.input_model.model_validate(operation.input)
+                async with asyncio.timeout(seconds):
+                    result = await contract.reconcile(tool_input, context)
+            except TimeoutError:
+                result = StillUnknown("lookup_timeout")
+            except Exception as error:
+                log(
+                    logging.WARNING,
+                    "consumer.lookup_error",
+                    f"consumer.lookup_error id={operation.display_id} error={type(error).__name__}",
+                )
+                result = StillUnknown("lookup_error")
+            label = {Found: "committed", NotFound: "not_found", StillUnknown: "still_unknown"}[
+                type(result)
+            ]
+            traced.set_attributes({"outbox.result": label})
+            if isinstance(result, Found):
+                traced.set_attributes({"outbox.provider_reference": result.provider_reference})
+            if isinstance(result, StillUnknown):
+                traced.set_attributes({"outbox.code": result.code})
+            traced.set_status(not isinstance(result, StillUnknown), label)
+        self.metrics.reconciliations.labels(contract.name, label).inc()
+        decision = policy.after_lookup(operation, contract, result)
+        try:
+            async with self.database.transaction() as connection:
+                runner = await AsyncStore.on(connection)
+                await self._apply(runner, operation, contract, decision)
+        except IllegalTransition as fenced:
+            log(
+                logging.WARNING,
+                "consumer.write_fenced",
+                f"consumer.write_fenced id={operation.display_id} reason={type(fenced).__name__}",
+            )
+
+
+def _raised_at(error: BaseException) -> str:
+    """File and line where an error was raised: a place in code, never the message, which
+    may quote inputs."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "unknown"
+    last = frames[-1]
+    return f"{os.path.basename(last.filename)}:{last.lineno}"

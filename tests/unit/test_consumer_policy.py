@@ -1,0 +1,508 @@
+"""The consumer's decisions, row by row of the per-class retry table (DESIGN.md section 5).
+
+| class | retryable-before-send | outcome_unknown |
+|---|---|---|
+| read_only | retry | retry |
+| idempotent_write | retry | retry same input |
+| deduplicated_write | retry same key | retry same key only inside the dedupe window |
+| non_repeatable_write | retry | reconcile; retry only after not_found; else escalate |
+
+A contract with a lookup is always looked up before anything else, whatever its class.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from consumer.policy import (
+    LEASE_LOST_BEFORE_CALL,
+    Attempt,
+    AttemptOutcome,
+    Deferral,
+    Escalation,
+    EscalationReason,
+    LookUp,
+    Transition,
+    after_attempt,
+    after_lease_expired,
+    after_lookup,
+    for_unknown_outcome,
+)
+from outbox.contracts import OnUnknown, RetryPolicy, SideEffect, ToolContract
+from outbox.models import Operation
+from outbox.outcomes import (
+    EffectResult,
+    ExecutionContext,
+    Found,
+    NotFound,
+    Reconciliation,
+    StillUnknown,
+)
+from outbox.states import EventName, OperationState, is_legal
+
+S = OperationState
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+DEADLINE = timedelta(seconds=30)
+WINDOW = timedelta(hours=1)
+# No jitter, so every delay is exact: 1 s, then doubling.
+RETRY = RetryPolicy(
+    max_attempts=3,
+    initial_backoff=timedelta(seconds=1),
+    max_backoff=timedelta(minutes=1),
+    multiplier=2.0,
+    jitter=0.0,
+    reconcile_max_attempts=3,
+)
+EVERY_CLASS = list(SideEffect)
+
+
+class Refund(BaseModel):
+    amount_cents: int
+
+
+async def never_called(tool_input: Refund, context: ExecutionContext) -> EffectResult:
+    raise AssertionError("the policy never calls a tool")
+
+
+async def never_looked_up(tool_input: Refund, context: ExecutionContext) -> Reconciliation:
+    raise AssertionError("the policy never looks anything up")
+
+
+def contract(
+    side_effect: SideEffect,
+    *,
+    lookup: bool = False,
+    on_unknown: OnUnknown = OnUnknown.RECONCILE,
+    retry: RetryPolicy = RETRY,
+) -> ToolContract[Refund]:
+    return ToolContract(
+        name="send_refund",
+        version=1,
+        input_model=Refund,
+        side_effect=side_effect,
+        execute=never_called,
+        retry=retry,
+        reconcile=never_looked_up if lookup else None,
+        dedupe_window=WINDOW if side_effect is SideEffect.DEDUPLICATED_WRITE else None,
+        on_unknown=on_unknown,
+        deadline=DEADLINE,
+    )
+
+
+def operation(**changes: Any) -> Operation:
+    """An operation in flight on its first attempt, begun a minute ago."""
+    fields: dict[str, Any] = {
+        "id": uuid.UUID("3f2a4c1e-0d6b-4f7a-9c1e-2b3d4e5f6a7b"),
+        "run_id": "run",
+        "decision_key": None,
+        "tool_name": "send_refund",
+        "tool_version": 1,
+        "side_effect": SideEffect.NON_REPEATABLE_WRITE,
+        "input": {"amount_cents": 1250},
+        "input_fingerprint": "ab" * 32,
+        "requires_approval": False,
+        "state": S.IN_FLIGHT,
+        "attempts": 1,
+        "reconcile_attempts": 0,
+        "lease_token": 7,
+        "lease_owner": "host:1:0001",
+        "lease_expires_at": NOW + timedelta(seconds=35),
+        "next_attempt_at": NOW - timedelta(minutes=1),
+        "first_attempt_at": NOW - timedelta(minutes=1),
+        "provider_reference": None,
+        "result": None,
+        "last_error_class": None,
+        "created_at": NOW - timedelta(minutes=1),
+        "updated_at": NOW,
+    }
+    fields.update(changes)
+    return Operation(**fields)
+
+
+def unknown(**changes: Any) -> Operation:
+    """An operation whose first attempt's outcome is unknown, due for attention."""
+    return operation(state=S.OUTCOME_UNKNOWN, last_error_class="response_lost", **changes)
+
+
+# --- after an attempt: the same for every class, except an unknown outcome's follow-up
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+def test_a_confirmed_effect_commits_with_its_reference(side_effect: SideEffect) -> None:
+    effect = EffectResult(provider_reference="re_1", result={"status": "succeeded"})
+
+    move = after_attempt(
+        operation(attempts=2),
+        contract(side_effect),
+        Attempt(AttemptOutcome.COMMITTED, "ok", effect),
+    )
+
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.COMMITTED,
+        {"attempt": 2},
+        provider_reference="re_1",
+        result={"status": "succeeded"},
+    )
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+def test_a_definitive_rejection_ends_it_without_retry(side_effect: SideEffect) -> None:
+    move = after_attempt(
+        operation(),
+        contract(side_effect),
+        Attempt(AttemptOutcome.REJECTED, "amount_exceeds_payment"),
+    )
+
+    assert move == Transition(
+        S.IN_FLIGHT, S.REJECTED, {"attempt": 1}, error_class="amount_exceeds_payment"
+    )
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+@pytest.mark.parametrize(("attempts", "backoff_seconds"), [(1, 1), (2, 2)])
+def test_a_failure_before_send_is_retried_within_the_budget(
+    side_effect: SideEffect, attempts: int, backoff_seconds: int
+) -> None:
+    move = after_attempt(
+        operation(attempts=attempts),
+        contract(side_effect),
+        Attempt(AttemptOutcome.NOT_SENT, "connect_refused"),
+    )
+
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.PREPARED,
+        {"attempt": attempts, "policy": "retry_not_sent"},
+        error_class="connect_refused",
+        delay=timedelta(seconds=backoff_seconds),
+    )
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+def test_a_failure_before_send_past_the_budget_ends_rejected(side_effect: SideEffect) -> None:
+    move = after_attempt(
+        operation(attempts=3),
+        contract(side_effect),
+        Attempt(AttemptOutcome.NOT_SENT, "connect_refused"),
+    )
+
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.REJECTED,
+        {"attempt": 3, "policy": "retry_budget_exhausted"},
+        error_class="connect_refused",
+    )
+
+
+def test_a_failure_before_send_with_a_code_the_contract_does_not_retry_ends_rejected() -> None:
+    only_refusals = RetryPolicy(
+        max_attempts=3, jitter=0.0, retryable_codes=frozenset({"connect_refused"})
+    )
+
+    move = after_attempt(
+        operation(),
+        contract(SideEffect.IDEMPOTENT_WRITE, retry=only_refusals),
+        Attempt(AttemptOutcome.NOT_SENT, "dns_failure"),
+    )
+
+    assert move.target is S.REJECTED
+
+
+def test_a_call_never_made_is_retried_whatever_the_budget_and_the_codes() -> None:
+    only_refusals = RetryPolicy(
+        max_attempts=3, jitter=0.0, retryable_codes=frozenset({"connect_refused"})
+    )
+
+    move = after_attempt(
+        operation(attempts=3),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True, retry=only_refusals),
+        Attempt(AttemptOutcome.NOT_SENT, LEASE_LOST_BEFORE_CALL),
+    )
+
+    assert (move.target, move.error_class) == (S.PREPARED, LEASE_LOST_BEFORE_CALL)
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+def test_an_unknown_outcome_is_recorded_and_waits_one_step_before_anything_else(
+    side_effect: SideEffect,
+) -> None:
+    move = after_attempt(
+        operation(),
+        contract(side_effect),
+        Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "deadline_exceeded"),
+    )
+
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        {"attempt": 1},
+        error_class="deadline_exceeded",
+        delay=RETRY.initial_backoff,
+    )
+
+
+def test_an_expired_lease_is_an_unknown_outcome_not_a_retry() -> None:
+    move = after_lease_expired(operation(attempts=2))
+
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        {"attempt": 2, "policy": "lease_expired"},
+        error_class="lease_expired",
+    )
+
+
+# --- an unknown outcome due for attention: the outcome_unknown column
+
+
+@pytest.mark.parametrize("side_effect", [SideEffect.READ_ONLY, SideEffect.IDEMPOTENT_WRITE])
+def test_a_class_that_may_repeat_the_call_retries_the_same_input(side_effect: SideEffect) -> None:
+    decision = for_unknown_outcome(unknown(attempts=2), contract(side_effect), now=NOW)
+
+    assert decision == Transition(
+        S.OUTCOME_UNKNOWN,
+        S.PREPARED,
+        {"policy": f"retry_{side_effect}"},
+        delay=timedelta(seconds=2),
+    )
+
+
+@pytest.mark.parametrize(
+    "side_effect",
+    [SideEffect.READ_ONLY, SideEffect.IDEMPOTENT_WRITE, SideEffect.DEDUPLICATED_WRITE],
+)
+def test_a_retry_without_lookup_escalates_past_the_attempt_budget(side_effect: SideEffect) -> None:
+    decision = for_unknown_outcome(unknown(attempts=3), contract(side_effect), now=NOW)
+
+    assert decision == Escalation(
+        EscalationReason.RETRY_BUDGET_EXHAUSTED,
+        Transition(
+            S.OUTCOME_UNKNOWN,
+            S.ESCALATED,
+            {
+                "reason": "retry_budget_exhausted",
+                "attempts": 3,
+                "reconcile_attempts": 0,
+                "last_error": "response_lost",
+            },
+        ),
+    )
+
+
+def test_a_deduplicated_write_retries_the_same_key_inside_the_window() -> None:
+    first = NOW - WINDOW + DEADLINE + timedelta(seconds=1)  # one second left to replay
+
+    decision = for_unknown_outcome(
+        unknown(first_attempt_at=first), contract(SideEffect.DEDUPLICATED_WRITE), now=NOW
+    )
+
+    assert decision == Transition(
+        S.OUTCOME_UNKNOWN,
+        S.PREPARED,
+        {"policy": "retry_deduplicated_write"},
+        delay=timedelta(seconds=1),
+    )
+
+
+def test_a_deduplicated_write_escalates_once_a_call_could_outlive_the_window() -> None:
+    # A replay sent now could still be running when the target forgets the key.
+    first = NOW - WINDOW + DEADLINE
+
+    decision = for_unknown_outcome(
+        unknown(first_attempt_at=first), contract(SideEffect.DEDUPLICATED_WRITE), now=NOW
+    )
+
+    assert isinstance(decision, Escalation)
+    assert decision.reason is EscalationReason.DEDUPE_WINDOW_PASSED
+
+
+def test_the_dedupe_window_runs_from_the_first_attempt_or_else_from_the_decision() -> None:
+    dedupe = contract(SideEffect.DEDUPLICATED_WRITE)
+    long_ago = NOW - 2 * WINDOW
+
+    attempted_recently = for_unknown_outcome(
+        unknown(created_at=long_ago, first_attempt_at=NOW - timedelta(minutes=1)), dedupe, now=NOW
+    )
+    never_attempted = for_unknown_outcome(
+        unknown(created_at=long_ago, first_attempt_at=None), dedupe, now=NOW
+    )
+
+    assert isinstance(attempted_recently, Transition)
+    assert isinstance(never_attempted, Escalation)
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+def test_a_contract_with_a_lookup_is_looked_up_before_anything_else(
+    side_effect: SideEffect,
+) -> None:
+    decision = for_unknown_outcome(unknown(), contract(side_effect, lookup=True), now=NOW)
+
+    assert decision == LookUp()
+
+
+def test_a_lookup_is_not_tried_again_past_the_reconcile_budget() -> None:
+    decision = for_unknown_outcome(
+        unknown(reconcile_attempts=3),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True),
+        now=NOW,
+    )
+
+    assert isinstance(decision, Escalation)
+    assert decision.reason is EscalationReason.RECONCILE_BUDGET_EXHAUSTED
+    assert decision.transition.attributes["reconcile_attempts"] == 3
+    assert not decision.transition.reconcile_attempt
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_contract_that_says_escalate_goes_to_a_person_at_once(lookup: bool) -> None:
+    decision = for_unknown_outcome(
+        unknown(),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=lookup, on_unknown=OnUnknown.ESCALATE),
+        now=NOW,
+    )
+
+    assert isinstance(decision, Escalation)
+    assert decision.reason is EscalationReason.BY_CONTRACT
+
+
+def test_a_non_repeatable_write_without_a_lookup_is_never_retried() -> None:
+    # The registry refuses such a contract; the policy still never repeats the call.
+    decision = for_unknown_outcome(unknown(), contract(SideEffect.NON_REPEATABLE_WRITE), now=NOW)
+
+    assert isinstance(decision, Escalation)
+    assert decision.reason is EscalationReason.NO_RECONCILE
+
+
+# --- after a lookup
+
+
+def test_a_found_effect_is_committed_with_the_reference_the_lookup_gave() -> None:
+    move = after_lookup(
+        unknown(),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True),
+        Found(provider_reference="tk_9", result={"status": "open"}),
+    )
+
+    assert move == Transition(
+        S.OUTCOME_UNKNOWN,
+        S.COMMITTED,
+        {"result": "committed", "method": "lookup"},
+        event=EventName.RECONCILED,
+        provider_reference="tk_9",
+        result={"status": "open"},
+        reconcile_attempt=True,
+    )
+
+
+def test_a_proven_absent_effect_goes_back_to_prepared_for_a_new_attempt() -> None:
+    move = after_lookup(
+        unknown(), contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True), NotFound()
+    )
+
+    assert move == Transition(
+        S.OUTCOME_UNKNOWN,
+        S.PREPARED,
+        {"result": "not_found", "method": "lookup"},
+        event=EventName.RECONCILED,
+        reconcile_attempt=True,
+    )
+
+
+def test_an_inconclusive_lookup_is_tried_again_after_a_growing_backoff() -> None:
+    decision = after_lookup(
+        unknown(reconcile_attempts=1),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True),
+        StillUnknown("provider_unavailable"),
+    )
+
+    assert decision == Deferral("provider_unavailable", timedelta(seconds=2))
+
+
+def test_the_last_inconclusive_lookup_escalates_with_its_evidence() -> None:
+    decision = after_lookup(
+        unknown(reconcile_attempts=2),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True),
+        StillUnknown("lookup_timeout"),
+    )
+
+    assert decision == Escalation(
+        EscalationReason.RECONCILE_BUDGET_EXHAUSTED,
+        Transition(
+            S.OUTCOME_UNKNOWN,
+            S.ESCALATED,
+            {
+                "reason": "reconcile_budget_exhausted",
+                "attempts": 1,
+                "reconcile_attempts": 3,
+                "last_error": "lookup_timeout",
+            },
+            error_class="lookup_timeout",
+            reconcile_attempt=True,
+        ),
+    )
+
+
+# --- every decision, whatever the inputs
+
+
+contracts = st.builds(
+    contract,
+    st.sampled_from(EVERY_CLASS),
+    lookup=st.booleans(),
+    on_unknown=st.sampled_from(list(OnUnknown)),
+)
+operations = st.builds(
+    unknown,
+    attempts=st.integers(1, 5),
+    reconcile_attempts=st.integers(0, 5),
+    first_attempt_at=st.one_of(st.none(), st.just(NOW - 2 * WINDOW), st.just(NOW)),
+)
+attempts = st.builds(
+    Attempt,
+    st.sampled_from(list(AttemptOutcome)),
+    st.sampled_from(["connect_refused", LEASE_LOST_BEFORE_CALL, "response_lost"]),
+    st.just(EffectResult(provider_reference="re_1")),
+)
+lookups = st.one_of(
+    st.just(Found(provider_reference="re_1")), st.just(NotFound()), st.just(StillUnknown())
+)
+
+
+def moves(decision: object) -> Transition | None:
+    if isinstance(decision, Escalation):
+        return decision.transition
+    return decision if isinstance(decision, Transition) else None
+
+
+@given(operations, contracts, attempts, lookups)
+def test_every_decision_is_a_legal_move_and_only_a_lookup_reopens_a_non_repeatable_write(
+    operation: Operation,
+    contract: ToolContract[Refund],
+    attempt: Attempt,
+    lookup: Reconciliation,
+) -> None:
+    in_flight = operation.model_copy(update={"state": S.IN_FLIGHT})
+    unknown_next = moves(for_unknown_outcome(operation, contract, now=NOW))
+    looked_up = moves(after_lookup(operation, contract, lookup))
+
+    for source, move in [
+        (S.IN_FLIGHT, after_attempt(in_flight, contract, attempt)),
+        (S.IN_FLIGHT, after_lease_expired(in_flight)),
+        (S.OUTCOME_UNKNOWN, unknown_next),
+        (S.OUTCOME_UNKNOWN, looked_up),
+    ]:
+        if move is not None:
+            assert move.source is source
+            assert is_legal(move.source, move.target)
+    if contract.side_effect is SideEffect.NON_REPEATABLE_WRITE:
+        assert unknown_next is None or unknown_next.target is not S.PREPARED
+        if looked_up is not None and looked_up.target is S.PREPARED:
+            assert isinstance(lookup, NotFound)
