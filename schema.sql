@@ -46,6 +46,14 @@ CREATE TABLE IF NOT EXISTS operations (
     )
 );
 
+-- Version 4: whether the effect may have happened. Set by every move to outcome_unknown
+-- (transition_operation), cleared only by a lookup that proved the effect absent, never
+-- by anything else: once an attempt's outcome was unknown, later attempts that provably
+-- never left do not make the operation "not done" (consumer/policy.py after_attempt).
+-- The consumer holds UPDATE on operations and so could clear it by hand; like state,
+-- the column is trusted to the consumer's code, not to a grant.
+ALTER TABLE operations ADD COLUMN IF NOT EXISTS effect_possible boolean NOT NULL DEFAULT false;
+
 CREATE INDEX IF NOT EXISTS operations_state_next_attempt
     ON operations (state, next_attempt_at)
     WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated');
@@ -177,7 +185,7 @@ BEGIN
        OR NEW.lease_token <> 0 OR NEW.lease_owner IS NOT NULL
        OR NEW.lease_expires_at IS NOT NULL OR NEW.first_attempt_at IS NOT NULL
        OR NEW.provider_reference IS NOT NULL OR NEW.result IS NOT NULL
-       OR NEW.last_error_class IS NOT NULL THEN
+       OR NEW.last_error_class IS NOT NULL OR NEW.effect_possible THEN
         RAISE EXCEPTION 'a new operation must be prepared, with no attempt, lease or outcome'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_born_prepared';
     END IF;
@@ -331,3 +339,4 @@ $$;
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (4) ON CONFLICT (version) DO NOTHING;

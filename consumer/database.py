@@ -97,8 +97,10 @@ class Database:
 def transition_plan(operation: Operation, move: Transition) -> Plan[Operation]:
     """``move`` through the store, under the fencing token ``operation`` was read with:
     the store raises :class:`~outbox.errors.IllegalTransition` (or its ``LeaseLost``)
-    and changes nothing when another process moved it first."""
-    return store.transition(
+    and changes nothing when another process moved it first. A move with a ``then``
+    writes that escalation next, in the same plan and so the same transaction: nobody
+    sees the operation between the two."""
+    moved = yield from store.transition(
         operation.id,
         source=move.source,
         target=move.target,
@@ -110,4 +112,8 @@ def transition_plan(operation: Operation, move: Transition) -> Plan[Operation]:
         error_class=move.error_class,
         delay=move.delay,
         reconcile_attempt=move.reconcile_attempt,
+        effect_disproved=move.effect_disproved,
     )
+    if move.then is None:
+        return moved
+    return (yield from transition_plan(moved, move.then.transition))

@@ -1,6 +1,6 @@
 """What may follow an outcome: the consumer's decisions as pure functions.
 
-DESIGN.md section 5 says, per side-effect class, what may happen after an attempt and
+docs/design.md section 5 says, per side-effect class, what may happen after an attempt and
 after a lookup. This module turns that table into values: a :class:`Transition` to
 write under the fencing token the decision was made with, an :class:`Escalation` to a
 person, a :class:`Deferral` of the next lookup, or :class:`LookUp`. It reads nothing
@@ -11,7 +11,7 @@ and the reconciler only write the decisions through the store.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -57,6 +57,9 @@ class EscalationReason(StrEnum):
     RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
     DEDUPE_WINDOW_PASSED = "dedupe_window_passed"
     NO_RECONCILE = "no_reconcile"
+    EFFECT_POSSIBLE = "effect_possible"
+    """An attempt failed for good (refused, or out of attempts that never left) after an
+    earlier attempt's outcome was unknown, and no lookup can say whether that one landed."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,11 @@ class Transition:
     """Whether the move counts a lookup."""
     provider_reference: str | None = None
     result: Mapping[str, Any] | None = None
+    effect_disproved: bool = False
+    """A lookup proved the effect absent: clear the operation's ``effect_possible``."""
+    then: Escalation | None = None
+    """Written right after this move, in the same transaction: an escalation that can
+    only start from where this move leaves the operation."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,27 @@ class LookUp:
 def after_attempt(
     operation: Operation, contract: ToolContract[Any], attempt: Attempt
 ) -> Transition:
-    """Where an attempt leaves the in-flight ``operation`` it was made for."""
+    """Where an attempt leaves the in-flight ``operation`` it was made for.
+
+    ``rejected`` promises the effect did not and will not happen, so it is never the end
+    of an operation whose effect may have happened (``operation.effect_possible``: an
+    earlier attempt's outcome was unknown and no lookup has proved it absent since):
+
+    - ``NotSent`` with no attempt left proves only that *this* attempt never left, not
+      that the earlier one did not land.
+    - ``DefinitiveRejection`` of an idempotent (or non-repeatable) write proves nothing
+      about the earlier attempt either: such a target judges each request as it comes,
+      against state the earlier request may itself have changed ("already closed"). A
+      deduplicated write's target, by contrast, answers a replayed key with the outcome
+      of the first request carrying it, and the key is only replayed inside the dedupe
+      window: its refusal means the first did not land, and ``rejected`` stays true.
+    - A read has no effect to be unsure of.
+
+    Such an operation goes to ``outcome_unknown``, which is what it is: with a lookup,
+    the reconciler asks the provider at once; without one, the same transaction hands it
+    to a person (:attr:`EscalationReason.EFFECT_POSSIBLE`), because nothing else can
+    tell whether the effect happened.
+    """
     attributes: dict[str, Scalar] = {"attempt": operation.attempts}
     if attempt.outcome is AttemptOutcome.COMMITTED:
         assert attempt.effect is not None
@@ -116,6 +144,8 @@ def after_attempt(
             result=dict(attempt.effect.result),
         )
     if attempt.outcome is AttemptOutcome.REJECTED:
+        if _refusal_may_hide_an_effect(operation, contract):
+            return _effect_may_have_happened(operation, contract, attempt, "rejected_after_unknown")
         return Transition(S.IN_FLIGHT, S.REJECTED, attributes, error_class=attempt.code)
     if attempt.outcome is AttemptOutcome.NOT_SENT:
         # Never called: neither the tool's retry budget nor its codes apply.
@@ -128,6 +158,10 @@ def after_attempt(
                 {**attributes, "policy": "retry_not_sent"},
                 error_class=attempt.code,
                 delay=contract.retry.backoff(operation.attempts),
+            )
+        if operation.effect_possible and contract.side_effect is not SideEffect.READ_ONLY:
+            return _effect_may_have_happened(
+                operation, contract, attempt, "retry_budget_exhausted_after_unknown"
             )
         # Every attempt provably never left: the effect did not happen, for good.
         return Transition(
@@ -145,6 +179,33 @@ def after_attempt(
         error_class=attempt.code,
         delay=contract.retry.initial_backoff,
     )
+
+
+def _refusal_may_hide_an_effect(operation: Operation, contract: ToolContract[Any]) -> bool:
+    """Whether a provider's refusal leaves open that an earlier attempt landed (see
+    :func:`after_attempt`)."""
+    return operation.effect_possible and contract.side_effect not in (
+        SideEffect.READ_ONLY,
+        SideEffect.DEDUPLICATED_WRITE,
+    )
+
+
+def _effect_may_have_happened(
+    operation: Operation, contract: ToolContract[Any], attempt: Attempt, reason: str
+) -> Transition:
+    """An attempt that ended for good on an operation whose effect may have happened:
+    an unknown outcome, looked up at once (no delay: this attempt left nothing running)
+    or, with no lookup, escalated in the same transaction."""
+    unknown = Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        {"attempt": operation.attempts, "policy": reason},
+        error_class=attempt.code,
+    )
+    if contract.reconcile is not None:
+        return unknown
+    failed = operation.model_copy(update={"last_error_class": attempt.code})
+    return replace(unknown, then=escalation(failed, EscalationReason.EFFECT_POSSIBLE))
 
 
 def after_lease_expired(operation: Operation) -> Transition:
@@ -176,11 +237,52 @@ def for_unknown_outcome(
     if contract.side_effect is SideEffect.DEDUPLICATED_WRITE:
         assert contract.dedupe_window is not None
         first = operation.first_attempt_at or operation.created_at
-        # Replaying the key is safe only while the target still remembers it.
-        if now < first + contract.dedupe_window - contract.deadline:
-            return _retry_unknown(operation, contract)
+        retry = _retry_unknown(operation, contract)
+        # Replaying the key is safe only while the target still remembers it, and the
+        # replay runs after its backoff and may take a whole deadline. (If the consumers
+        # are slower than that, the claim checks again: replay_window_passed.)
+        delay = retry.delay or timedelta(0)
+        if now + delay + contract.deadline < first + contract.dedupe_window:
+            return retry
         return escalation(operation, EscalationReason.DEDUPE_WINDOW_PASSED)
     return escalation(operation, EscalationReason.NO_RECONCILE)
+
+
+def replay_window_passed(
+    operation: Operation, contract: ToolContract[Any], *, now: datetime
+) -> bool:
+    """Whether calling this prepared operation now could replay a deduplication key the
+    target may already have forgotten.
+
+    A deduplicated write with no lookup is retried blind, trusting the target to answer
+    a replayed key without acting twice; that holds only inside the window counted from
+    the first attempt. The retry was decided inside it, but queues, backoffs and slow
+    consumers can carry the call past it, so the claim asks again. An operation never
+    attempted has no key to replay; one with a lookup only comes back to ``prepared``
+    when the lookup proved the effect absent."""
+    if contract.side_effect is not SideEffect.DEDUPLICATED_WRITE or contract.reconcile:
+        return False
+    if operation.attempts == 0 or operation.first_attempt_at is None:
+        return False
+    assert contract.dedupe_window is not None
+    return now + contract.deadline >= operation.first_attempt_at + contract.dedupe_window
+
+
+def escalation_before_replay(operation: Operation) -> Escalation:
+    """A prepared operation that must not be called again (see
+    :func:`replay_window_passed`) goes to a person instead, never to the provider."""
+    return Escalation(
+        EscalationReason.DEDUPE_WINDOW_PASSED,
+        Transition(
+            S.PREPARED,
+            S.ESCALATED,
+            {
+                "reason": str(EscalationReason.DEDUPE_WINDOW_PASSED),
+                "attempts": operation.attempts,
+                "last_error": operation.last_error_class,
+            },
+        ),
+    )
 
 
 def after_lookup(
@@ -198,13 +300,15 @@ def after_lookup(
             reconcile_attempt=True,
         )
     if isinstance(result, NotFound):
-        # Proven absent: the only road back to an attempt for a non-repeatable write.
+        # Proven absent: the only road back to an attempt for a non-repeatable write,
+        # and the only thing that clears the operation's effect_possible.
         return Transition(
             S.OUTCOME_UNKNOWN,
             S.PREPARED,
             {"result": "not_found", "method": "lookup"},
             event=EventName.RECONCILED,
             reconcile_attempt=True,
+            effect_disproved=True,
         )
     if operation.reconcile_attempts + 1 >= contract.retry.reconcile_max_attempts:
         return escalation(

@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -430,7 +430,20 @@ class Consumer(Stoppable):
                     )
                 )
                 return Skip("awaiting_approval")
+        if policy.replay_window_passed(operation, contract, now=datetime.now(UTC)):
+            return await self._escalate_before_replay(runner, operation, contract)
         return _Runnable(contract, intent.tool_input)
+
+    async def _escalate_before_replay(
+        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+    ) -> Skip:
+        decision = policy.escalation_before_replay(operation)
+        try:
+            await runner.run(transition_plan(operation, decision.transition))
+        except IllegalTransition:
+            return Skip("duplicate")  # a second delivery in the same burst escalated it
+        self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
+        return Skip("escalated")
 
     async def _tampered(
         self,
@@ -567,6 +580,9 @@ class Consumer(Stoppable):
         move = policy.after_attempt(operation, claimed.contract, attempt)
         try:
             await self.database.run(transition_plan(operation, move))
+            if move.then is not None:
+                # The effect may have happened and no lookup can tell: a person decides.
+                self.metrics.escalations.labels(claimed.contract.name, str(move.then.reason)).inc()
         except IllegalTransition as fenced:
             # Another process took the operation over (our lease expired): its record
             # wins; ours would overwrite evidence. The reconciler has or will settle it.

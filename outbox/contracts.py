@@ -433,8 +433,9 @@ def _errors_answer(contract: ToolContract[Any]) -> str:
         f"id, up to {retry.max_attempts} attempts in all{codes}, after a backoff of "
         f"{_duration(retry.initial_backoff)} growing x{retry.multiplier:g} to at most "
         f"{_duration(retry.max_backoff)} (+/-{retry.jitter:.0%} jitter); with no retry "
-        "left it ends rejected, since that attempt provably never reached the provider. "
-        "OutcomeUnknown, any "
+        "left it ends rejected, since that attempt provably never reached the provider"
+        + _after_unknown(contract)
+        + ". OutcomeUnknown, any "
         f"other exception, and a call still running at its {_duration(contract.deadline)} "
         "deadline (it is cancelled) -> outcome_unknown"
         + (
@@ -442,6 +443,26 @@ def _errors_answer(contract: ToolContract[Any]) -> str:
             if contract.side_effect is SideEffect.READ_ONLY
             else ": the effect may have happened."
         )
+    )
+
+
+def _after_unknown(contract: ToolContract[Any]) -> str:
+    """What changes once an earlier attempt's outcome was unknown (consumer/policy.py
+    after_attempt): "rejected" must still mean the effect did not happen."""
+    if contract.side_effect is SideEffect.READ_ONLY:
+        return ""
+    refusal = (
+        "" if contract.side_effect is SideEffect.DEDUPLICATED_WRITE else "a DefinitiveRejection or "
+    )
+    then = (
+        "looked up with reconcile() at once"
+        if contract.reconcile is not None
+        else "escalated to a person (reason effect_possible)"
+    )
+    return (
+        f" - unless an earlier attempt's outcome was unknown and no lookup has proved its "
+        f"effect absent since: then {refusal}NotSent with no retry left goes to "
+        f"outcome_unknown and is {then}, never rejected"
     )
 
 

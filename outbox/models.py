@@ -53,6 +53,9 @@ class Operation(_Record):
     provider_reference: str | None
     result: dict[str, Any] | None
     last_error_class: str | None
+    effect_possible: bool
+    """An attempt's outcome was unknown and no lookup has proved the effect absent since:
+    the effect may have happened, so no later failure can end the operation rejected."""
     created_at: datetime
     updated_at: datetime
 

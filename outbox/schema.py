@@ -61,8 +61,9 @@ def schema_version(connection: psycopg.Connection[Any]) -> int | None:
 
 
 def schema_is_current(connection: psycopg.Connection[Any]) -> bool:
-    """Whether this library's schema is applied: the newest table it needs exists. Asks
-    the catalog only, which needs no grant, so a least-privilege role can tell too."""
+    """Whether this library's schema is applied: the newest table, function and column
+    it needs exist (so a database at an older version is told to migrate). Asks the
+    catalog only, which needs no grant, so a least-privilege role can tell too."""
     return Store(connection, require_transaction=False).run(_schema_is_current())
 
 

@@ -75,10 +75,15 @@ WITH outcome AS (
 SELECT * FROM moved
 
 -- name: transition_operation
--- Guarded move source -> target (state and, when given, fencing token must match); appends the event and, when asked, a fresh outbox row.
+-- Guarded move source -> target (state and, when given, fencing token must match); appends the event and, when asked, a fresh outbox row. A move to outcome_unknown marks the effect possible; only a lookup that proved it absent (effect_disproved) clears the mark.
 WITH moved AS (
     UPDATE operations
     SET state = %(target)s,
+        effect_possible = CASE
+            WHEN %(target)s::text = 'outcome_unknown' THEN true
+            WHEN %(effect_disproved)s::boolean THEN false
+            ELSE effect_possible
+        END,
         lease_owner = NULL,
         lease_expires_at = NULL,
         provider_reference = COALESCE(%(provider_reference)s, provider_reference),
@@ -464,9 +469,12 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest table and function it needs exist. Catalog only, so any role may ask.
+-- Whether this library's schema is applied: the newest table, function and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('outbox_deployment') IS NOT NULL
-       AND to_regproc('outbox_notify_operation_changed') IS NOT NULL AS is_current
+       AND to_regproc('outbox_notify_operation_changed') IS NOT NULL
+       AND EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                   WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
+                     AND a.attname = 'effect_possible' AND NOT a.attisdropped) AS is_current
 
 -- name: database_exists
 -- Whether a database of this name exists on the server.

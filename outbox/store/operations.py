@@ -257,6 +257,7 @@ def transition(
     delay: timedelta | None = None,
     reconcile_attempt: bool = False,
     requeue: bool | None = None,
+    effect_disproved: bool = False,
 ) -> Plan[Operation]:
     """Move one operation ``source -> target`` if, and only if, it is still in ``source``
     and (for fenced sources) still under ``lease_token``.
@@ -266,6 +267,10 @@ def transition(
     that waits for an approval is queued by the grant instead). Raises
     :class:`IllegalTransition` for an edge the state machine forbids,
     :class:`LeaseLost` when the token is stale, and changes nothing in either case.
+
+    A move to ``outcome_unknown`` marks the operation ``effect_possible``; only
+    ``effect_disproved`` (a lookup proved the effect absent: ``outcome_unknown ->
+    prepared``) clears the mark, so no other move can make a possible effect look absent.
     """
     if target is OperationState.IN_FLIGHT:
         raise IllegalTransition("use claim() to move an operation in_flight")
@@ -273,6 +278,14 @@ def transition(
         raise IllegalTransition(
             f"{source} -> {target} is not a legal transition; from {source} an operation "
             f"may go to: {', '.join(legal_targets(source)) or 'nowhere (terminal)'}"
+        )
+    if effect_disproved and (source, target) != (
+        OperationState.OUTCOME_UNKNOWN,
+        OperationState.PREPARED,
+    ):
+        raise IllegalTransition(
+            "only a lookup of an unknown outcome (outcome_unknown -> prepared) can prove "
+            "an effect absent"
         )
     if source in FENCED_SOURCES and lease_token is None:
         raise IllegalTransition(
@@ -296,6 +309,7 @@ def transition(
             "error_class": error_class,
             "delay": delay,
             "reconcile_increment": 1 if reconcile_attempt else 0,
+            "effect_disproved": effect_disproved,
             "event_name": str(event_name),
             "event_attributes": Jsonb(event_attributes),
             "requeue": target is OperationState.PREPARED if requeue is None else requeue,

@@ -163,6 +163,10 @@ def resolve_operation(
             # A retry the person authorized is due now, not after a lookup's backoff.
             "delay": timedelta(0) if retry else None,
             "reconcile_increment": 0,
+            # A person's word moves the operation but is not a lookup: an effect that
+            # may have happened stays possible, so a later failure escalates again
+            # instead of ending rejected.
+            "effect_disproved": False,
             "event_name": str(EventName.RESOLVED),
             "event_attributes": Jsonb(stored),
             "requeue": retry,

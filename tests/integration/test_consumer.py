@@ -14,10 +14,20 @@ import sqlalchemy.exc
 
 from consumer.policy import LEASE_LOST_BEFORE_CALL, AttemptOutcome
 from consumer.reconciler import Reconciler
-from consumer.worker import Claimed, Consumer
+from consumer.worker import Claimed, Consumer, Skip
 from dispatcher.daemon import Dispatcher
-from outbox import OperationState, Registry, Settings, grant_approval, record_decision
+from outbox import (
+    OperationState,
+    Registry,
+    Settings,
+    SideEffect,
+    ToolContract,
+    grant_approval,
+    record_decision,
+    store,
+)
 from outbox.broker import OperationMessage
+from outbox.store import Store
 
 from support.broker_helpers import read_raw
 from support.consume_helpers import (
@@ -29,7 +39,7 @@ from support.consume_helpers import (
 )
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value, running_dispatcher
-from support.sample_tools import Ledger
+from support.sample_tools import Ledger, RefundInput
 from support.waiting import eventually
 
 S = OperationState
@@ -472,3 +482,75 @@ async def test_the_reconciler_outlives_a_failed_pass(
     assert failures_left == [0]
     assert ledger.calls == [str(op.id)]
     assert event_names(database_url, op.id)[-1] == "operation.reconciled"
+
+
+async def test_a_blind_replay_claimed_after_its_dedupe_window_goes_to_a_person(
+    fast: Settings, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    # A deduplicated write with no lookup is retried by replaying its key, which is safe
+    # only while the target remembers the key; this replay was decided in time, but is
+    # delivered after the window.
+    registry = Registry()
+    registry.register(
+        ToolContract(
+            name="send_refund",
+            version=1,
+            input_model=RefundInput,
+            side_effect=SideEffect.DEDUPLICATED_WRITE,
+            execute=ledger.refund,
+            dedupe_window=timedelta(minutes=5),
+            deadline=timedelta(seconds=2),
+        )
+    )
+    op = decide(engine, registry)
+    envelope = OperationMessage(
+        operation_id=op.id,
+        outbox_id=1,
+        tool=op.tool_name,
+        tool_version=op.tool_version,
+        input_fingerprint=op.input_fingerprint,
+    )
+    with engine.begin() as connection:
+        runner = Store(connection)
+        claimed = runner.run(store.claim(op.id, owner="w", lease=timedelta(minutes=1)))
+        assert claimed is not None
+        unknown = runner.run(
+            store.transition(
+                op.id,
+                source=S.IN_FLIGHT,
+                target=S.OUTCOME_UNKNOWN,
+                lease_token=claimed.lease_token,
+                error_class="response_lost",
+            )
+        )
+        runner.run(
+            store.transition(
+                op.id, source=S.OUTCOME_UNKNOWN, target=S.PREPARED, lease_token=unknown.lease_token
+            )
+        )
+    execute_admin(
+        database_url,
+        "UPDATE operations SET first_attempt_at = now() - interval '5 minutes' WHERE id = %s",
+        (op.id,),
+    )
+    consumer = Consumer(fast, registry)
+    try:
+        skipped = await consumer.claim(envelope)
+    finally:
+        await consumer.close()
+
+    assert isinstance(skipped, Skip)
+    assert skipped.result == "escalated"
+    assert ledger.calls == []
+    after = operation(database_url, op.id)
+    assert after.state is S.ESCALATED
+    assert event_names(database_url, op.id)[-1] == "operation.escalated"
+    assert (
+        counter_value(
+            consumer,
+            "outbox_escalations_total",
+            tool="send_refund",
+            reason="dedupe_window_passed",
+        )
+        == 1
+    )

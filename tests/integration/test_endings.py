@@ -14,13 +14,15 @@ from outbox import OperationState, Registry, Settings, record_decision
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.contracts import Registry as ToolRegistry
+from outbox.contracts import RetryPolicy, SideEffect, ToolContract
 from outbox.models import ApprovalDecision
 
-from support.consume_helpers import event_names, events, operation
+from support.consume_helpers import event_names, events, in_state, operation, running_consumer
 from support.db_helpers import execute_admin
-from support.dispatch_helpers import counter_value
+from support.dispatch_helpers import counter_value, running_dispatcher
 from support.ops_helpers import Ops
-from support.sample_tools import Ledger, build_registry
+from support.sample_tools import Ledger, RefundInput, build_registry
+from support.waiting import eventually
 
 S = OperationState
 HOUR_AGO = "now() - interval '1 hour'"
@@ -206,3 +208,63 @@ async def test_a_forged_approval_flag_is_never_executed(
     tampered = [e for e in events(database_url, forged.id) if e.name == "operation.tampered"]
     assert [e.attributes["check"] for e in tampered] == ["approval_flag_mismatch"]
     assert ledger.calls == []
+
+
+async def test_a_possible_effect_then_only_attempts_that_never_left_goes_to_a_person(
+    settings: Settings, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    # An idempotent write with no lookup: the first attempt lands and loses its answer,
+    # the blind retries never leave. "Rejected" would tell the agent "not done".
+    registry = ToolRegistry()
+    registry.register(
+        ToolContract(
+            name="send_refund",
+            version=1,
+            input_model=RefundInput,
+            side_effect=SideEffect.IDEMPOTENT_WRITE,
+            execute=ledger.refund,
+            retry=RetryPolicy(
+                max_attempts=3,
+                initial_backoff=timedelta(milliseconds=50),
+                max_backoff=timedelta(milliseconds=100),
+            ),
+            deadline=timedelta(seconds=2),
+        )
+    )
+    ledger.faults.extend(["drop_response", "not_sent", "not_sent"])
+    op = decide(engine, registry)
+    fast = settings.model_copy(update={"reconcile_interval": 0.05, "lease_margin": 0.5})
+
+    async with running_dispatcher(fast), running_consumer(fast, registry) as consumer:
+        await eventually(
+            in_state(database_url, op.id, S.ESCALATED, S.REJECTED), within=30, what="an ending"
+        )
+
+    final = operation(database_url, op.id)
+    assert final.state is S.ESCALATED
+    assert final.effect_possible
+    assert final.attempts == 3
+    assert ledger.calls == [str(op.id)] * 3
+    assert list(ledger.refunds) == [str(op.id)]  # the one effect, from the first attempt
+    names = event_names(database_url, op.id)
+    assert "operation.rejected" not in names
+    assert names == [
+        "operation.prepared",
+        "operation.attempted",
+        "operation.outcome_unknown",
+        "operation.retry_scheduled",
+        "operation.attempted",
+        "operation.retry_scheduled",
+        "operation.attempted",
+        "operation.outcome_unknown",
+        "operation.escalated",
+    ]
+    escalated = events(database_url, op.id)[-1].attributes
+    assert escalated["reason"] == "effect_possible"
+    assert escalated["last_error"] == "connect_failed"
+    assert (
+        counter_value(
+            consumer, "outbox_escalations_total", tool="send_refund", reason="effect_possible"
+        )
+        == 1
+    )

@@ -455,7 +455,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 3 is applied" in result.stdout
+        assert "schema version 4 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
             in result.stdout
@@ -467,7 +467,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 3
+            assert outbox_store.apply_schema(connection) == 4
             outbox_store.apply_roles(connection)
 
 

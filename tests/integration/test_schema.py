@@ -28,7 +28,7 @@ def test_applying_the_schema_again_is_harmless(
 
     for _ in range(2):
         with psycopg.connect(database_url) as connection:
-            assert store.apply_schema(connection) == 3
+            assert store.apply_schema(connection) == 4
 
     assert execute_admin(database_url, SCHEMA_OBJECTS) == before
     assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(1,)]
@@ -37,8 +37,40 @@ def test_applying_the_schema_again_is_harmless(
 def test_schema_version_is_none_on_an_empty_database(empty_database_url: str) -> None:
     with psycopg.connect(empty_database_url) as connection:
         assert store.schema_version(connection) is None
-        assert store.apply_schema(connection) == 3
-        assert store.schema_version(connection) == 3
+        assert store.apply_schema(connection) == 4
+        assert store.schema_version(connection) == 4
+
+
+def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> None:
+    # As a version-3 database looks: everything but operations.effect_possible.
+    execute_admin(database_url, "ALTER TABLE operations DROP COLUMN effect_possible")
+    execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 4")
+    with psycopg.connect(database_url) as connection:
+        assert not store.schema_is_current(connection)
+
+    with psycopg.connect(database_url) as connection:
+        assert store.apply_schema(connection) == 4
+    with psycopg.connect(database_url) as connection:
+        assert store.schema_is_current(connection)
+
+
+def test_an_operation_is_born_with_no_possible_effect(
+    database_url: str, engine: sa.Engine, registry: Registry
+) -> None:
+    with engine.begin() as connection:
+        recorded = record_decision(
+            connection, registry, "send_refund", {"payment_id": "p", "amount_cents": 1}, run_id="r"
+        ).operation
+    assert not recorded.effect_possible
+
+    with pytest.raises(psycopg.errors.CheckViolation, match="must be prepared"):
+        execute_admin(
+            database_url,
+            "INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, input,"
+            " input_fingerprint, effect_possible)"
+            " SELECT gen_random_uuid(), 'r2', tool_name, tool_version, side_effect, input,"
+            " input_fingerprint, true FROM operations",
+        )
 
 
 def test_operation_events_are_append_only(

@@ -339,3 +339,33 @@ def test_commit_many_refuses_a_stale_lease_token_and_commits_the_rest(ops: Ops) 
     assert ops.get(zombie.id) == reclaimed
     assert ops.event_names(zombie.id) == events_before
     assert ops.get(live.id).state is S.COMMITTED
+
+
+def test_only_a_lookup_that_proved_the_effect_absent_clears_a_possible_effect(ops: Ops) -> None:
+    operation = ops.at(S.IN_FLIGHT)
+    assert not operation.effect_possible
+    unknown = ops.move(operation, S.OUTCOME_UNKNOWN)
+    assert unknown.effect_possible
+
+    # A blind retry and a new attempt leave the mark: they prove nothing about the first.
+    retried = ops.move(unknown, S.PREPARED)
+    again = ops.move(ops.move(retried, S.IN_FLIGHT), S.OUTCOME_UNKNOWN)
+    assert (retried.effect_possible, again.effect_possible) == (True, True)
+    with pytest.raises(IllegalTransition, match="prove an effect absent"):
+        ops.run(
+            outbox_store.transition(
+                again.id, source=S.OUTCOME_UNKNOWN, target=S.ESCALATED, effect_disproved=True
+            )
+        )
+
+    absent = ops.run(
+        outbox_store.transition(
+            again.id,
+            source=S.OUTCOME_UNKNOWN,
+            target=S.PREPARED,
+            lease_token=again.lease_token,
+            reconcile_attempt=True,
+            effect_disproved=True,
+        )
+    )
+    assert (absent.state, absent.effect_possible) == (S.PREPARED, False)

@@ -1,4 +1,4 @@
-"""The consumer's decisions, row by row of the per-class retry table (DESIGN.md section 5).
+"""The consumer's decisions, row by row of the per-class retry table (docs/design.md section 5).
 
 | class | retryable-before-send | outcome_unknown |
 |---|---|---|
@@ -33,7 +33,9 @@ from consumer.policy import (
     after_attempt,
     after_lease_expired,
     after_lookup,
+    escalation_before_replay,
     for_unknown_outcome,
+    replay_window_passed,
 )
 from outbox.contracts import OnUnknown, RetryPolicy, SideEffect, ToolContract
 from outbox.models import Operation
@@ -119,6 +121,7 @@ def operation(**changes: Any) -> Operation:
         "provider_reference": None,
         "result": None,
         "last_error_class": None,
+        "effect_possible": False,
         "created_at": NOW - timedelta(minutes=1),
         "updated_at": NOW,
     }
@@ -128,7 +131,11 @@ def operation(**changes: Any) -> Operation:
 
 def unknown(**changes: Any) -> Operation:
     """An operation whose first attempt's outcome is unknown, due for attention."""
-    return operation(state=S.OUTCOME_UNKNOWN, last_error_class="response_lost", **changes)
+    return operation(
+        state=S.OUTCOME_UNKNOWN,
+        last_error_class="response_lost",
+        **{"effect_possible": True, **changes},
+    )
 
 
 # --- after an attempt: the same for every class, except an unknown outcome's follow-up
@@ -298,7 +305,9 @@ def test_a_retry_without_lookup_escalates_past_the_attempt_budget(side_effect: S
 
 
 def test_a_deduplicated_write_retries_the_same_key_inside_the_window() -> None:
-    first = NOW - WINDOW + DEADLINE + timedelta(seconds=1)  # one second left to replay
+    # The replay waits its one-second backoff, may run a whole deadline, and must end
+    # inside the window: one second to spare.
+    first = NOW - WINDOW + DEADLINE + timedelta(seconds=2)
 
     decision = for_unknown_outcome(
         unknown(first_attempt_at=first), contract(SideEffect.DEDUPLICATED_WRITE), now=NOW
@@ -313,8 +322,9 @@ def test_a_deduplicated_write_retries_the_same_key_inside_the_window() -> None:
 
 
 def test_a_deduplicated_write_escalates_once_a_call_could_outlive_the_window() -> None:
-    # A replay sent now could still be running when the target forgets the key.
-    first = NOW - WINDOW + DEADLINE
+    # A replay sent after its backoff could still be running when the target forgets
+    # the key.
+    first = NOW - WINDOW + DEADLINE + timedelta(seconds=1)
 
     decision = for_unknown_outcome(
         unknown(first_attempt_at=first), contract(SideEffect.DEDUPLICATED_WRITE), now=NOW
@@ -413,6 +423,7 @@ def test_a_proven_absent_effect_goes_back_to_prepared_for_a_new_attempt() -> Non
         {"result": "not_found", "method": "lookup"},
         event=EventName.RECONCILED,
         reconcile_attempt=True,
+        effect_disproved=True,
     )
 
 
@@ -450,6 +461,145 @@ def test_the_last_inconclusive_lookup_escalates_with_its_evidence() -> None:
     )
 
 
+# --- after an attempt on an operation whose effect may have happened
+
+
+def after_unknown(**changes: Any) -> Operation:
+    """In flight again after an earlier attempt's outcome was unknown."""
+    return operation(effect_possible=True, last_error_class="response_lost", **changes)
+
+
+def escalated_as_effect_possible(attempts: int, code: str, policy: str) -> Transition:
+    return Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        {"attempt": attempts, "policy": policy},
+        error_class=code,
+        then=Escalation(
+            EscalationReason.EFFECT_POSSIBLE,
+            Transition(
+                S.OUTCOME_UNKNOWN,
+                S.ESCALATED,
+                {
+                    "reason": "effect_possible",
+                    "attempts": attempts,
+                    "reconcile_attempts": 0,
+                    "last_error": code,
+                },
+            ),
+        ),
+    )
+
+
+WRITES = [side_effect for side_effect in EVERY_CLASS if side_effect is not SideEffect.READ_ONLY]
+
+
+@pytest.mark.parametrize("side_effect", WRITES)
+def test_a_failure_before_send_past_the_budget_after_an_unknown_outcome_goes_to_a_person(
+    side_effect: SideEffect,
+) -> None:
+    move = after_attempt(
+        after_unknown(attempts=3),
+        contract(side_effect),
+        Attempt(AttemptOutcome.NOT_SENT, "connect_refused"),
+    )
+
+    assert move == escalated_as_effect_possible(
+        3, "connect_refused", "retry_budget_exhausted_after_unknown"
+    )
+
+
+def test_a_code_the_contract_does_not_retry_after_an_unknown_outcome_goes_to_a_person() -> None:
+    only_refusals = RetryPolicy(
+        max_attempts=3, jitter=0.0, retryable_codes=frozenset({"connect_refused"})
+    )
+
+    move = after_attempt(
+        after_unknown(attempts=2),
+        contract(SideEffect.IDEMPOTENT_WRITE, retry=only_refusals),
+        Attempt(AttemptOutcome.NOT_SENT, "dns_failure"),
+    )
+
+    assert move.target is S.OUTCOME_UNKNOWN
+    assert move.then is not None
+    assert move.then.reason is EscalationReason.EFFECT_POSSIBLE
+
+
+@pytest.mark.parametrize("side_effect", WRITES)
+def test_with_a_lookup_a_possible_effect_past_the_budget_is_looked_up_at_once(
+    side_effect: SideEffect,
+) -> None:
+    move = after_attempt(
+        after_unknown(attempts=3),
+        contract(side_effect, lookup=True),
+        Attempt(AttemptOutcome.NOT_SENT, "connect_refused"),
+    )
+
+    # No delay: nothing of this attempt is still running for the lookup to wait for.
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.OUTCOME_UNKNOWN,
+        {"attempt": 3, "policy": "retry_budget_exhausted_after_unknown"},
+        error_class="connect_refused",
+    )
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+def test_a_failure_before_send_within_the_budget_after_an_unknown_outcome_still_retries(
+    side_effect: SideEffect,
+) -> None:
+    move = after_attempt(
+        after_unknown(attempts=2),
+        contract(side_effect),
+        Attempt(AttemptOutcome.NOT_SENT, "connect_refused"),
+    )
+
+    assert (move.target, move.then) == (S.PREPARED, None)
+
+
+def test_a_read_has_no_effect_to_be_unsure_of_so_past_the_budget_it_ends_rejected() -> None:
+    for outcome in (AttemptOutcome.NOT_SENT, AttemptOutcome.REJECTED):
+        move = after_attempt(
+            after_unknown(attempts=3), contract(SideEffect.READ_ONLY), Attempt(outcome, "no")
+        )
+
+        assert (move.target, move.then) == (S.REJECTED, None)
+
+
+@pytest.mark.parametrize(
+    "side_effect", [SideEffect.IDEMPOTENT_WRITE, SideEffect.NON_REPEATABLE_WRITE]
+)
+def test_a_refusal_after_an_unknown_outcome_says_nothing_of_the_earlier_attempt(
+    side_effect: SideEffect,
+) -> None:
+    # "Already closed": the target judges the request against what the first one did.
+    move = after_attempt(
+        after_unknown(attempts=2),
+        contract(side_effect),
+        Attempt(AttemptOutcome.REJECTED, "ticket_closed"),
+    )
+
+    assert move == escalated_as_effect_possible(2, "ticket_closed", "rejected_after_unknown")
+
+
+def test_a_refusal_of_a_replayed_deduplication_key_is_the_first_requests_answer() -> None:
+    move = after_attempt(
+        after_unknown(attempts=2),
+        contract(SideEffect.DEDUPLICATED_WRITE),
+        Attempt(AttemptOutcome.REJECTED, "card_declined"),
+    )
+
+    assert move == Transition(S.IN_FLIGHT, S.REJECTED, {"attempt": 2}, error_class="card_declined")
+
+
+def test_a_blind_retry_of_an_unknown_outcome_does_not_clear_the_possible_effect() -> None:
+    move = for_unknown_outcome(unknown(), contract(SideEffect.IDEMPOTENT_WRITE), now=NOW)
+
+    assert isinstance(move, Transition)
+    assert move.target is S.PREPARED
+    assert not move.effect_disproved
+
+
 # --- every decision, whatever the inputs
 
 
@@ -464,6 +614,7 @@ operations = st.builds(
     attempts=st.integers(1, 5),
     reconcile_attempts=st.integers(0, 5),
     first_attempt_at=st.one_of(st.none(), st.just(NOW - 2 * WINDOW), st.just(NOW)),
+    effect_possible=st.booleans(),
 )
 attempts = st.builds(
     Attempt,
@@ -493,8 +644,9 @@ def test_every_decision_is_a_legal_move_and_only_a_lookup_reopens_a_non_repeatab
     unknown_next = moves(for_unknown_outcome(operation, contract, now=NOW))
     looked_up = moves(after_lookup(operation, contract, lookup))
 
+    attempted = after_attempt(in_flight, contract, attempt)
     for source, move in [
-        (S.IN_FLIGHT, after_attempt(in_flight, contract, attempt)),
+        (S.IN_FLIGHT, attempted),
         (S.IN_FLIGHT, after_lease_expired(in_flight)),
         (S.OUTCOME_UNKNOWN, unknown_next),
         (S.OUTCOME_UNKNOWN, looked_up),
@@ -502,7 +654,73 @@ def test_every_decision_is_a_legal_move_and_only_a_lookup_reopens_a_non_repeatab
         if move is not None:
             assert move.source is source
             assert is_legal(move.source, move.target)
+            if move.then is not None:
+                then = move.then.transition
+                assert then.source is move.target
+                assert is_legal(then.source, then.target)
+            # Only a lookup that found nothing may clear a possible effect.
+            assert not move.effect_disproved or isinstance(lookup, NotFound)
+    if operation.effect_possible and contract.side_effect is not SideEffect.READ_ONLY:
+        # Whatever this attempt came to, the earlier one may have done the effect.
+        assert attempted.target is not S.REJECTED or (
+            attempt.outcome is AttemptOutcome.REJECTED
+            and contract.side_effect is SideEffect.DEDUPLICATED_WRITE
+        )
     if contract.side_effect is SideEffect.NON_REPEATABLE_WRITE:
         assert unknown_next is None or unknown_next.target is not S.PREPARED
         if looked_up is not None and looked_up.target is S.PREPARED:
             assert isinstance(lookup, NotFound)
+
+
+# --- at the claim: a blind replay decided inside the window may run after it
+
+
+def prepared_again(**changes: Any) -> Operation:
+    """A deduplicated write sent back to prepared for a blind replay of its key."""
+    return operation(
+        state=S.PREPARED,
+        lease_owner=None,
+        lease_expires_at=None,
+        last_error_class="response_lost",
+        **changes,
+    )
+
+
+def test_a_replay_claimed_while_the_call_still_fits_the_window_runs() -> None:
+    first = NOW - WINDOW + DEADLINE + timedelta(seconds=1)
+
+    assert not replay_window_passed(
+        prepared_again(first_attempt_at=first), contract(SideEffect.DEDUPLICATED_WRITE), now=NOW
+    )
+
+
+def test_a_replay_claimed_too_late_for_the_window_goes_to_a_person() -> None:
+    first = NOW - WINDOW + DEADLINE
+    late = prepared_again(first_attempt_at=first, attempts=1)
+
+    assert replay_window_passed(late, contract(SideEffect.DEDUPLICATED_WRITE), now=NOW)
+    decision = escalation_before_replay(late)
+    assert decision.reason is EscalationReason.DEDUPE_WINDOW_PASSED
+    assert (decision.transition.source, decision.transition.target) == (S.PREPARED, S.ESCALATED)
+
+
+@pytest.mark.parametrize(
+    ("side_effect", "lookup", "attempts"),
+    [
+        (SideEffect.DEDUPLICATED_WRITE, False, 0),  # never attempted: no key to replay
+        (SideEffect.DEDUPLICATED_WRITE, True, 1),  # back only after a lookup proved absence
+        (SideEffect.IDEMPOTENT_WRITE, False, 1),  # the target dedupes for good
+        (SideEffect.NON_REPEATABLE_WRITE, True, 1),
+        (SideEffect.READ_ONLY, False, 1),
+    ],
+)
+def test_only_a_blind_replay_of_a_deduplicated_write_is_bound_by_the_window(
+    side_effect: SideEffect, lookup: bool, attempts: int
+) -> None:
+    long_ago = NOW - 10 * WINDOW
+
+    assert not replay_window_passed(
+        prepared_again(created_at=long_ago, first_attempt_at=long_ago, attempts=attempts),
+        contract(side_effect, lookup=lookup),
+        now=NOW,
+    )

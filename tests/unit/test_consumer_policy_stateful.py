@@ -24,7 +24,6 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -250,6 +249,7 @@ class System:
             provider_reference=None,
             result=None,
             last_error_class=None,
+            effect_possible=False,
             created_at=self.now,
             updated_at=self.now,
         )
@@ -279,15 +279,26 @@ class System:
         if row.state is not move.source or row.lease_token != decided_with.lease_token:
             return False  # fenced: another process moved it first
         assert is_legal(move.source, move.target), f"{move.source} -> {move.target}"
-        self._update(
+        assert not move.effect_disproved or (move.source, move.target) == (
+            S.OUTCOME_UNKNOWN,
+            S.PREPARED,
+        )
+        row = self._update(
             row,
             state=move.target,
+            # As transition_operation does: set by every unknown outcome, cleared only by
+            # a lookup that proved the effect absent.
+            effect_possible=move.target is S.OUTCOME_UNKNOWN
+            or (row.effect_possible and not move.effect_disproved),
             lease_expires_at=None,
             last_error_class=move.error_class or row.last_error_class,
             next_attempt_at=row.next_attempt_at if move.delay is None else self.now + move.delay,
             reconcile_attempts=row.reconcile_attempts + move.reconcile_attempt,
             provider_reference=move.provider_reference or row.provider_reference,
         )
+        if move.then is not None:
+            # Same transaction in the store: nothing can come between the two moves.
+            assert self.move(row, move.then.transition)
         return True
 
     def defer(self, decided_with: Operation, deferral: policy.Deferral) -> bool:
@@ -325,6 +336,11 @@ class System:
         ]
 
     def deliver(self, operation_id: uuid.UUID) -> Hand | None:
+        row, contract = self.rows[operation_id], self.contracts[operation_id]
+        # As the worker's checks do, before the claim.
+        if row.state is S.PREPARED and policy.replay_window_passed(row, contract, now=self.now):
+            self.apply(row, policy.escalation_before_replay(row))
+            return None
         claimed = self.claim(operation_id)
         if claimed is None:
             return None
@@ -390,19 +406,7 @@ class System:
         """Time passes, and the target forgets the keys it kept for their whole window."""
         self.now += step
         for key in self.provider.forgettable(self.now):
-            if not self._replay_in_window_pending(key):
-                del self.provider.keys[key]
-
-    def _replay_in_window_pending(self, key: uuid.UUID) -> bool:
-        """The model's one assumption: the target keeps a key while a blind replay that
-        the policy decided inside the window is queued or running. Today's policy checks
-        the window when it decides a replay, not when the replay runs; see
-        test_a_blind_replay_that_runs_after_the_window_is_a_second_effect."""
-        row, decided = self.rows[key], self.blind_retries.get(key)
-        if decided is None or row.state not in (S.PREPARED, S.IN_FLIGHT):
-            return False
-        assert row.first_attempt_at is not None
-        return decided < row.first_attempt_at + WINDOW - DEADLINE
+            del self.provider.keys[key]
 
 
 class WorkerFate(StrEnum):
@@ -448,8 +452,11 @@ class ConsumerModel(RuleBasedStateMachine):
         fate=st.sampled_from(list(WorkerFate)),
     )
     def delivery(self, data: st.DataObject, behaviour: Behaviour, fate: WorkerFate) -> None:
-        hand = self.system.deliver(data.draw(st.sampled_from(self.system.claimable())))
-        assert hand is not None
+        operation_id = data.draw(st.sampled_from(self.system.claimable()))
+        hand = self.system.deliver(operation_id)
+        if hand is None:  # a replay too late for its window: a person decides instead
+            assert self.system.rows[operation_id].state is S.ESCALATED
+            return
         if fate is WorkerFate.STALLS_BEFORE_CALL:
             return
         self.system.call(hand, behaviour)
@@ -503,6 +510,14 @@ class ConsumerModel(RuleBasedStateMachine):
                 assert self.system.provider.effects[row.id] == 1
 
     @invariant()
+    def a_rejected_write_has_no_effect_and_none_to_come(self) -> None:
+        # What "rejected" tells the agent: not done, and never will be.
+        for row in self.system.rows.values():
+            if row.state is S.REJECTED and row.side_effect is not SideEffect.READ_ONLY:
+                assert self.system.provider.effects[row.id] == 0
+                assert self.system.provider.in_progress[row.id] == 0
+
+    @invariant()
     def no_settled_operation_moves_again(self) -> None:
         for row in self.system.rows.values():
             if row.id in self.settled:
@@ -526,34 +541,25 @@ TestConsumerModel = ConsumerModel.TestCase
 # --- what the model found: gaps in today's policy, pinned until they are closed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the dedupe window is checked when a retry is decided, not when it runs",
-)
-def test_a_blind_replay_that_runs_after_the_window_is_a_second_effect() -> None:
+def test_a_blind_replay_that_would_run_after_the_window_goes_to_a_person() -> None:
     system = System()
     operation_id = system.decide(CONTRACTS["deduplicated"])
     system.deliver(operation_id)
     (hand,) = system.hands
     system.call(hand, Behaviour.LOSE_ANSWER)  # the effect happened; the answer is lost
     system.record(hand)
-    system.advance(WINDOW - DEADLINE - timedelta(seconds=1))
-    system.reconcile(operation_id)  # inside the window: retry the same key
-    system.advance(timedelta(seconds=30))  # the consumers were slow to get to it
-    (key,) = system.provider.forgettable(system.now)
-    del system.provider.keys[key]  # the target may: the key has had its whole window
-    system.deliver(operation_id)
-    for hand in list(system.hands):
-        system.call(hand, Behaviour.CONFIRM)
+    system.advance(WINDOW / 2)
+    system.reconcile(operation_id)  # well inside the window: retry the same key
+    assert system.rows[operation_id].state is S.PREPARED
+    system.advance(WINDOW)  # the consumers were slow to get to it; the target forgot
+    assert not system.provider.keys
+    delivered = system.deliver(operation_id)
 
-    assert system.provider.effects[operation_id] <= 1
+    assert delivered is None
+    assert system.rows[operation_id].state is S.ESCALATED
+    assert system.provider.effects[operation_id] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after_attempt ends a NotSent past the budget rejected, whatever an earlier "
-    "attempt whose outcome was unknown may have done",
-)
 def test_an_operation_whose_effect_may_have_happened_is_never_called_rejected() -> None:
     system = System()
     operation_id = system.decide(CONTRACTS["idempotent"])
