@@ -132,7 +132,7 @@ async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
         # A consumer without the tool turns each of its messages away to the dead letters.
         consumer = Consumer(consumer_settings, refunds_only)
         try:
-            (verdict,) = await consumer._prepare_many([envelope])
+            verdict = await consumer.claim(envelope)
         finally:
             await consumer.close()
         assert getattr(verdict, "dead_letter_reason", None) == "unknown_tool"
@@ -199,7 +199,7 @@ async def test_a_forged_approval_flag_is_never_executed(
     )  # fmt: skip
     consumer = Consumer(settings, registry)
     try:
-        (verdict,) = await consumer._prepare_many([envelope])
+        verdict = await consumer.claim(envelope)
     finally:
         await consumer.close()
 

@@ -841,7 +841,7 @@ async def test_a_refund_forged_by_the_agent_role_is_escalated_as_tampering_never
         input_fingerprint=row.input_fingerprint,
     )
     try:
-        (verdict,) = await consumer._prepare_many([envelope])
+        verdict = await consumer.claim(envelope)
     finally:
         await consumer.close()
 
