@@ -251,6 +251,13 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     (2 for configuration, 1 for anything else the runtime refused)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    return run_parsed(args, f"outbox {args.command}")
+
+
+def run_parsed(args: argparse.Namespace, name: str) -> int:
+    """Run ``args.handler`` as :func:`run_command` does; ``name`` heads error messages.
+    Shared with commands that are not in the wheel (``python -m harness.chaos``), so they
+    load settings and fail the same way."""
     try:
         settings = _settings_from(args)
         configure_logging(settings.log_level, settings.log_format)
@@ -262,22 +269,22 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     except ConfigurationError as error:
-        _report(args, f"configuration error: {error}")
+        _report(name, f"configuration error: {error}")
         return 2
     except OutboxError as error:
-        _report(args, f"error: {error}")
+        _report(name, f"error: {error}")
         return 1
     except psycopg.Error as error:
         # A driver error no command translated: its text can quote the connection string.
         sqlstate = f"SQLSTATE {error.sqlstate}, " if error.sqlstate else ""
-        _report(args, f"error: database error ({sqlstate}{connect_failure(error)})")
+        _report(name, f"error: database error ({sqlstate}{connect_failure(error)})")
         return 1
 
 
-def _report(args: argparse.Namespace, message: str) -> None:
+def _report(name: str, message: str) -> None:
     # One line, and nothing a terminal would act on: messages can carry names and ids
     # someone else chose.
-    print(f"outbox {args.command}: {printable(message)}", file=sys.stderr)
+    print(f"{name}: {printable(message)}", file=sys.stderr)
 
 
 # What a shell reports for a process killed by SIGPIPE (128 + 13), as for coreutils in

@@ -480,7 +480,7 @@ SELECT to_regclass('outbox_deployment') IS NOT NULL
 -- Whether a database of this name exists on the server.
 SELECT 1 FROM pg_database WHERE datname = %(name)s
 
--- ==== outbox.store.diagnostics: only `outbox chaos` runs these
+-- ==== harness/diagnostics.py: only the chaos harness runs these (it is not in the wheel)
 
 -- name: terminate_backends
 -- End every session of these applications in this database except the caller's own; how many ended.

@@ -8,11 +8,11 @@
 - :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
-- :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions;
-- :mod:`~outbox.store.diagnostics`: the sessions ``outbox chaos`` ends and inspects.
+- :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions.
 
-Every statement they run is named in ``outbox/sql/queries.sql``. The DDL and database
-administration live in :mod:`outbox.schema`.
+Every statement they run is named in ``outbox/sql/queries.sql``, as are the two that
+only the chaos harness runs (``harness/diagnostics.py``, which the wheel leaves out).
+The DDL and database administration live in :mod:`outbox.schema`.
 
 Callers use the package as one namespace (``from outbox import store``;
 ``store.transition(...)``), so everything public is re-exported here, the schema
@@ -40,7 +40,6 @@ from outbox.store.awaiting import (
     operation_outcomes,
     operation_outcomes_changed,
 )
-from outbox.store.diagnostics import session_snapshot, terminate_backends
 from outbox.store.dispatch import (
     NOTIFY_CHANNEL,
     Backlog,
@@ -157,7 +156,5 @@ __all__ = [
     "resolve_operation",
     "schema_is_current",
     "schema_version",
-    "session_snapshot",
-    "terminate_backends",
     "transition",
 ]

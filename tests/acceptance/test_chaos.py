@@ -1,5 +1,5 @@
-"""`outbox chaos`: the guarantee holds while daemons, the broker, the database sessions,
-the network links and the provider are broken under a seeded schedule."""
+"""`python -m harness.chaos`: the guarantee holds while daemons, the broker, the database
+sessions, the network links and the provider are broken under a seeded schedule."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import aio_pika
 import psycopg
 import pytest
 
-from outbox.models import OperationEvent
-from outbox.sandbox.chaos import (
+from harness.chaos import (
     FAULT_CATEGORIES,
     RUN_OVERHEAD_SECONDS,
     Tally,
@@ -30,9 +29,12 @@ from outbox.sandbox.chaos import (
     liveness_bound,
     run_deadline,
 )
+from outbox.models import OperationEvent
 from outbox.states import OperationState
 
-OUTBOX = str(Path(sys.executable).parent / "outbox")
+# The harness is not installed (it is not in the wheel): it runs from the checkout, whose
+# root `python -m` puts on sys.path when it is the working directory.
+REPOSITORY = Path(__file__).resolve().parents[2]
 # Every fault kind the run counts; the short run must land each at least once.
 FAULT_COUNTS = tuple(
     name
@@ -77,7 +79,12 @@ class Finished:
 
 def run_within_deadline(command: list[str], environment: dict[str, str]) -> Finished:
     process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        env=environment,
+        cwd=REPOSITORY,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         stdout, stderr = process.communicate(timeout=RUN_DEADLINE)
@@ -89,7 +96,7 @@ def run_within_deadline(command: list[str], environment: dict[str, str]) -> Fini
             process.kill()
             stdout, stderr = process.communicate()
         raise AssertionError(
-            f"outbox chaos ran past its own deadline ({RUN_DEADLINE:.0f} s) and was stopped "
+            f"the chaos run ran past its own deadline ({RUN_DEADLINE:.0f} s) and was stopped "
             f"with SIGTERM:\n{stdout}\n{stderr}"
         ) from None
     return Finished(process.returncode, stdout, stderr)
@@ -106,7 +113,8 @@ def test_chaos_loses_nothing_and_duplicates_nothing(
         "OUTBOX_AMQP_URL": amqp_server_url,
     }
     result = run_within_deadline(
-        [OUTBOX, "chaos", "--operations", str(CI_OPERATIONS), "--seed", "7"], environment
+        [sys.executable, "-m", "harness.chaos", "--operations", str(CI_OPERATIONS), "--seed", "7"],
+        environment,
     )
 
     assert result.returncode == 0, result.stdout + result.stderr

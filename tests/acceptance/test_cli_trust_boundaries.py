@@ -19,8 +19,9 @@ OP = f"op_{uuid.UUID(int=5)}"
 # Nothing here may reach a broker: a command that got this far would fail fast instead.
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 
-# Every command that reads OUTBOX_DATABASE_URL (`outbox chaos` too, but it is not run
-# here: a bug that let it start would restart the shared RabbitMQ).
+# Every `outbox` command that reads OUTBOX_DATABASE_URL. The chaos harness reads it too
+# but is no `outbox` command (python -m harness.chaos, outside the wheel), and is not
+# run here: a bug that let it start would restart the shared RabbitMQ.
 DATABASE_COMMANDS = [
     ["migrate"],
     ["migrate", "--roles", "--broker"],

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from harness.proxy import tcp_proxy
 from outbox import Registry, Settings
-from outbox.sandbox.proxy import tcp_proxy
 
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import SecretStr
 
+from harness.proxy import TcpProxy, tcp_proxy_for, url_through
 from outbox import Registry, Settings
-from outbox.sandbox.proxy import TcpProxy, tcp_proxy_for, url_through
 
 from support.broker_helpers import read_all
 from support.dispatch_helpers import (

@@ -18,9 +18,9 @@ import psycopg
 import pytest
 from pydantic import SecretStr
 
+from harness.proxy import TcpProxy, tcp_proxy_for, url_through
 from outbox import OperationState, Registry, Settings, record_decision
 from outbox.connections import DatabaseBounds
-from outbox.sandbox.proxy import TcpProxy, tcp_proxy_for, url_through
 
 from support.broker_helpers import read_all
 from support.consume_helpers import event_names, in_state, operation, running_consumer

@@ -70,9 +70,10 @@ TABLES = (
     "outbox_deployment",
 )
 
-# Not group roles: `outbox migrate` runs as the schema's owner, and `outbox chaos` as
-# an administrator of its own database; roles.sql grants them nothing.
-MIGRATE, CHAOS = "outbox migrate", "outbox chaos"
+# Not group roles: `outbox migrate` runs as the schema's owner, and the chaos harness
+# (harness/diagnostics.py, not in the wheel) as an administrator of its own database;
+# roles.sql grants them nothing.
+MIGRATE, CHAOS = "outbox migrate", "python -m harness.chaos"
 
 # Which statements of queries.sql each component runs. A query nobody claims fails
 # test_every_query_belongs_to_a_component: whoever adds one decides who needs it,

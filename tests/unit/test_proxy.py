@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from outbox.sandbox.proxy import ThreadedProxy
+from harness.proxy import ThreadedProxy
 
 from support.waiting import eventually_sync
 

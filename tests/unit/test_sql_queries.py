@@ -93,8 +93,14 @@ def test_query_without_sql_is_refused(body: str) -> None:
         parse_queries(text)
 
 
-# The code that runs SQL: the store package, and outbox.schema for the migrations.
-SQL_MODULES = [*sorted(Path(store.__file__).parent.glob("*.py")), Path(schema.__file__)]
+# The code that runs SQL: the store package, outbox.schema for the migrations, and the
+# chaos harness's diagnostics (outside the wheel, but its statements are named here too).
+HARNESS = Path(__file__).resolve().parents[2] / "harness"
+SQL_MODULES = [
+    *sorted(Path(store.__file__).parent.glob("*.py")),
+    Path(schema.__file__),
+    *sorted(HARNESS.glob("*.py")),
+]
 
 
 def step_names(source: str) -> tuple[set[str], list[int]]:

@@ -15,7 +15,7 @@ answer, or between an UPDATE and its COMMIT.
 
 :class:`TcpProxy` runs on the caller's event loop (tests); :class:`ThreadedProxy` runs
 one on a loop of its own in a background thread, for synchronous callers such as
-``outbox chaos``.
+:mod:`harness.chaos`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``outbox chaos``: many refunds through the whole system while it is being broken.
+"""``python -m harness.chaos``: many refunds through the whole system while it is broken.
 
 Two dispatchers and two consumers run as real subprocesses against a database, broker
 names and payment sandbox of their own; one daemon of each kind reaches the broker and
@@ -17,6 +17,9 @@ status 0 only if nothing was lost, no decision had two effects, no operation was
 retried after an unknown outcome that was never proven absent, every operation's
 events follow the state machine, and nothing stayed in flight past its lease.
 Everything is removed at the end, and a broker the run stopped is started again.
+Not part of the wheel (it stops the local broker and ends database sessions): run it from
+a checkout, where the editable install puts the repository root on ``sys.path``. Its
+flags, output and exit status are those of the former ``outbox chaos``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ from urllib.parse import urlsplit
 
 import psycopg
 
+from harness.diagnostics import session_snapshot, terminate_backends
+from harness.proxy import ThreadedProxy, url_through
 from outbox import store
+from outbox.cli import add_setting_flags, run_parsed
 from outbox.decisions import record_decision
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import load_registry
@@ -52,7 +58,6 @@ from outbox.migrate import migrate
 from outbox.models import OperationEvent
 from outbox.sandbox.demo import DemoNames, clean_up
 from outbox.sandbox.provider import Faults, SandboxProvider
-from outbox.sandbox.proxy import ThreadedProxy, url_through
 from outbox.settings import Settings, redact_url, with_database
 from outbox.states import EventName, OperationState, is_legal
 from outbox.store import Store
@@ -130,15 +135,17 @@ FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
 SETTLED = (OperationState.COMMITTED, OperationState.REJECTED, OperationState.ESCALATED)
 
 
-def register(commands: Any) -> None:
-    parser: argparse.ArgumentParser = commands.add_parser(
-        "chaos",
-        help="stream refunds through the whole system under seeded faults; check the guarantee",
+PROGRAM = "python -m harness.chaos"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from outbox.cli import add_setting_flags
-
+    # The two flags `outbox` took before a subcommand: every flag of `outbox chaos` stays.
+    add_setting_flags(parser, "log_level", "log_format")
     add_setting_flags(parser, "database_url", "amqp_url")
     parser.add_argument(
         "--operations", type=_positive_int, default=300, help="decisions to record (300)"
@@ -165,6 +172,13 @@ def register(commands: Any) -> None:
         "the liveness bound, 2 x (lease + reconcile budget) of the sandbox refund tool)",
     )
     parser.set_defaults(handler=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, then run as ``outbox`` runs its commands: the same settings, logging and
+    exit codes (2 for configuration, 1 for anything the runtime refused)."""
+    return run_parsed(build_parser().parse_args(argv), PROGRAM)
 
 
 def _positive_int(text: str) -> int:
@@ -882,7 +896,7 @@ class Chaos:
 
     def _fault_db_connection_kill(self, fault: ScheduledFault) -> bool:
         with psycopg.connect(self.names.database_url, autocommit=True) as connection:
-            ended = store.terminate_backends(connection, list(APPLICATION_NAMES.values()))
+            ended = terminate_backends(connection, list(APPLICATION_NAMES.values()))
         self.tally.db_connection_kills += ended
         return ended > 0
 
@@ -984,7 +998,7 @@ class Chaos:
         """The run database's sessions now (evidence if the run did not settle)."""
         try:
             with psycopg.connect(self.names.database_url, autocommit=True) as connection:
-                return store.session_snapshot(connection)
+                return session_snapshot(connection)
         except (psycopg.Error, OutboxError) as failure:
             return [f"(no snapshot: {type(failure).__name__})"]
 
@@ -1115,3 +1129,7 @@ def _check_sequence(
     if state is not final:
         verdict.illegal_sequences += 1
         verdict.examples.append(f"{operation_id}: events end in {state}, the row is {final}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
