@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import aio_pika
-import aiormq.exceptions
-import psycopg
 import pytest
+
+from support.demo_runs import assert_removed, tag_of
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 EXAMPLE = REPOSITORY / "examples" / "agent_refund.py"
-CREATED = re.compile(r"database outbox_demo_(\w+) and broker names demo\.(\w+)\.\* created")
 TRACE = re.compile(r"^\s+((?:operation|agent)\.\w+)\s+id=(\S+)", re.MULTILINE)
 
 
@@ -60,33 +57,3 @@ def test_the_example_refunds_once_and_the_agent_says_so(
     assert re.search(r"operation\.reconciled\s+id=op_\S+ result=committed", out)
     assert re.search(r"agent\.completed\s+id=run_\w+ outcome=refund_confirmed$", out, re.MULTILINE)
     assert_removed(tag_of(out), postgres_server_url, amqp_server_url)
-
-
-def tag_of(output: str) -> str:
-    found = CREATED.search(output)
-    assert found, f"the example never said what it created:\n{output}"
-    assert found.group(1) == found.group(2)
-    return found.group(1)
-
-
-def assert_removed(tag: str, postgres_server_url: str, amqp_server_url: str) -> None:
-    with psycopg.connect(postgres_server_url, autocommit=True) as connection:
-        left = connection.execute(
-            "SELECT datname FROM pg_database WHERE datname = %s", (f"outbox_demo_{tag}",)
-        ).fetchall()
-    assert left == []
-    assert asyncio.run(existing_queues(amqp_server_url, tag)) == []
-
-
-async def existing_queues(amqp_url: str, tag: str) -> list[str]:
-    existing = []
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        for queue in (f"demo.{tag}.operations", f"demo.{tag}.operations.dead"):
-            # A passive declare of a missing queue closes its channel: one channel each.
-            try:
-                await (await connection.channel()).get_queue(queue, ensure=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                continue
-            existing.append(queue)
-    return existing

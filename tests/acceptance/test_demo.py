@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -11,16 +10,13 @@ import sys
 import threading
 from pathlib import Path
 
-import aio_pika
-import aiormq.exceptions
-import psycopg
 import pytest
 
+from support.demo_runs import CREATED, assert_removed, tag_of
 from support.waiting import eventually_sync
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 # The line the demo prints once its database and queues exist, naming them by its tag.
-CREATED = re.compile(r"database outbox_demo_(\w+) and broker names demo\.(\w+)\.\* created")
 
 
 def demo_environment(postgres_server_url: str, amqp_server_url: str) -> dict[str, str]:
@@ -29,37 +25,6 @@ def demo_environment(postgres_server_url: str, amqp_server_url: str) -> dict[str
         "OUTBOX_DATABASE_URL": postgres_server_url,
         "OUTBOX_AMQP_URL": amqp_server_url,
     }
-
-
-def tag_of(output: str) -> str:
-    found = CREATED.search(output)
-    assert found, f"the demo never said what it created:\n{output}"
-    assert found.group(1) == found.group(2)
-    return found.group(1)
-
-
-def assert_removed(tag: str, postgres_server_url: str, amqp_server_url: str) -> None:
-    """What this run of the demo created is gone; other runs' objects are not ours."""
-    with psycopg.connect(postgres_server_url, autocommit=True) as connection:
-        left = connection.execute(
-            "SELECT datname FROM pg_database WHERE datname = %s", (f"outbox_demo_{tag}",)
-        ).fetchall()
-    assert left == []
-    assert asyncio.run(_existing_queues(amqp_server_url, tag)) == []
-
-
-async def _existing_queues(amqp_url: str, tag: str) -> list[str]:
-    existing = []
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        for queue in (f"demo.{tag}.operations", f"demo.{tag}.operations.dead"):
-            # A passive declare of a missing queue closes its channel: one channel each.
-            try:
-                await (await connection.channel()).get_queue(queue, ensure=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                continue
-            existing.append(queue)
-    return existing
 
 
 def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
