@@ -7,13 +7,11 @@ import contextlib
 from typing import TypeVar
 
 import psycopg
-import sqlalchemy.exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from consumer.policy import Transition
 from outbox import store
 from outbox.connections import DatabaseBounds, bounded_transaction
-from outbox.errors import TransientDatabaseError
 from outbox.models import Operation
 from outbox.settings import Settings
 from outbox.store import AsyncStore, Plan
@@ -22,17 +20,6 @@ T = TypeVar("T")
 
 # The name this process gives its database sessions and its broker connection.
 APPLICATION_NAME = "outbox-consumer"
-
-# Database failures a later attempt may not meet: leave the message for redelivery.
-# A database that is away: what the store raises, and what SQLAlchemy raises when it
-# cannot even open a connection for a transaction (that happens before the store runs).
-TRANSIENT_DATABASE = (
-    TransientDatabaseError,
-    psycopg.OperationalError,
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    OSError,
-)
 
 
 class Database:

@@ -17,10 +17,10 @@ from enum import StrEnum
 from typing import Any
 
 from outbox.contracts import OnUnknown, SideEffect, ToolContract
-from outbox.lifecycle import Scalar
 from outbox.models import Operation
 from outbox.outcomes import EffectResult, Found, NotFound, Reconciliation
 from outbox.states import EventName, OperationState
+from outbox.text import Scalar
 
 S = OperationState
 

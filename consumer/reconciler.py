@@ -19,11 +19,12 @@ from typing import Any
 from uuid import UUID
 
 from consumer import policy
-from consumer.database import TRANSIENT_DATABASE, Database, transition_plan
+from consumer.database import Database, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
 from consumer.telemetry import log, span_attributes
 from outbox import store, tracing
 from outbox.contracts import Registry, ToolContract
+from outbox.daemon import is_transient_database_error
 from outbox.errors import IllegalTransition, OutboxError, ToolNotRegistered
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
@@ -71,26 +72,28 @@ class Reconciler(Stoppable):
                     last_sweep = time.monotonic()
                     await self.requeue_stale()
                 busy = await self.reconcile_once()
-            except (OutboxError, *TRANSIENT_DATABASE) as error:
-                # The loop outlives any one failure: it is what settles unknown outcomes.
-                log(
-                    logging.WARNING,
-                    "consumer.reconcile_failed",
-                    f"consumer.reconcile_failed error={type(error).__name__}",
-                )
-                busy = 0
             except Exception as error:
-                # Nor an unforeseen one: a reconciler that died while this process goes
-                # on consuming would leave expired leases and unknown outcomes unsettled
-                # with nothing to show for it. Loudly, then again after a pause.
-                log(
-                    logging.ERROR,
-                    "consumer.reconcile_crashed",
-                    f"consumer.reconcile_crashed error={type(error).__name__} "
-                    f"where={_raised_at(error)}",
-                )
-                await self._sleep(RECONCILER_BACKOFF_SECONDS)
                 busy = 0
+                if isinstance(error, OutboxError) or is_transient_database_error(error):
+                    # The loop outlives any one failure: it is what settles unknown outcomes.
+                    log(
+                        logging.WARNING,
+                        "consumer.reconcile_failed",
+                        "a reconciler pass failed; the next one retries",
+                        error=type(error).__name__,
+                    )
+                else:
+                    # Nor an unforeseen one: a reconciler that died while this process
+                    # goes on consuming would leave expired leases and unknown outcomes
+                    # unsettled with nothing to show for it. Loudly, then after a pause.
+                    log(
+                        logging.ERROR,
+                        "consumer.reconcile_crashed",
+                        "the reconciler crashed; it starts again after a pause",
+                        error=type(error).__name__,
+                        where=_raised_at(error),
+                    )
+                    await self._sleep(RECONCILER_BACKOFF_SECONDS)
             if not busy:
                 await self._sleep(self.settings.reconcile_interval)
 
@@ -129,7 +132,8 @@ class Reconciler(Stoppable):
                 log(
                     logging.WARNING,
                     f"consumer.{action}",
-                    f"consumer.{action} operations={count}",
+                    action.replace("_", " "),
+                    operations=count,
                 )
         return requeued
 
@@ -224,7 +228,9 @@ class Reconciler(Stoppable):
                 log(
                     logging.WARNING,
                     "consumer.lookup_error",
-                    f"consumer.lookup_error id={operation.display_id} error={type(error).__name__}",
+                    "the lookup raised; the outcome stays unknown",
+                    id=operation.display_id,
+                    error=type(error).__name__,
                 )
                 result = StillUnknown("lookup_error")
             label = {Found: "committed", NotFound: "not_found", StillUnknown: "still_unknown"}[
@@ -246,7 +252,9 @@ class Reconciler(Stoppable):
             log(
                 logging.WARNING,
                 "consumer.write_fenced",
-                f"consumer.write_fenced id={operation.display_id} reason={type(fenced).__name__}",
+                "another process took the operation over; its record wins",
+                id=operation.display_id,
+                reason=type(fenced).__name__,
             )
 
 

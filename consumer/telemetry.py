@@ -8,6 +8,7 @@ from typing import Any
 from outbox import tracing
 from outbox.contracts import ToolContract
 from outbox.fingerprint_key import keyed_fingerprint
+from outbox.logs import log_fields
 from outbox.models import Operation
 
 # One logger for the whole consumer, under the name every one of its lines has carried
@@ -15,8 +16,9 @@ from outbox.models import Operation
 logger = logging.getLogger("consumer.worker")
 
 
-def log(level: int, action: str, message: str, **fields: Any) -> None:
-    logger.log(level, message, extra={"action": action, **fields})
+def log(level: int, action: str, text: str, **fields: object) -> None:
+    """One line as data (see :func:`outbox.logs.log_fields`)."""
+    log_fields(logger, level, action, text, **fields)
 
 
 def span_attributes(

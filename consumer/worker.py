@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -30,11 +28,12 @@ from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, ConsumerTa
 
 from consumer import policy
 from consumer.batching import Batcher
-from consumer.database import APPLICATION_NAME, TRANSIENT_DATABASE, Database, transition_plan
+from consumer.database import APPLICATION_NAME, Database, transition_plan
 from consumer.policy import LEASE_LOST_BEFORE_CALL, Attempt, AttemptOutcome
 from consumer.reconciler import Reconciler
-from consumer.telemetry import log, span_attributes
+from consumer.telemetry import log, logger, span_attributes
 from outbox import store, tracing
+from outbox.backoff import Backoff
 from outbox.broker import (
     SESSION_SETUP_SECONDS,
     DeclaredTopology,
@@ -45,6 +44,7 @@ from outbox.broker import (
 )
 from outbox.broker import connect as connect_to_broker
 from outbox.contracts import Registry, ToolContract
+from outbox.daemon import Daemon, is_transient_database_error
 from outbox.decisions import derive_intent
 from outbox.errors import (
     ConfigurationError,
@@ -54,7 +54,6 @@ from outbox.errors import (
 )
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
-from outbox.observability import serve_http
 from outbox.outcomes import (
     DefinitiveRejection,
     ExecutionContext,
@@ -62,7 +61,6 @@ from outbox.outcomes import (
     OutcomeUnknown,
 )
 from outbox.settings import Settings, redact_url
-from outbox.signals import Stoppable
 from outbox.states import EventName, OperationState
 from outbox.store import AsyncStore
 
@@ -103,8 +101,11 @@ class _Runnable:
     tool_input: Any
 
 
-class Consumer(Stoppable):
+class Consumer(Daemon):
     """Takes deliveries from the queue to effects, with the reconciler running beside."""
+
+    name = "consumer"
+    default_metrics_port = DEFAULT_METRICS_PORT
 
     def __init__(
         self, settings: Settings, registry: Registry, metrics: ConsumerMetrics | None = None
@@ -113,12 +114,9 @@ class Consumer(Stoppable):
             raise ConfigurationError(
                 "a consumer needs at least one registered tool: the --tools modules hold none"
             )
-        super().__init__()
-        self.settings = settings
+        super().__init__(settings, logger)
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
-        self.metrics_port: int | None = None
         self.database = Database(settings)
         self.reconciler = Reconciler(
             settings, registry, self.metrics, self.database, worker_id=self.worker_id
@@ -148,49 +146,45 @@ class Consumer(Stoppable):
 
     async def run(self) -> None:
         """Consume and reconcile until :meth:`stop`; in-flight effects finish first."""
-        port = self.settings.metrics_port
-        port = DEFAULT_METRICS_PORT if port is None else port
         try:
-            async with serve_http(
-                self.settings.metrics_host, port, self.metrics.registry, self.healthy
-            ) as bound:
-                self.metrics_port = bound
-                log(
-                    logging.INFO,
-                    "consumer.started",
-                    f"consumer.started worker={self.worker_id} metrics_port={bound} "
-                    f"tools={self.registry.describe()!r} queue={self._topology.queue} "
-                    f"database={redact_url(self.settings.libpq_url)} "
-                    f"{self.database.bounds.describe()}",
-                )
+            async with self.serving(
+                self.metrics.registry,
+                tools=self.registry.describe(),
+                queue=self._topology.queue,
+                database=redact_url(self.settings.libpq_url),
+                **self.database.bounds.fields(),
+            ):
                 await self._require_schema()
                 reconciler = asyncio.create_task(self.reconciler.run())
                 try:
-                    await self._consume_loop()
+                    await self.keep_sessions(self._consume_session, self._session_lost)
                 finally:
                     reconciler.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await reconciler
         finally:
             await self.close()
-        log(logging.INFO, "consumer.stopped", f"consumer.stopped worker={self.worker_id}")
 
     async def _require_schema(self) -> None:
         """Refuse to run on a database without the outbox schema, as the dispatcher
         does: otherwise this process would answer /healthz and fail every delivery.
         A database that is away is waited for, since nothing can be consumed without it."""
-        failures = 0
+        backoff = Backoff()
         while not self.stopping:
             try:
                 present = await asyncio.to_thread(self.database.schema_present)
-            except TRANSIENT_DATABASE as error:
-                failures += 1
-                delay = min(10.0, 0.2 * 2 ** (failures - 1))
-                log(
+            except Exception as error:
+                if not is_transient_database_error(error):
+                    raise
+                delay = backoff.next_delay()
+                self.log(
                     logging.WARNING,
-                    "consumer.connect_retry",
-                    f"consumer.connect_retry peer=database attempt={failures} "
-                    f"error={type(error).__name__} retry_in={delay:.1f}s",
+                    "connect_retry",
+                    "could not connect; retrying",
+                    peer="database",
+                    attempt=backoff.failures,
+                    error=type(error).__name__,
+                    retry_in=round(delay, 2),
                 )
                 await self._sleep(delay)
                 continue
@@ -198,23 +192,9 @@ class Consumer(Stoppable):
                 raise SchemaMissing()
             return
 
-    async def _consume_loop(self) -> None:
-        failures = 0
-        while not self.stopping:
-            started = time.monotonic()
-            try:
-                await self._consume_session()
-            except (aiormq.exceptions.AMQPError, ConnectionError, OSError, TimeoutError) as error:
-                self._broker_ready = False
-                self.metrics.reconnects.inc()
-                failures = failures + 1 if time.monotonic() - started < 10 else 1
-                delay = min(10.0, 0.2 * 2 ** (failures - 1))
-                log(
-                    logging.WARNING,
-                    "consumer.session_lost",
-                    f"consumer.session_lost error={type(error).__name__} retry_in={delay:.1f}s",
-                )
-                await self._sleep(delay)
+    def _session_lost(self, peer: str) -> None:
+        self._broker_ready = False
+        self.metrics.reconnects.inc()
 
     async def _consume_session(self) -> None:
         url = amqp_url_with_heartbeat(
@@ -230,7 +210,7 @@ class Consumer(Stoppable):
             async with asyncio.timeout(SESSION_SETUP_SECONDS):
                 declared, tag = await self._start_consuming(connection, closed)
             self._broker_ready = True
-            log(logging.INFO, "consumer.session_ready", "consumer.session_ready")
+            self.log(logging.INFO, "session_ready", "session ready")
             stop = asyncio.ensure_future(self.wait_for_stop())
             lost = asyncio.ensure_future(closed.wait())
             try:
@@ -281,7 +261,8 @@ class Consumer(Stoppable):
             log(
                 logging.WARNING,
                 "consumer.ack_failed",
-                f"consumer.ack_failed error={type(error).__name__}",
+                "ack failed; the redelivery will be a duplicate",
+                error=type(error).__name__,
             )
         except Exception as error:
             # Anything unforeseen: leave the message to the broker (redelivered, and
@@ -289,7 +270,8 @@ class Consumer(Stoppable):
             log(
                 logging.ERROR,
                 "consumer.delivery_failed",
-                f"consumer.delivery_failed error={type(error).__name__}",
+                "delivery failed; left to the broker",
+                error=type(error).__name__,
             )
             await self._sleep(1.0)  # no hot loop of redeliveries while it persists
             with contextlib.suppress(Exception):
@@ -308,7 +290,9 @@ class Consumer(Stoppable):
             return await self._dead_letter(message, "malformed")
         try:
             claimed = await self.claim(envelope)
-        except TRANSIENT_DATABASE as error:
+        except Exception as error:
+            if not is_transient_database_error(error):
+                raise
             return await self._later(message, error)
         if isinstance(claimed, Skip):
             if claimed.dead_letter_reason is not None:
@@ -321,7 +305,9 @@ class Consumer(Stoppable):
         attempt = await self.attempt(claimed, tracing.valid_traceparent(headers.get("traceparent")))
         try:
             await self.record(claimed, attempt)
-        except TRANSIENT_DATABASE as error:
+        except Exception as error:
+            if not is_transient_database_error(error):
+                raise
             # The lease will expire and the reconciler will find out what happened; a
             # redelivery meanwhile is a duplicate (the operation is in flight).
             return await self._later(message, error)
@@ -398,11 +384,12 @@ class Consumer(Stoppable):
             return Skip("invalid", "fingerprint_mismatch")
         try:
             contract = self.registry.get(operation.tool_name, operation.tool_version)
-        except ToolNotRegistered as missing:
+        except ToolNotRegistered:
             log(
                 logging.ERROR,
                 "consumer.unknown_tool",
-                f"consumer.unknown_tool id={operation.display_id} {missing}",
+                "no registered tool can run it",
+                id=operation.display_id,
             )
             if operation.state is S.PREPARED:
                 # Evidence for the escalation that ends it if no consumer ever can run it.
@@ -458,8 +445,10 @@ class Consumer(Stoppable):
         log(
             logging.ERROR,
             "consumer.tampered",
-            f"consumer.tampered id={operation.display_id} tool={contract.name} "
-            f"check={disagreement}",
+            "the row disagrees with its own input; escalated",
+            id=operation.display_id,
+            tool=contract.name,
+            check=disagreement,
         )
         await runner.run(store.append_event(operation, EventName.TAMPERED, {"check": disagreement}))
         try:
@@ -509,7 +498,8 @@ class Consumer(Stoppable):
             log(
                 logging.WARNING,
                 "consumer.lease_lost_before_call",
-                f"consumer.lease_lost_before_call id={operation.display_id}",
+                "the lease ran out before the call; not calling",
+                id=operation.display_id,
             )
             return Attempt(AttemptOutcome.NOT_SENT, LEASE_LOST_BEFORE_CALL)
         context = ExecutionContext(
@@ -539,8 +529,10 @@ class Consumer(Stoppable):
             log(
                 logging.WARNING,
                 "consumer.tool_error",
-                f"consumer.tool_error id={operation.display_id} tool={contract.name} "
-                f"error={type(error).__name__}",
+                "the tool raised; the outcome is unknown",
+                id=operation.display_id,
+                tool=contract.name,
+                error=type(error).__name__,
             )
             attempt = Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "tool_error")
         self.metrics.effect_duration.labels(contract.name).observe(time.monotonic() - started)
@@ -589,8 +581,11 @@ class Consumer(Stoppable):
             log(
                 logging.WARNING,
                 "consumer.write_fenced",
-                f"consumer.write_fenced id={operation.display_id} token={operation.lease_token} "
-                f"outcome={attempt.outcome} reason={type(fenced).__name__}",
+                "another process took the operation over; its record wins",
+                id=operation.display_id,
+                token=operation.lease_token,
+                outcome=str(attempt.outcome),
+                reason=type(fenced).__name__,
             )
 
     async def _dead_letter(
@@ -604,8 +599,9 @@ class Consumer(Stoppable):
         log(
             logging.WARNING,
             "consumer.dead_lettered",
-            f"consumer.dead_lettered reason={reason} message_id={_safe_id(message.message_id)}",
+            "dead-lettered",
             reason=reason,
+            message_id=_safe_id(message.message_id),
         )
         await message.reject(requeue=False)
         return "invalid"
@@ -615,7 +611,8 @@ class Consumer(Stoppable):
         log(
             logging.WARNING,
             "consumer.database_unavailable",
-            f"consumer.database_unavailable error={type(error).__name__}",
+            "the database is unavailable; the message goes back to the queue",
+            error=type(error).__name__,
         )
         await self._sleep(1.0)
         await message.nack(requeue=True)

@@ -7,9 +7,10 @@ import logging
 import sys
 from typing import Any
 
-from dispatcher.daemon import DEFAULT_METRICS_PORT, RECOVERABLE, Dispatcher, is_broker_error
+from dispatcher.daemon import DEFAULT_METRICS_PORT, Dispatcher
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
+from outbox.daemon import failed_peer, is_transient
 from outbox.daemon_flags import add_declare_topology_flag
 from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.settings import Settings
@@ -64,10 +65,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         dispatcher.connect_attempts = DRAIN_CONNECT_ATTEMPTS
         try:
             report = run_async(dispatcher.drain())
-        except RECOVERABLE as failure:
-            peer = "the broker" if is_broker_error(failure) else "the database"
+        except Exception as failure:
+            if not is_transient(failure):
+                raise
             raise ServiceUnavailable(
-                f"gave up on {peer} after {DRAIN_CONNECT_ATTEMPTS} attempts "
+                f"gave up on the {failed_peer(failure)} after {DRAIN_CONNECT_ATTEMPTS} attempts "
                 f"({connect_failure(failure)}); rows stay pending for the next run"
             ) from None
         print(f"published={report.published} failed={report.failed}")

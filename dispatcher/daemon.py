@@ -15,50 +15,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import random
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
-import aiormq.exceptions
 import psycopg
-import tenacity
 
-from dispatcher.publisher import BrokerUnavailable, Publisher, PublishOutcome
+from dispatcher.publisher import Publisher, PublishOutcome
 from outbox import store
-from outbox.broker import Topology
+from outbox.backoff import jittered
+from outbox.broker import BrokerUnavailable, Topology
 from outbox.connections import DatabaseBounds, deadline
-from outbox.errors import ConfigurationError, TransientDatabaseError
+from outbox.daemon import Daemon, is_transient
+from outbox.errors import TransientDatabaseError
 from outbox.metrics import DispatcherMetrics
-from outbox.observability import serve_http
 from outbox.settings import Settings, redact_url
-from outbox.signals import Stoppable
 from outbox.store import AsyncStore, FailedPublish
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_METRICS_PORT = 9464
 APPLICATION_NAME = "outbox-dispatcher"
 BACKLOG_REFRESH_SECONDS = 5.0
 RETENTION_BATCH = 1000
 RETENTION_INTERVAL_SECONDS = 60.0
-
-# Failures a new session may cure: the database or the broker went away or restarted.
-RECOVERABLE: tuple[type[BaseException], ...] = (
-    psycopg.OperationalError,
-    TransientDatabaseError,
-    BrokerUnavailable,
-    aiormq.exceptions.AMQPConnectionError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.ChannelClosed,
-    ConnectionError,
-    OSError,
-    TimeoutError,
-)
 
 
 @dataclass(frozen=True)
@@ -73,17 +54,13 @@ class _Tally:
     failed: int = 0
 
 
-def _log(level: int, action: str, message: str, **fields: Any) -> None:
-    logger.log(level, message, extra={"action": action, **fields})
+class Dispatcher(Daemon):
+    name = "dispatcher"
+    default_metrics_port = DEFAULT_METRICS_PORT
 
-
-class Dispatcher(Stoppable):
     def __init__(self, settings: Settings, metrics: DispatcherMetrics | None = None) -> None:
-        super().__init__()
-        self.settings = settings
+        super().__init__(settings, logger)
         self.metrics = metrics or DispatcherMetrics.create()
-        # pid plus a per-instance suffix: several dispatchers may share one process (tests).
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{id(self) % 10_000:04d}"
         self._topology = Topology.from_settings(settings)
         # A batch's transaction stays open while its confirms are awaited.
         self.database_bounds = DatabaseBounds.from_settings(
@@ -93,9 +70,6 @@ class Dispatcher(Stoppable):
         self._healthy = False
         self._last_tick = 0.0
         self._last_backlog_refresh = 0.0
-        self.metrics_port: int | None = None
-        self.connect_attempts: int | None = None
-        """None: a daemon keeps trying to connect until stopped; a drain gives up."""
 
     # --- control ---------------------------------------------------------------------
 
@@ -109,27 +83,19 @@ class Dispatcher(Stoppable):
 
     async def run(self) -> None:
         """Run until :meth:`stop`: serve metrics, dispatch, prune published rows."""
-        port = self.settings.metrics_port
-        port = DEFAULT_METRICS_PORT if port is None else port
-        async with serve_http(
-            self.settings.metrics_host, port, self.metrics.registry, self.healthy
-        ) as bound:
-            self.metrics_port = bound
-            _log(
-                logging.INFO,
-                "dispatcher.started",
-                f"dispatcher.started worker={self.worker_id} metrics_port={bound} "
-                f"database={redact_url(self.settings.libpq_url)} queue={self._topology.queue} "
-                f"{self.database_bounds.describe()}",
-            )
+        async with self.serving(
+            self.metrics.registry,
+            database=redact_url(self.settings.libpq_url),
+            queue=self._topology.queue,
+            **self.database_bounds.fields(),
+        ):
             retention = asyncio.create_task(self._retention_loop())
             try:
-                await self._dispatch_loop()
+                await self.keep_sessions(self._session, self._session_lost)
             finally:
                 retention.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await retention
-        _log(logging.INFO, "dispatcher.stopped", f"dispatcher.stopped worker={self.worker_id}")
 
     async def drain(self) -> DrainReport:
         """Publish until no row is available, then return (``outbox dispatcher --once``)."""
@@ -138,26 +104,9 @@ class Dispatcher(Stoppable):
             await self._drain_available(databases, publisher, tally)
         return DrainReport(published=tally.published, failed=tally.failed)
 
-    async def _dispatch_loop(self) -> None:
-        quick_failures = 0
-        loop = asyncio.get_running_loop()
-        while not self.stopping:
-            started = loop.time()
-            try:
-                await self._session()
-            except RECOVERABLE as error:
-                self._healthy = False
-                peer = "broker" if is_broker_error(error) else "database"
-                self.metrics.reconnects.labels(peer).inc()
-                _log(
-                    logging.WARNING,
-                    "dispatcher.session_lost",
-                    f"dispatcher.session_lost peer={peer} error={type(error).__name__}",
-                    peer=peer,
-                )
-                # A session that dies at once would otherwise reconnect in a tight loop.
-                quick_failures = quick_failures + 1 if loop.time() - started < 10 else 1
-                await self._sleep(_jittered(min(10.0, 0.2 * 2 ** (quick_failures - 1))))
+    def _session_lost(self, peer: str) -> None:
+        self._healthy = False
+        self.metrics.reconnects.labels(peer).inc()
 
     async def _session(self) -> None:
         async with (
@@ -169,7 +118,7 @@ class Dispatcher(Stoppable):
             )
             notifications = asyncio.create_task(self._forward_notifications(listener))
             self._healthy = True
-            _log(logging.INFO, "dispatcher.session_ready", "dispatcher.session_ready")
+            self.log(logging.INFO, "session_ready", "session ready")
             try:
                 while not self.stopping:
                     self._last_tick = asyncio.get_running_loop().time()
@@ -179,8 +128,12 @@ class Dispatcher(Stoppable):
                     await self._wait_for_work(notifications)
             finally:
                 notifications.cancel()
-                with contextlib.suppress(asyncio.CancelledError, *RECOVERABLE):
-                    await notifications
+                with contextlib.suppress(asyncio.CancelledError):
+                    try:
+                        await notifications
+                    except Exception as error:
+                        if not is_transient(error):
+                            raise
 
     async def _drain_available(
         self,
@@ -279,12 +232,8 @@ class Dispatcher(Stoppable):
                 reasons[reason] = reasons.get(reason, 0) + 1
             for reason, count in reasons.items():
                 self.metrics.publish_failures.labels(reason).inc(count)
-                _log(
-                    logging.WARNING,
-                    "dispatcher.publish_failed",
-                    f"dispatcher.publish_failed reason={reason} rows={count}",
-                    reason=reason,
-                    rows=count,
+                self.log(
+                    logging.WARNING, "publish_failed", "publish failed", reason=reason, rows=count
                 )
         return outcome
 
@@ -293,7 +242,7 @@ class Dispatcher(Stoppable):
         base = min(
             self.settings.publish_retry_max, self.settings.publish_retry_initial * 2**exponent
         )
-        return timedelta(seconds=_jittered(base))
+        return timedelta(seconds=jittered(base))
 
     # --- housekeeping ----------------------------------------------------------------
 
@@ -332,20 +281,18 @@ class Dispatcher(Stoppable):
                     break
         if deleted:
             self.metrics.retention_deleted.inc(deleted)
-            _log(
-                logging.INFO, "dispatcher.pruned", f"dispatcher.pruned rows={deleted}", rows=deleted
-            )
+            self.log(logging.INFO, "pruned", "pruned published rows", rows=deleted)
         return deleted
 
     async def _retention_loop(self) -> None:
         while not self.stopping:
             try:
                 await self.prune()
-            except RECOVERABLE as error:
-                _log(
-                    logging.WARNING,
-                    "dispatcher.prune_failed",
-                    f"dispatcher.prune_failed error={type(error).__name__}",
+            except Exception as error:
+                if not is_transient(error):
+                    raise
+                self.log(
+                    logging.WARNING, "prune_failed", "pruning failed", error=type(error).__name__
                 )
             await self._sleep(RETENTION_INTERVAL_SECONDS)
 
@@ -369,7 +316,7 @@ class Dispatcher(Stoppable):
                 for _ in range(self.settings.dispatch_lanes)
             ]
             stack.push_async_callback(publisher.close)
-            await self._retrying(publisher.connect, "broker")
+            await self.connect_with_retry(publisher.connect, "broker")
             yield databases, publisher
 
     async def _connect_database(self, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
@@ -381,55 +328,4 @@ class Dispatcher(Stoppable):
                 **self.database_bounds.libpq_parameters(),
             )
 
-        return await self._retrying(connect, "database")
-
-    async def _retrying(self, connect: Callable[[], Awaitable[T]], peer: str) -> T:
-        """Connect with exponential backoff and jitter until it works or we are stopped."""
-
-        def log_retry(state: tenacity.RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome else None
-            _log(
-                logging.WARNING,
-                "dispatcher.connect_retry",
-                f"dispatcher.connect_retry peer={peer} attempt={state.attempt_number} "
-                f"error={type(error).__name__}",
-                peer=peer,
-            )
-
-        def give_up(state: tenacity.RetryCallState) -> bool:
-            limit = self.connect_attempts
-            return self.stopping or (limit is not None and state.attempt_number >= limit)
-
-        retrying = tenacity.AsyncRetrying(
-            # A topology mismatch is a channel error too, but no retry will cure it.
-            retry=tenacity.retry_if_exception_type(RECOVERABLE)
-            & tenacity.retry_if_not_exception_type(aiormq.exceptions.ChannelPreconditionFailed),
-            wait=tenacity.wait_exponential(multiplier=0.2, max=10.0) + tenacity.wait_random(0, 0.5),
-            stop=give_up,
-            sleep=self._sleep,
-            before_sleep=log_retry,
-            reraise=True,
-        )
-        try:
-            connected: T = await retrying(connect)
-        except aiormq.exceptions.ChannelPreconditionFailed as mismatch:
-            raise ConfigurationError(
-                f"the broker refused the topology: {mismatch}. A queue or exchange already "
-                "exists with other arguments; delete it or choose other names "
-                "(OUTBOX_QUEUE, OUTBOX_EXCHANGE, ...)"
-            ) from None
-        return connected
-
-
-def _jittered(seconds: float) -> float:
-    return seconds * random.uniform(0.5, 1.5)  # noqa: S311 - spreading retries, not crypto
-
-
-def is_broker_error(error: BaseException) -> bool:
-    return isinstance(
-        error,
-        BrokerUnavailable
-        | aiormq.exceptions.AMQPConnectionError
-        | aiormq.exceptions.ChannelInvalidStateError
-        | aiormq.exceptions.ChannelClosed,
-    )
+        return await self.connect_with_retry(connect, "database")

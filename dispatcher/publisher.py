@@ -43,10 +43,6 @@ _CONNECTION_ERRORS = (
 )
 
 
-class BrokerUnavailable(Exception):
-    """The broker connection or channel failed; reconnect before the next batch."""
-
-
 @dataclass
 class PublishOutcome:
     published: list[ClaimedRow] = field(default_factory=list)

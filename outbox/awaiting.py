@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import weakref
 from datetime import datetime, timedelta
@@ -41,6 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
 from sqlalchemy.orm import Session as SASession
 
 from outbox import store
+from outbox.backoff import Backoff
 from outbox.connections import command_parameters
 from outbox.errors import (
     ConfigurationError,
@@ -48,6 +48,7 @@ from outbox.errors import (
     OperationNotFound,
     TransientDatabaseError,
 )
+from outbox.logs import log_fields
 from outbox.models import (
     ApprovalStatus,
     Operation,
@@ -301,6 +302,9 @@ CHANGES_CHANNEL = "outbox_operation_changed"
 # A wait always answers with one read, even with ``timeout=0`` (a status check); how
 # long it may take for that read when the database is slow or away.
 FIRST_READ_WITHIN = 10.0
+# A watcher serves waiting tool calls: it retries sooner and more often than a daemon.
+WATCHER_FIRST_RETRY_SECONDS = 0.2
+WATCHER_LONGEST_RETRY_SECONDS = 5.0
 
 
 class _Waiter:
@@ -481,7 +485,7 @@ class OutcomeWatcher:
     # -- the loop ----------------------------------------------------------------------
 
     async def _run(self, ready: asyncio.Future[None]) -> None:
-        failures = 0
+        backoff = Backoff(first=WATCHER_FIRST_RETRY_SECONDS, longest=WATCHER_LONGEST_RETRY_SECONDS)
         while not self._closed:
             try:
                 async with await psycopg.AsyncConnection.connect(
@@ -494,7 +498,7 @@ class OutcomeWatcher:
                     await self._listen(connection)
                     if not ready.done():
                         ready.set_result(None)
-                    failures = 0
+                    backoff.reset()
                     self._last_error = None
                     await self._serve(connection)
             except asyncio.CancelledError:
@@ -511,16 +515,17 @@ class OutcomeWatcher:
                     # A refusal (a missing grant, an old schema) will not heal by
                     # retrying: every waiter hears it now rather than at its timeout.
                     self._fail_waiters(error)
-                failures += 1
-                logger.warning(
-                    "outcome_watcher.reconnecting error=%s",
-                    type(error).__name__,
-                    extra={"action": "outcome_watcher.reconnecting"},
+                delay = backoff.next_delay()
+                log_fields(
+                    logger,
+                    logging.WARNING,
+                    "outcome_watcher.reconnecting",
+                    "lost the database; reconnecting",
+                    error=type(error).__name__,
+                    retry_in=round(delay, 2),
                 )
-                # Jittered backoff: many processes must not reconnect in lockstep.
-                backoff = min(5.0, 0.1 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0)  # noqa: S311
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), backoff)
+                    await asyncio.wait_for(self._wake.wait(), delay)
                 self._wake.clear()
 
     def _fail_waiters(self, error: BaseException) -> None:

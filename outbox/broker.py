@@ -34,6 +34,10 @@ CONNECT_TIMEOUT_SECONDS = 10
 SESSION_SETUP_SECONDS = 30
 
 
+class BrokerUnavailable(Exception):
+    """The broker connection or channel failed; reconnect before the next batch."""
+
+
 class OperationMessage(BaseModel):
     """The body of every message: enough to find the operation, nothing of its input."""
 
@@ -94,8 +98,19 @@ async def declare_topology(channel: AbstractChannel, topology: Topology) -> Decl
     """Declare exchanges, queues and bindings; idempotent while the arguments match.
 
     A queue that exists with other arguments makes the broker close the channel with
-    PRECONDITION_FAILED (aiormq's ``ChannelPreconditionFailed``).
+    PRECONDITION_FAILED: a :class:`ConfigurationError` here, since no retry cures it.
     """
+    try:
+        return await _declare(channel, topology)
+    except aiormq.exceptions.ChannelPreconditionFailed as mismatch:
+        raise ConfigurationError(
+            f"the broker refused the topology: {mismatch}. A queue or exchange already "
+            "exists with other arguments; delete it or choose other names (OUTBOX_QUEUE, "
+            "OUTBOX_EXCHANGE, ...)"
+        ) from None
+
+
+async def _declare(channel: AbstractChannel, topology: Topology) -> DeclaredTopology:
     exchange = await channel.declare_exchange(
         topology.exchange, aio_pika.ExchangeType.TOPIC, durable=True
     )
@@ -145,6 +160,30 @@ async def establish_topology(
     if declare:
         return await declare_topology(channel, topology)
     return await require_topology(channel, topology)
+
+
+async def delete_topology(amqp_url: str, topology: Topology) -> None:
+    """Delete the queues, then the exchanges, of names made for one run (the demo, the
+    tests, the benchmarks); one that is missing already is fine. With the messages in
+    them: never point this at a deployment's names."""
+    connection = await connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        for kind, name in (
+            ("queue", topology.queue),
+            ("queue", topology.dead_letter_queue),
+            ("exchange", topology.exchange),
+            ("exchange", topology.dead_letter_exchange),
+        ):
+            try:
+                if kind == "queue":
+                    await channel.queue_delete(name)
+                else:
+                    await channel.exchange_delete(name)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                # A broker that answers NOT_FOUND (RabbitMQ does not, others may) closes
+                # the channel with it.
+                channel = await connection.channel()
 
 
 async def _existing(declare: Awaitable[T], what: str) -> T:

@@ -23,11 +23,11 @@ from pydantic import SecretStr
 
 from outbox import dlq, ops
 from outbox.errors import ConfigurationError, OutboxError, connect_failure
-from outbox.lifecycle import printable
 from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
 from outbox.migrate import declare_broker_topology, migrate
 from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
+from outbox.text import printable
 
 Command = Callable[[argparse.Namespace, Settings], int]
 T = TypeVar("T")

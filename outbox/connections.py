@@ -113,13 +113,15 @@ class DatabaseBounds:
             )
         return parameters
 
-    def describe(self) -> str:
-        """One log-line fragment with every bound, for a daemon's start line."""
-        return (
-            f"db_transaction_s={self.transaction:g} db_statement_s={self.statement:g} "
-            f"db_idle_in_transaction_s={self.idle_in_transaction:g} db_lock_s={self.lock:g} "
-            f"db_tcp_user_timeout_s={self.tcp_user_timeout:g}"
-        )
+    def fields(self) -> dict[str, float]:
+        """Every bound as log fields, for a daemon's start line."""
+        return {
+            "db_transaction_s": self.transaction,
+            "db_statement_s": self.statement,
+            "db_idle_in_transaction_s": self.idle_in_transaction,
+            "db_lock_s": self.lock,
+            "db_tcp_user_timeout_s": self.tcp_user_timeout,
+        }
 
 
 def command_parameters(settings: Settings | None = None) -> dict[str, Any]:

@@ -19,55 +19,14 @@ import re
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 
+from outbox.logs import log_fields
 from outbox.models import Operation, display_operation_id
+from outbox.text import Scalar as Scalar  # re-exported: event attributes are typed by it
+from outbox.text import logfmt_value
 
 logger = logging.getLogger("outbox.lifecycle")
 
-_BARE = re.compile(r"^[A-Za-z0-9_.:/@+-]+$")
 _OUTCOME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-
-Scalar = str | int | float | bool | None
-
-# What a terminal acts on rather than shows: C0 and C1 controls (ESC starts a sequence
-# that can move the cursor, clear the screen or retitle the window; C1 0x9b is a
-# one-byte CSI), DEL, the bidirectional overrides that reorder what is displayed, and
-# the Unicode line and paragraph separators. Escaped as JSON would escape them, so
-# escaped JSON text stays valid JSON.
-_CONTROLS = {
-    **{chr(code): f"\\u{code:04x}" for code in [*range(0x20), *range(0x7F, 0xA0)]},
-    **{
-        chr(code): f"\\u{code:04x}"
-        for code in [0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
-    },
-    "\u2028": "\\u2028",
-    "\u2029": "\\u2029",
-    "\n": "\\n",
-    "\r": "\\r",
-    "\t": "\\t",
-}
-_PRINTABLE = str.maketrans(_CONTROLS)
-# Quoted values stay on one line: a value must never be able to start a forged line.
-_ESCAPES = str.maketrans({**_CONTROLS, "\\": "\\\\", '"': '\\"'})
-
-
-def printable(value: object) -> str:
-    """``value`` as text safe to print on an operator's terminal: every control
-    character escaped, everything else (accents, emoji, quotes) as it is.
-
-    For human-readable output of anything a user, an agent or a provider chose (run
-    ids, names, reasons, error text, inputs); JSON output needs no more than JSON's own
-    escaping. Backslashes are left alone so that escaped JSON stays JSON: the output
-    cannot act on the terminal, though a literal ``\\u001b`` reads like an escaped one.
-    """
-    return str(value).translate(_PRINTABLE)
-
-
-def logfmt_value(value: Scalar) -> str:
-    text = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    if _BARE.fullmatch(text):
-        return text
-    escaped = text.translate(_ESCAPES)
-    return f'"{escaped}"'
 
 
 def format_event(name: str, attributes: Mapping[str, Scalar]) -> str:
@@ -114,10 +73,12 @@ def write(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> 
         "tool": operation.tool_name,
     }
     fields.update((k, v) for k, v in attributes.items() if k not in ("tool", "from", "to"))
-    logger.info(
-        format_event(name, fields),
-        extra={"action": name, "operation_id": str(operation.id), "event_attributes": fields},
-    )
+    log_fields(logger, logging.INFO, name, _sentence(name), **fields)
+
+
+def _sentence(name: str) -> str:
+    """``operation.outcome_unknown`` -> ``operation outcome unknown``: the line's text."""
+    return name.replace(".", " ").replace("_", " ")
 
 
 def agent_completed(run_id: str, outcome: str) -> str:
@@ -127,6 +88,6 @@ def agent_completed(run_id: str, outcome: str) -> str:
     """
     if not _OUTCOME.fullmatch(outcome):
         raise ValueError(f"outcome must match {_OUTCOME.pattern}")
-    line = format_event("agent.completed", {"id": run_id, "outcome": outcome})
-    logger.info(line, extra={"action": "agent.completed", "run_id": run_id})
-    return line
+    fields: dict[str, Scalar] = {"id": run_id, "outcome": outcome}
+    log_fields(logger, logging.INFO, "agent.completed", _sentence("agent.completed"), **fields)
+    return format_event("agent.completed", fields)

@@ -1,41 +1,73 @@
-"""Log setup shared by every entry point: logfmt (default) or JSON lines on stderr."""
+"""Log lines as data, shared by every entry point: logfmt (default) or JSON lines on stderr.
+
+A line carries a short text for a person and, as ``extra``, an ``action`` and fields for
+machines. Both formats write the same keys: ``ts``, ``level``, ``logger``, ``msg``, then
+the record's fields in the order they were given, then ``exc``. Fields hold ids, codes,
+counters and class names only; inputs, URLs with passwords and user text never do.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Literal
 
-from outbox.lifecycle import logfmt_value
+from outbox.text import Scalar, logfmt_value
 
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
+def log_fields(
+    logger: logging.Logger, level: int, action: str, text: str, **fields: object
+) -> None:
+    """Log one line: ``text`` for a person, ``action`` and ``fields`` as data. A field
+    named like a LogRecord attribute (``name``, ``module``...) gets a trailing ``_``:
+    logging refuses to overwrite those."""
+    extra: dict[str, object] = {"action": action}
+    extra.update((f"{key}_" if key in _STANDARD else key, value) for key, value in fields.items())
+    logger.log(level, text, extra=extra, stacklevel=2)
+
+
+def _fields(record: logging.LogRecord) -> Iterator[tuple[str, object]]:
+    return ((key, value) for key, value in record.__dict__.items() if key not in _STANDARD)
+
+
+def _scalar(value: object) -> Scalar:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    return datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+
+
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        stamp = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
-        line = (
-            f"ts={stamp} level={record.levelname.lower()} logger={record.name} "
-            f"msg={logfmt_value(record.getMessage())}"
-        )
+        parts = [
+            f"ts={_timestamp(record)}",
+            f"level={record.levelname.lower()}",
+            f"logger={record.name}",
+            f"msg={logfmt_value(record.getMessage())}",
+            *(f"{key}={logfmt_value(_scalar(value))}" for key, value in _fields(record)),
+        ]
         if record.exc_info:
-            line += f" exc={logfmt_value(self.formatException(record.exc_info))}"
-        return line
+            parts.append(f"exc={logfmt_value(self.formatException(record.exc_info))}")
+        return " ".join(parts)
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, object] = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        payload.update(
-            (key, value) for key, value in record.__dict__.items() if key not in _STANDARD
-        )
+        payload.update(_fields(record))
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
         return json.dumps(payload, default=str)

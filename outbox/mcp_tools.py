@@ -61,6 +61,7 @@ from outbox.errors import (
     OutboxError,
     ToolNotRegistered,
 )
+from outbox.logs import log_fields
 from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
 from outbox.settings import Settings
@@ -309,11 +310,13 @@ class ToolHost:
             self._validate(contract, arguments, identity)
             recorded = await self._record(contract, arguments, identity)
         except _Refused as refused:
-            logger.info(
-                "mcp.refused tool=%s reason=%s",
-                contract.name,
-                refused.reason,
-                extra={"action": "mcp.refused"},
+            log_fields(
+                logger,
+                logging.INFO,
+                "mcp.refused",
+                "refused a tool call",
+                tool=contract.name,
+                reason=refused.reason,
             )
             return refused.result
         outcome = await self._wait(ctx, recorded.operation.id)
@@ -323,13 +326,15 @@ class ToolHost:
                 "read. Call again with the same arguments and decision key to check; that "
                 "will not repeat the effect."
             )
-        logger.info(
-            "mcp.answered tool=%s id=%s status=%s created=%s",
-            contract.name,
-            outcome.display_id,
-            outcome.status,
-            str(recorded.created).lower(),
-            extra={"action": "mcp.answered", "operation_id": str(outcome.operation_id)},
+        log_fields(
+            logger,
+            logging.INFO,
+            "mcp.answered",
+            "answered a tool call",
+            tool=contract.name,
+            id=outcome.display_id,
+            status=str(outcome.status),
+            created=recorded.created,
         )
         return answer(
             outcome,
@@ -496,11 +501,13 @@ class ToolHost:
     @staticmethod
     def _log_database_failure(step: str, error: BaseException) -> None:
         # The class only: driver messages can quote statements and their parameters.
-        logger.warning(
-            "mcp.database_failed step=%s error=%s",
-            step,
-            type(error).__name__,
-            extra={"action": "mcp.database_failed"},
+        log_fields(
+            logger,
+            logging.WARNING,
+            "mcp.database_failed",
+            "a database step failed",
+            step=step,
+            error=type(error).__name__,
         )
 
 
@@ -571,11 +578,13 @@ def build_server(
         try:
             watcher = OutcomeWatcher(engine, connect_parameters=command_parameters(settings))
             async with watcher:
-                logger.info(
-                    "mcp.ready tools=%d wait_s=%g",
-                    len(tools),
-                    options.wait,
-                    extra={"action": "mcp.ready"},
+                log_fields(
+                    logger,
+                    logging.INFO,
+                    "mcp.ready",
+                    "serving tools",
+                    tools=len(tools),
+                    wait_s=options.wait,
                 )
                 yield ToolHost(registry, options, engine, watcher, bounds)
         finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import aiormq.exceptions
 import psycopg
 
 from outbox import schema
@@ -78,11 +77,5 @@ async def declare_broker_topology(settings: Settings) -> Topology:
     topology = Topology.from_settings(settings)
     connection = await connect_for_command(settings)
     async with connection:
-        try:
-            await declare_topology(await connection.channel(), topology)
-        except aiormq.exceptions.ChannelPreconditionFailed as mismatch:
-            raise ConfigurationError(
-                f"the broker refused the topology: {mismatch}. A queue or exchange already "
-                "exists with other arguments; delete it or choose other names"
-            ) from None
+        await declare_topology(await connection.channel(), topology)
     return topology

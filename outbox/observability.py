@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from outbox.errors import ConfigurationError
+from outbox.logs import log_fields
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ async def serve_http(
             "port or --metrics-host"
         ) from None
     bound = server.sockets[0].getsockname()[1]
-    logger.info("http.listening port=%s", bound, extra={"action": "http.listening", "port": bound})
+    log_fields(logger, logging.INFO, "http.listening", "serving /metrics and /healthz", port=bound)
     try:
         yield int(bound)
     finally:

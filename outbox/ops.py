@@ -37,7 +37,6 @@ from outbox.errors import (
     connect_failure,
 )
 from outbox.fingerprint import sanitized
-from outbox.lifecycle import logfmt_value, printable
 from outbox.models import (
     ApprovalCheck,
     ApprovalDecision,
@@ -49,6 +48,7 @@ from outbox.models import (
 from outbox.settings import Settings, redact_url
 from outbox.states import OperationState, legal_targets
 from outbox.store import OperationStats, OperationSummary, Store
+from outbox.text import logfmt_value, printable
 
 S = OperationState
 DEFAULT_LIST_LIMIT = 50

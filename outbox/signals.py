@@ -10,6 +10,8 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 
+from outbox.logs import log_fields
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,20 +28,15 @@ async def run_until_signalled(
         signals_seen += 1
         signal_name = signal.Signals(signum).name
         if signals_seen > 1:
-            logger.warning(
-                "%s.killed signal=%s: second signal, exiting now",
-                name,
-                signal_name,
-                extra={"action": f"{name}.killed"},
+            log_fields(
+                logger,
+                logging.WARNING,
+                f"{name}.killed",
+                "second signal, exiting now",
+                signal=signal_name,
             )
             os._exit(1)
-        logger.info(
-            "%s.stopping signal=%s: %s",
-            name,
-            signal_name,
-            finishing,
-            extra={"action": f"{name}.stopping"},
-        )
+        log_fields(logger, logging.INFO, f"{name}.stopping", finishing, signal=signal_name)
         stop()
 
     for signum in (signal.SIGTERM, signal.SIGINT):

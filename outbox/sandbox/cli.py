@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from outbox.errors import ConfigurationError
-from outbox.logs import configure_logging
+from outbox.logs import configure_logging, log_fields
 from outbox.sandbox.provider import (
     DEFAULT_HOST,
     DEFAULT_PAYMENT_AMOUNT_CENTS,
@@ -143,10 +143,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             ) from None
         print(f"provider.listening host={args.host} port={port}", file=sys.stderr, flush=True)
         stop.wait()
-        logger.info(
-            "provider.stopping signal=%s",
-            signal.Signals(received[0]).name,
-            extra={"action": "provider.stopping"},
+        log_fields(
+            logger,
+            logging.INFO,
+            "provider.stopping",
+            "stopping",
+            signal=signal.Signals(received[0]).name,
         )
     finally:
         provider.stop()

@@ -21,11 +21,20 @@ from support.waiting import eventually_sync
 
 S = OperationState
 
-_LISTENING = re.compile(r"http\.listening port=(\d+)")
+_LISTENING = re.compile(r" action=http\.listening port=(\d+)")
+
+
+def listening_port(line: str) -> int | None:
+    """The metrics port from a daemon's ``http.listening`` line, in either log format."""
+    if line.startswith("{"):
+        fields = json.loads(line)
+        return int(fields["port"]) if fields.get("action") == "http.listening" else None
+    found = _LISTENING.search(line)
+    return int(found.group(1)) if found else None
 
 
 def scrape(daemon: Daemon) -> str:
-    ports = [int(m.group(1)) for line in daemon.lines if (m := _LISTENING.search(line))]
+    ports = [port for line in daemon.lines if (port := listening_port(line)) is not None]
     assert ports, f"{daemon.kind} never logged its metrics port"
     with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5) as response:
         return str(response.read().decode())
@@ -124,6 +133,11 @@ def test_tool_inputs_reach_no_log_metric_event_or_message(
         if not line["logger"].startswith(("outbox", "dispatcher", "consumer"))
     )
     assert "level=info logger=consumer" in outputs["consumer"]
+    # Fields are data in both formats: the start line's queue is a key, not message text.
+    started = [line for line in dispatcher_lines if line.get("action") == "dispatcher.started"]
+    assert [line["queue"] for line in started] == [settings.queue]
+    assert " action=consumer.started worker=" in outputs["consumer"]
+    assert f" queue={settings.queue} " in outputs["consumer"]
     assert "logger=httpx" not in outputs["consumer"]
     assert len(events) >= 8
     for kind in ("dispatcher", "consumer"):

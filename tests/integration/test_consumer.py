@@ -39,6 +39,7 @@ from support.consume_helpers import (
 )
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value, running_dispatcher
+from support.logs import logged
 from support.sample_tools import Ledger, RefundInput
 from support.waiting import eventually
 
@@ -399,7 +400,7 @@ async def test_an_unforeseen_database_failure_leaves_the_message_for_later(
         async with running_consumer(fast, registry):
 
             async def failed() -> bool:
-                return "consumer.delivery_failed error=SchemaMissing" in caplog.text
+                return logged(caplog, "consumer.delivery_failed", error="SchemaMissing")
 
             await eventually(failed, within=20, what="the delivery to fail")
             assert ledger.calls == []

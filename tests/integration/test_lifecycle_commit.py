@@ -14,6 +14,8 @@ from sqlalchemy.orm import Session
 
 from outbox import Registry, record_decision, record_decision_async
 
+from support.logs import lifecycle_lines
+
 REFUND = {"payment_id": "pay_1", "amount_cents": 100}
 
 
@@ -22,9 +24,7 @@ class Abandon(Exception):
 
 
 def prepared_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage() for r in caplog.records if r.getMessage().startswith("operation.prepared")
-    ]
+    return lifecycle_lines(caplog, "operation.prepared")
 
 
 @pytest.fixture(autouse=True)

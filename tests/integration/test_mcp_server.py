@@ -56,6 +56,7 @@ from outbox.mcp_transports import BearerGuard, http_app
 from outbox.outcomes import EffectResult, ExecutionContext
 
 from support.db_helpers import committed_counts, execute_admin
+from support.logs import logged, rendered
 from support.ops_helpers import Ops
 from support.ports import closed_port
 from support.waiting import eventually
@@ -836,7 +837,7 @@ async def test_http_with_a_token_refuses_requests_without_it(
     assert response.status_code == 401
     assert response.headers["www-authenticate"].startswith("Bearer")
     assert TOKEN not in response.text
-    assert TOKEN not in caplog.text
+    assert TOKEN not in rendered(caplog)
     assert operation_count(database_url) == 0
 
 
@@ -978,7 +979,7 @@ async def test_a_watcher_that_fails_falls_back_to_one_read(
     assert result.is_error is False
     assert outcome_of(result).status == "pending"
     assert outcome_of(result).operation_id == only_operation(database_url).id
-    assert "mcp.database_failed step=wait error=TransientDatabaseError" in caplog.text
+    assert logged(caplog, "mcp.database_failed", step="wait", error="TransientDatabaseError")
 
 
 async def test_a_decision_whose_status_cannot_be_read_says_it_was_recorded(

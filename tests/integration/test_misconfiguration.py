@@ -24,6 +24,7 @@ from outbox.observability import serve_http
 
 from support.broker_helpers import read_all
 from support.dispatch_helpers import record_many
+from support.logs import logged, records_of
 from support.ports import closed_port, taken_port
 from support.waiting import eventually
 
@@ -80,14 +81,14 @@ async def test_a_consumer_waits_for_a_database_that_does_not_answer(
 
         async def retrying() -> bool:
             assert not task.done(), "the consumer gave up on a database that may come back"
-            return "consumer.connect_retry peer=database attempt=2" in caplog.text
+            return logged(caplog, "consumer.connect_retry", peer="database", attempt=2)
 
         await eventually(retrying, within=REFUSES_WITHIN, what="the consumer to retry")
         assert not consumer.healthy()
     finally:
         consumer.stop()
         await asyncio.wait_for(task, timeout=REFUSES_WITHIN)
-    assert "session_ready" not in caplog.text  # it never went on to consume
+    assert not records_of(caplog, "consumer.session_ready")  # it never went on to consume
 
 
 async def test_a_least_privilege_consumer_passes_the_schema_check(
@@ -114,7 +115,7 @@ async def test_a_least_privilege_consumer_passes_the_schema_check(
         async def on_to_the_broker() -> bool:
             if task.done():
                 task.result()
-            return "consumer.session_lost" in caplog.text
+            return bool(records_of(caplog, "consumer.session_lost"))
 
         await eventually(on_to_the_broker, within=REFUSES_WITHIN, what="the broker stage")
     finally:

@@ -19,6 +19,7 @@ from outbox import store as outbox_store
 from outbox.cli import run_command
 from outbox.models import ApprovalStatus, OperationEvent
 
+from support.logs import rendered
 from support.ops_helpers import LEASE, Ops
 
 S = OperationState
@@ -46,7 +47,7 @@ class Cli:
         return out
 
     def seen(self) -> str:
-        return "\n".join([*self.everything, self.caplog.text])
+        return "\n".join([*self.everything, rendered(self.caplog)])
 
 
 @pytest.fixture
@@ -196,7 +197,7 @@ def test_show_prints_the_header_and_the_timeline(
     assert "from=outcome_unknown to=escalated" in timeline[4]
     assert "reason=lookups_unavailable" in timeline[4]
     assert json.loads(header["input"]) == operation.input
-    assert CANARY not in cli.caplog.text
+    assert CANARY not in rendered(cli.caplog)
 
 
 def test_show_accepts_a_bare_uuid_and_shows_the_provider_reference(
@@ -421,7 +422,7 @@ def test_pending_lists_only_operations_waiting_for_a_valid_approval(cli: Cli, op
     assert "missing: no approval was granted" in lines[1]
     rows = json.loads(cli.ok("approvals", "pending", "--json"))
     assert [(r["id"], r["approval_status"]) for r in rows] == [(waiting.display_id, "missing")]
-    assert CANARY not in cli.caplog.text
+    assert CANARY not in rendered(cli.caplog)
 
 
 def test_pending_shows_the_intent_a_grant_would_approve(cli: Cli, ops: Ops) -> None:
@@ -436,7 +437,7 @@ def test_pending_shows_the_intent_a_grant_would_approve(cli: Cli, ops: Ops) -> N
     assert listed[0]["input"] == intent
     input_line = next(line for line in shown.splitlines() if line.startswith("input "))
     assert json.loads(input_line.removeprefix("input ")) == intent
-    assert CANARY not in cli.caplog.text
+    assert CANARY not in rendered(cli.caplog)
 
 
 def test_grant_binds_the_fingerprint_and_clears_the_pending_list(cli: Cli, ops: Ops) -> None:
@@ -692,7 +693,7 @@ def test_who_decided_an_approval_is_kept_out_of_every_log_line(
     assert code == 0
     assert "operation.approval_" in logged
     assert person not in logged
-    assert person not in cli.caplog.text
+    assert person not in rendered(cli.caplog)
     recorded = ops.run(outbox_store.check_approval(waiting.id)).approval
     assert recorded is not None
     assert recorded.approved_by == person  # kept where it belongs
@@ -713,5 +714,5 @@ def test_resolution_evidence_and_resolver_are_kept_out_of_every_log_line(
     assert "operation.resolved" in logged
     for secret in (person, evidence):
         assert secret not in logged
-        assert secret not in cli.caplog.text
+        assert secret not in rendered(cli.caplog)
     assert resolved_event(ops, operation.id).attributes["by"] == person

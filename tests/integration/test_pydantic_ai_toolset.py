@@ -57,6 +57,7 @@ from outbox.models import parse_operation_id
 from outbox.sandbox.provider import Faults
 
 from support.db_helpers import committed_counts
+from support.logs import lifecycle_lines, rendered
 from support.system import System, running_system
 
 REFUND = {"payment_id": "pay_agent_1", "amount_cents": 2500, "reason": "parcel arrived damaged"}
@@ -137,10 +138,6 @@ def start_daemons(system: System) -> None:
 
 def daemon_output(system: System) -> str:
     return "\n".join(f"--- {d.kind}\n{''.join(d.lines)[-4000:]}" for d in system.daemons)
-
-
-def lifecycle_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "outbox.lifecycle"]
 
 
 @pytest.mark.timeout(SYSTEM_TEST_TIMEOUT)
@@ -322,7 +319,7 @@ async def test_invalid_input_goes_back_to_the_model_by_field_name_only(
     assert "amount_cents" in first
     assert "amount_cents" in second
     assert "payment_id" not in second
-    logged = " ".join(record.getMessage() for record in caplog.records)
+    logged = rendered(caplog)
     for value in ("QWERTY", "secret", "twelve", "777777"):
         assert value not in first + second + logged
     assert committed_counts(database_url).operations == 0

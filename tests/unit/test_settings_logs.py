@@ -3,15 +3,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 
 import psycopg
 import pytest
 
 from outbox.errors import ConfigurationError, connect_failure
-from outbox.lifecycle import format_event, logfmt_value, printable
-from outbox.logs import JsonFormatter, LogfmtFormatter
+from outbox.lifecycle import format_event
+from outbox.logs import JsonFormatter, LogfmtFormatter, log_fields
 from outbox.settings import Settings, libpq_url, load_settings, redact_url, sqlalchemy_url
+from outbox.text import logfmt_value, printable
+
+from support.logs import fields_of
 
 PASSWORD_CANARY = "pw-CANARY-93f1"
 
@@ -232,6 +236,79 @@ def test_json_formatter_writes_one_json_object_with_message_and_extras() -> None
     assert "lineno" not in payload
 
 
+def test_logfmt_formatter_renders_the_fields_after_the_message_in_their_order() -> None:
+    record = make_record(
+        "lost its session", action="dispatcher.session_lost", peer="broker", retry_in=0.4
+    )
+
+    line = LogfmtFormatter().format(record)
+
+    assert line.endswith(
+        'msg="lost its session" action=dispatcher.session_lost peer=broker retry_in=0.4'
+    )
+
+
+def test_logfmt_formatter_quotes_a_field_that_would_split_the_line() -> None:
+    record = make_record("x", reason='two words\nand a "quote"', flags={"a": [1, 2]})
+
+    line = LogfmtFormatter().format(record)
+
+    assert "\n" not in line
+    assert 'reason="two words\\nand a \\"quote\\""' in line
+    assert 'flags="{\\"a\\":[1,2]}"' in line
+
+
+def logfmt_keys(line: str) -> list[str]:
+    return re.findall(r'(?:^| )([A-Za-z0-9_.]+)=(?:"(?:[^"\\]|\\.)*"|\S*)', line)
+
+
+def test_both_formats_write_the_same_keys_in_the_same_order(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    logger = logging.getLogger("dispatcher.daemon")
+    with caplog.at_level("INFO", logger="dispatcher.daemon"):
+        log_fields(
+            logger,
+            logging.WARNING,
+            "dispatcher.publish_failed",
+            "publish failed",
+            reason="nacked",
+            rows=3,
+            module="shadowed",
+        )
+        try:
+            raise RuntimeError("gone")
+        except RuntimeError:
+            logger.exception("boom", extra={"action": "dispatcher.crashed"})
+
+    for record in caplog.records:
+        as_json = list(json.loads(JsonFormatter().format(record)))
+        assert logfmt_keys(LogfmtFormatter().format(record)) == as_json
+    assert list(json.loads(JsonFormatter().format(caplog.records[0]))) == [
+        "ts",
+        "level",
+        "logger",
+        "msg",
+        "action",
+        "reason",
+        "rows",
+        "module_",
+    ]
+    assert list(json.loads(JsonFormatter().format(caplog.records[1])))[-1] == "exc"
+
+
+def test_log_fields_renames_a_field_logging_reserves_instead_of_failing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("INFO", logger="outbox.test"):
+        log_fields(logging.getLogger("outbox.test"), logging.INFO, "t.x", "x", name="n", msg="m")
+
+    [record] = caplog.records
+    assert record.name == "outbox.test"
+    assert record.getMessage() == "x"
+    assert fields_of(record) == {"name_": "n", "msg_": "m"}
+
+
 def test_json_formatter_includes_the_traceback() -> None:
     line = JsonFormatter().format(record_with_traceback())
 
@@ -246,7 +323,14 @@ def test_agent_completed_logs_one_lifecycle_line(caplog: pytest.LogCaptureFixtur
         line = agent_completed("run_12", "refund_confirmed")
 
     assert line == "agent.completed id=run_12 outcome=refund_confirmed"
-    assert [r.getMessage() for r in caplog.records] == [line]
+    [record] = caplog.records
+    assert vars(record)["action"] == "agent.completed"
+    assert fields_of(record) == {"id": "run_12", "outcome": "refund_confirmed"}
+    assert (
+        LogfmtFormatter()
+        .format(record)
+        .endswith('msg="agent completed" action=agent.completed id=run_12 outcome=refund_confirmed')
+    )
 
 
 def test_agent_completed_refuses_free_text_outcomes() -> None:
