@@ -47,21 +47,18 @@ if str(Path(__file__).resolve().parent) in sys.path:
 from bench.e2e_tools import TOOL, build_registry
 from bench.reporting import json_safe, percentile
 from outbox import OutcomeStatus, OutcomeWatcher, record_decision, store
-from outbox.settings import libpq_url, with_database
+from outbox.sandbox.scratch import ScratchDatabase
+from outbox.settings import libpq_url
 from outbox.store import Store
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "await_outcome.json"
 LEASE = timedelta(minutes=10)
 
 
-def recreate(admin_url: str, name: str, *, notify: bool) -> str:
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        store.drop_database(admin, name)
-        store.create_database(admin, name)
-    url = with_database(admin_url, name)
-    with psycopg.connect(url) as connection:
-        store.apply_schema(connection)
-        if not notify:
+def recreate(database: ScratchDatabase, *, notify: bool) -> str:
+    url = database.recreate()
+    if not notify:
+        with psycopg.connect(url) as connection:
             connection.execute(
                 "ALTER TABLE operation_events DISABLE TRIGGER operation_events_notify_changed"
             )
@@ -143,9 +140,9 @@ async def wait_all(
 
 
 def run_mode(args: argparse.Namespace, run_name: str, mode: str) -> dict[str, Any]:
-    name = f"outbox_bench_await_{run_name}_{mode}"
+    database = ScratchDatabase(args.database_url, f"outbox_bench_await_{run_name}_{mode}")
     count = int(args.rate * args.seconds)
-    url = recreate(args.database_url, name, notify=mode == "notify")
+    url = recreate(database, notify=mode == "notify")
     try:
         ids = record_all(url, count)
         results: Any = multiprocessing.get_context("spawn").Queue()
@@ -160,8 +157,7 @@ def run_mode(args: argparse.Namespace, run_name: str, mode: str) -> dict[str, An
         committed_at: dict[str, float] = results.get(timeout=60)
         settler.join(timeout=60)
     finally:
-        with psycopg.connect(args.database_url, autocommit=True) as admin:
-            store.drop_database(admin, name)
+        database.drop()
     latencies = sorted(
         (woken_at[key] - committed_at[key]) * 1000 for key in committed_at if key in woken_at
     )

@@ -69,11 +69,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench.reporting import json_safe, percentile
 from dispatcher.daemon import Dispatcher
 from dispatcher.publisher import Publisher, encode
-from outbox import Registry, Settings, record_decision, record_decision_async, store
+from outbox import Registry, Settings, record_decision, record_decision_async
 from outbox.broker import Topology, declare_topology
 from outbox.cli import run_async
 from outbox.metrics import MetricNames
-from outbox.settings import database_name, libpq_url, with_database
+from outbox.sandbox.scratch import ScratchEnvironment
+from outbox.settings import libpq_url, with_database
 from outbox.store import ClaimedRow
 
 from support.sample_tools import build_registry
@@ -124,20 +125,11 @@ def make_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-def recreate_database(url: str, *, notify: bool = True) -> None:
-    with psycopg.connect(with_database(url, "postgres"), autocommit=True) as admin:
-        store.drop_database(admin, database_name(url))
-        store.create_database(admin, database_name(url))
-    with psycopg.connect(url) as connection:
-        store.apply_schema(connection)
-        if not notify:
+def recreate_database(scratch: ScratchEnvironment, *, notify: bool = True) -> None:
+    url = scratch.database.recreate()
+    if not notify:
+        with psycopg.connect(url) as connection:
             connection.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify_pending")
-        connection.commit()
-
-
-def drop_database(url: str) -> None:
-    with psycopg.connect(with_database(url, "postgres"), autocommit=True) as admin:
-        store.drop_database(admin, database_name(url))
 
 
 def server_version(url: str) -> str:
@@ -191,14 +183,6 @@ async def purge(amqp_url: str, topology: Topology) -> None:
         for name in (topology.queue, topology.dead_letter_queue):
             queue = await channel.declare_queue(name, passive=True)
             await queue.purge()
-
-
-async def delete_topology(amqp_url: str, topology: Topology) -> None:
-    async with broker_channel(amqp_url) as channel:
-        await channel.queue_delete(topology.queue)
-        await channel.queue_delete(topology.dead_letter_queue)
-        await channel.exchange_delete(topology.exchange)
-        await channel.exchange_delete(topology.dead_letter_exchange)
 
 
 # --- statistics ----------------------------------------------------------------------
@@ -567,7 +551,7 @@ def writer_child(args: argparse.Namespace) -> None:
 
 
 async def latency_phase(
-    settings: Settings,
+    scratch: ScratchEnvironment,
     registry: Registry,
     rate: float,
     seconds: float,
@@ -576,9 +560,10 @@ async def latency_phase(
     writer: str,
 ) -> dict[str, Any]:
     label = "notify" if notify else "polling"
+    settings = scratch.settings
     topology = Topology.from_settings(settings)
     amqp_url = settings.amqp_url.get_secret_value()
-    await asyncio.to_thread(recreate_database, settings.libpq_url, notify=notify)
+    await asyncio.to_thread(recreate_database, scratch, notify=notify)
     await purge(amqp_url, topology)
     deliveries = Deliveries()
     failures: list[str] = []
@@ -807,15 +792,16 @@ def main() -> None:
         return
     args.database_url = libpq_url(args.database_url)
     settings = make_settings(args)
-    topology = Topology.from_settings(settings)
-    amqp_url = settings.amqp_url.get_secret_value()
+    # Its database and broker names are the bench's own: removed at the end, whatever
+    # happened. The phases declare the topology (and recreate the database) themselves.
+    scratch = ScratchEnvironment(settings, declare_topology=False)
     registry = build_registry()
     results: dict[str, Any] = {"environment": environment(args, settings), "latency": {}}
     failures: list[str] = []
     began = time.monotonic()
 
     def drain() -> dict[str, Any]:
-        recreate_database(settings.libpq_url)
+        recreate_database(scratch)
         insert_seconds = insert_rows(settings.libpq_url, registry, args.messages, "bench_drain")
         print(f"2/4 drain: {args.messages:,} rows recorded in {insert_seconds:.1f} s (not timed)")
         drained = run_loop(drain_phase(settings, args.messages))
@@ -825,7 +811,7 @@ def main() -> None:
     def measure(notify: bool) -> dict[str, Any]:
         return run_loop(
             latency_phase(
-                settings, registry, args.rate, args.seconds, notify=notify, writer=args.writer
+                scratch, registry, args.rate, args.seconds, notify=notify, writer=args.writer
             )
         )
 
@@ -865,10 +851,8 @@ def main() -> None:
                 results["latency"][key] = latency
                 failures += latency["failures"]
     finally:
-        with contextlib.suppress(Exception):
-            run_loop(delete_topology(amqp_url, topology))
-        with contextlib.suppress(Exception):
-            drop_database(settings.libpq_url)
+        for problem in scratch.remove():
+            print(f"({problem})")
 
     results["failures"] = failures
     results["total_seconds"] = time.monotonic() - began

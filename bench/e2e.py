@@ -73,10 +73,12 @@ sys.path.remove(str(Path(__file__).resolve().parent))
 
 from bench.e2e_tools import TOOL, build_registry
 from bench.reporting import json_safe, percentile
-from outbox import record_decision, record_decision_async, store
-from outbox.broker import Topology, declare_topology
+from outbox import Settings, record_decision, record_decision_async
+from outbox.broker import Topology, declare_topology, delete_topology
 from outbox.cli import run_async
-from outbox.settings import libpq_url, with_database
+from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
+from outbox.sandbox.scratch import ScratchDatabase
+from outbox.settings import libpq_url
 
 T = TypeVar("T")
 
@@ -392,13 +394,11 @@ async def writer_for(system: str, url: str) -> tuple[Enqueue, Close]:
 # --- setup and backlog (parent) ------------------------------------------------------
 
 
-def recreate_database(admin_url: str, url: str, name: str, system: str) -> None:
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        store.drop_database(admin, name)
-        store.create_database(admin, name)
+def recreate_database(database: ScratchDatabase, system: str) -> None:
+    """Drop and create the system's database; the outbox schema comes with it, the
+    others' schemas are installed here."""
+    url = database.recreate()
     if system == "outbox":
-        with psycopg.connect(url) as connection:
-            store.apply_schema(connection)
         return
     with psycopg.connect(url) as connection:
         connection.execute(INBOX_DDL)
@@ -473,32 +473,7 @@ async def backlog_procrastinate(url: str, count: int) -> None:
             await task.batch_defer_async(*({"key": str(uuid4())} for _ in range(size)))
 
 
-async def delete_topology(amqp_url: str, names: str) -> None:
-    topology = topology_for(names)
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        await channel.queue_delete(topology.queue)
-        await channel.queue_delete(topology.dead_letter_queue)
-        await channel.exchange_delete(topology.exchange)
-        await channel.exchange_delete(topology.dead_letter_exchange)
-
-
 # --- processes (parent) --------------------------------------------------------------
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-    marker: str
-
-    def ready(self) -> bool:
-        return self.marker in self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 15) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
 @dataclass
@@ -537,55 +512,54 @@ class Bench:
     failures: list[str] = field(default_factory=list)
     spawned: int = 0
 
-    def database(self, system: str) -> tuple[str, str]:
-        name = f"e2e_{self.run_name}_{system}"
-        return name, with_database(self.admin_url, name)
+    def database(self, system: str) -> ScratchDatabase:
+        # The outbox schema for effect-outbox; the others install their own.
+        return ScratchDatabase(
+            self.admin_url, f"e2e_{self.run_name}_{system}", apply_schema=system == "outbox"
+        )
 
     def names(self, system: str) -> str:
         return f"bench.e2e.{self.run_name}.{system}"
 
     def fresh(self, system: str) -> str:
-        name, url = self.database(system)
-        recreate_database(self.admin_url, url, name, system)
+        database = self.database(system)
+        recreate_database(database, system)
         if system == "outbox" and not self.outbox.change_notify:
-            with psycopg.connect(url) as connection:
+            with psycopg.connect(database.url) as connection:
                 connection.execute(
                     "ALTER TABLE operation_events DISABLE TRIGGER operation_events_notify_changed"
                 )
         if system in ("minimal", "outbox"):
             with contextlib.suppress(Exception):
-                run_loop(delete_topology(self.amqp_url, self.names(system)))
-        return url
+                run_loop(delete_topology(self.amqp_url, topology_for(self.names(system))))
+        return database.url
 
-    def spawn(self, name: str, argv: list[str], marker: str, env: dict[str, str]) -> Child:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> DaemonProcess:
         self.spawned += 1
         log = self.logs / f"{self.spawned:03d}-{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(  # noqa: S603 - this interpreter, fixed arguments
-                argv, cwd=REPOSITORY, env=env, stdout=out, stderr=subprocess.STDOUT
-            )
-        return Child(name, process, log, marker)
+        return DaemonProcess(argv, environment=env, log=log, cwd=REPOSITORY, name=name)
 
     def outbox_env(self, url: str) -> dict[str, str]:
         names = topology_for(self.names("outbox"))
-        return {
-            **os.environ,
-            "OUTBOX_DATABASE_URL": url,
-            "OUTBOX_AMQP_URL": self.amqp_url,
-            "OUTBOX_EXCHANGE": names.exchange,
-            "OUTBOX_QUEUE": names.queue,
-            "OUTBOX_DEAD_LETTER_EXCHANGE": names.dead_letter_exchange,
-            "OUTBOX_DEAD_LETTER_QUEUE": names.dead_letter_queue,
-            "OUTBOX_TOOLS": "bench.e2e_tools",
+        # What the daemons read from the environment besides, as this process reads it.
+        daemon_settings = Settings(
+            database_url=url,
+            amqp_url=self.amqp_url,
+            exchange=names.exchange,
+            queue=names.queue,
+            dead_letter_exchange=names.dead_letter_exchange,
+            dead_letter_queue=names.dead_letter_queue,
+            tools="bench.e2e_tools",
             # Fresh names per run, declared by the daemons (no `outbox migrate --broker`).
-            "OUTBOX_DECLARE_TOPOLOGY": "true",
-            "OUTBOX_PREFETCH": str(self.outbox.prefetch),
-            "OUTBOX_BATCH_SIZE": str(self.outbox.batch_size),
-            "OUTBOX_DISPATCH_LANES": str(self.outbox.lanes),
-            "OUTBOX_LOG_LEVEL": self.outbox.log_level,
-            "OUTBOX_METRICS_HOST": "127.0.0.1",
-            "OUTBOX_METRICS_PORT": "0",
-        }
+            declare_topology=True,
+            prefetch=self.outbox.prefetch,
+            batch_size=self.outbox.batch_size,
+            dispatch_lanes=self.outbox.lanes,
+            log_level=self.outbox.log_level,
+            metrics_host="127.0.0.1",
+            metrics_port=0,
+        )
+        return {**os.environ, **daemon_settings.to_environment()}
 
     def child_argv(self, role: str, url: str, system: str) -> list[str]:
         return [
@@ -604,7 +578,7 @@ class Bench:
         ]
 
     @contextlib.contextmanager
-    def running(self, system: str, url: str) -> Iterator[list[Child]]:
+    def running(self, system: str, url: str) -> Iterator[list[DaemonProcess]]:
         """The system's processes, consumers ready before the relay starts; stopped
         (SIGTERM, then SIGKILL) on the way out."""
         stages: list[list[tuple[str, list[str], str, dict[str, str]]]]
@@ -612,22 +586,10 @@ class Bench:
             env = self.outbox_env(url)
             stages = [
                 [
-                    (
-                        f"consumer{n}",
-                        [sys.executable, "-m", "consumer"],
-                        "consumer.session_ready",
-                        env,
-                    )
+                    (f"consumer{n}", python_module("consumer"), "consumer.session_ready", env)
                     for n in range(self.outbox.consumers)
                 ],
-                [
-                    (
-                        "dispatcher",
-                        [sys.executable, "-m", "dispatcher"],
-                        "dispatcher.session_ready",
-                        env,
-                    )
-                ],
+                [("dispatcher", python_module("dispatcher"), "dispatcher.session_ready", env)],
             ]
         elif system == "minimal":
             env = dict(os.environ)
@@ -638,40 +600,25 @@ class Bench:
         else:
             env = dict(os.environ)
             stages = [[("worker", self.child_argv(f"{system}-worker", url, system), READY, env)]]
-        children: list[Child] = []
+        children: list[DaemonProcess] = []
         try:
             for stage in stages:
-                started = [self.spawn(f"{system}-{name}", *rest) for name, *rest in stage]  # type: ignore[arg-type]
-                children += started
+                started = [
+                    (self.spawn(f"{system}-{name}", argv, env), marker)
+                    for name, argv, marker, env in stage
+                ]
+                children += [child for child, _ in started]
                 wait_ready(started)
             yield children
         finally:
-            stop(children)
+            stop_all(children)
 
 
-def wait_ready(children: Sequence[Child], within: float = 30.0) -> None:
+def wait_ready(children: Sequence[tuple[DaemonProcess, str]], within: float = 30.0) -> None:
+    """Each child has written its ready line, all within ``within`` seconds."""
     deadline = time.monotonic() + within
-    for child in children:
-        while not child.ready():
-            if child.process.poll() is not None:
-                raise RuntimeError(
-                    f"{child.name} exited ({child.process.returncode}):\n{child.tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{child.name} not ready within {within:g} s:\n{child.tail()}")
-            time.sleep(0.05)
-
-
-def stop(children: Sequence[Child]) -> None:
-    for child in children:
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    for child in children:
-        try:
-            child.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait(timeout=10)
+    for child, marker in children:
+        child.wait_for_line(marker, within=max(0.0, deadline - time.monotonic()))
 
 
 def count_effects(url: str, system: str) -> int:
@@ -779,7 +726,9 @@ def throughput(bench: Bench, system: str, count: int, py_spy: Path | None) -> di
     }
 
 
-def start_py_spy(children: Sequence[Child], directory: Path) -> list[subprocess.Popen[bytes]]:
+def start_py_spy(
+    children: Sequence[DaemonProcess], directory: Path
+) -> list[subprocess.Popen[bytes]]:
     directory.mkdir(parents=True, exist_ok=True)
     py_spy = Path(sys.executable).parent / "py-spy"
     profilers = []
@@ -791,7 +740,7 @@ def start_py_spy(children: Sequence[Child], directory: Path) -> list[subprocess.
                         str(py_spy),
                         "record",
                         "--pid",
-                        str(child.process.pid),
+                        str(child.pid),
                         "--rate",
                         "200",
                         "--nonblocking",
@@ -1088,15 +1037,11 @@ def main() -> None:
 def cleanup(bench: Bench, systems: Sequence[str]) -> None:
     """Drop what this run created, whatever happened."""
     for system in systems:
-        name, _ = bench.database(system)
-        with (
-            contextlib.suppress(Exception),
-            psycopg.connect(bench.admin_url, autocommit=True) as admin,
-        ):
-            store.drop_database(admin, name)
+        with contextlib.suppress(Exception):
+            bench.database(system).drop()
         if system in ("minimal", "outbox"):
             with contextlib.suppress(Exception):
-                run_loop(delete_topology(bench.amqp_url, bench.names(system)))
+                run_loop(delete_topology(bench.amqp_url, topology_for(bench.names(system))))
 
 
 if __name__ == "__main__":

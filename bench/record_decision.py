@@ -23,18 +23,15 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from outbox import Registry, record_decision, record_decision_async, store
+from outbox import Registry, record_decision, record_decision_async
+from outbox.sandbox.scratch import ScratchDatabase
 from outbox.settings import database_name, libpq_url, with_database
 
 from support.sample_tools import build_registry
 
 
 def recreate(url: str) -> None:
-    with psycopg.connect(with_database(url, "postgres"), autocommit=True) as admin:
-        store.drop_database(admin, database_name(url))
-        store.create_database(admin, database_name(url))
-    with psycopg.connect(url) as connection:
-        store.apply_schema(connection)
+    ScratchDatabase(with_database(url, "postgres"), database_name(url)).recreate()
 
 
 def sync_run(url: str, registry: Registry, seconds: float, connections: int) -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import subprocess
 import sys
 import uuid
 from typing import Any
@@ -41,14 +40,15 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from outbox import OperationState, OutboxError, Settings, agent_completed, store
+from outbox import OperationState, OutboxError, agent_completed, store
 from outbox.integrations.pydantic_ai import OutboxToolset, resume_results
-from outbox.migrate import declare_broker_topology, migrate
 from outbox.models import Operation, parse_operation_id
 from outbox.sandbox import demo
+from outbox.sandbox.processes import DaemonProcess
 from outbox.sandbox.provider import Faults, SandboxProvider
+from outbox.sandbox.scratch import ScratchEnvironment
 from outbox.sandbox.tools import build_registry
-from outbox.settings import database_name, load_settings, sqlalchemy_url
+from outbox.settings import load_settings, sqlalchemy_url
 from outbox.store import Store
 
 CUSTOMER = "My parcel arrived damaged. Please refund the 25 EUR I paid (payment pay_parcel_42)."
@@ -114,39 +114,32 @@ def operation(database_url: str, operation_id: UUID) -> Operation:
         return Store(connection).run(store.get_operation(operation_id))
 
 
-def tell(settings: Settings, names: demo.DemoNames) -> int:
+def tell(scratch: ScratchEnvironment) -> int:
     # The sandbox refunds, then closes the connection without an answer, every time.
-    daemons: list[subprocess.Popen[bytes]] = []
+    daemons: list[DaemonProcess] = []
     with SandboxProvider(faults=Faults(drop_response_every=1)) as provider:
         try:
-            return tell_with(settings, names, provider, daemons)
+            return tell_with(scratch, provider, daemons)
         finally:
             for daemon in daemons:
-                demo.stop(daemon)
-            demo.clean_up(settings, names)
+                daemon.stop()
+            demo.clean_up(scratch)
 
 
 def tell_with(
-    settings: Settings,
-    names: demo.DemoNames,
-    provider: SandboxProvider,
-    daemons: list[subprocess.Popen[bytes]],
+    scratch: ScratchEnvironment, provider: SandboxProvider, daemons: list[DaemonProcess]
 ) -> int:
-    migrate(names.database_url)
-    asyncio.run(declare_broker_topology(demo.demo_settings(settings, names)))
-    demo.say(
-        f"   (database {database_name(names.database_url)} and broker names "
-        f"demo.{names.tag}.* created for this run, removed at the end)"
-    )
-    environment = demo.daemon_environment(settings, names, provider)
+    scratch.create()
+    demo.say_created(scratch)
+    environment = demo.daemon_environment(scratch.settings, provider)
     daemons.extend(demo.start(module, environment) for module in ("dispatcher", "consumer"))
 
     demo.say(f"   customer: {CUSTOMER}")
-    answer, run_id, operation_id = asyncio.run(converse(names.database_url))
+    answer, run_id, operation_id = asyncio.run(converse(scratch.database_url))
     demo.say(f"   agent:    {answer}\n")
 
-    refund = operation(names.database_url, operation_id)
-    for event in demo.events_of(names.database_url, refund):
+    refund = operation(scratch.database_url, operation_id)
+    for event in demo.events_of(scratch.database_url, refund):
         demo.say("   " + demo.trace_line(event, refund))
     confirmed = refund.state is OperationState.COMMITTED and "confirmed" in answer
     completed = agent_completed(run_id, "refund_confirmed" if confirmed else "refund_unconfirmed")
@@ -171,7 +164,7 @@ def main() -> int:
     except OutboxError as missing:
         print(f"agent_refund: {missing}", file=sys.stderr)
         return 1
-    return tell(settings, demo.DemoNames.fresh(settings))
+    return tell(demo.scratch_for(settings))
 
 
 if __name__ == "__main__":

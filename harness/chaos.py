@@ -40,12 +40,13 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
+from pydantic import SecretStr
 
 from harness.diagnostics import session_snapshot, terminate_backends
 from harness.proxy import ThreadedProxy, url_through
@@ -54,11 +55,12 @@ from outbox.cli import add_setting_flags, run_parsed
 from outbox.decisions import record_decision
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import load_registry
-from outbox.migrate import migrate
 from outbox.models import OperationEvent
-from outbox.sandbox.demo import DemoNames, clean_up
+from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
 from outbox.sandbox.provider import Faults, SandboxProvider
-from outbox.settings import Settings, redact_url, with_database
+from outbox.sandbox.scratch import ScratchEnvironment
+from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.settings import Settings, redact_url
 from outbox.states import EventName, OperationState, is_legal
 from outbox.store import Store
 
@@ -311,12 +313,14 @@ def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> li
 
 @dataclass
 class Daemon:
+    """One of the four daemons, through its restarts: each start is a new process, with
+    a log file of its own."""
+
     kind: str
     index: int
     environment: dict[str, str]
     log_dir: Path
-    process: subprocess.Popen[bytes] | None = None
-    log: IO[bytes] | None = None
+    process: DaemonProcess | None = None
     generation: int = 0
     stopped_until: float | None = None
 
@@ -324,80 +328,43 @@ class Daemon:
     def name(self) -> str:
         return f"{self.kind}#{self.index}"
 
-    @property
-    def log_path(self) -> Path:
-        return self.log_dir / f"{self.kind}{self.index}.{self.generation}.log"
-
     def start(self) -> None:
         self.generation += 1
-        self.log = self.log_path.open("wb")
-        # The command is this interpreter and one of the project's own modules.
-        self.process = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", self.kind],
-            env=self.environment,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+        self.process = DaemonProcess(
+            python_module(self.kind),
+            environment=self.environment,
+            log=self.log_dir / f"{self.kind}{self.index}.{self.generation}.log",
+            name=self.name,
         )
         self.stopped_until = None
 
     @property
+    def current(self) -> DaemonProcess:
+        assert self.process is not None, f"{self.name} was never started"
+        return self.process
+
+    @property
     def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
+        return self.current.pid
 
     def kill_and_restart(self) -> None:
-        assert self.process is not None
-        self.process.kill()  # SIGKILL ends a stopped process too
-        self.process.wait(timeout=30)
-        self._close_log()
+        self.current.kill()
         self.start()
 
     def pause(self, until: float) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
+        self.current.signal(signal.SIGSTOP)
         self.stopped_until = until
 
     def resume_if_due(self, now: float) -> bool:
         """Wake a paused daemon whose pause is over; True if it did."""
         if self.stopped_until is not None and now >= self.stopped_until:
-            assert self.process is not None
-            self.process.send_signal(signal.SIGCONT)
+            self.current.signal(signal.SIGCONT)
             self.stopped_until = None
             return True
         return False
 
     def exited_unplanned(self) -> bool:
-        return self.process is not None and self.process.poll() is not None
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def terminate(self) -> None:
-        """Ask the daemon to stop; :meth:`stop` waits for it."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)  # a stopped process cannot act on TERM
-            self.process.terminate()
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        return self.process is not None and not self.process.running()
 
 
 # --- the run --------------------------------------------------------------------------
@@ -500,10 +467,11 @@ def run_once(
 ) -> tuple[Verdict, str]:
     """One run; its verdict and a one-line summary."""
     began = time.monotonic()
-    names = _fresh_names(settings)
+    # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
+    scratch = ScratchEnvironment.unique(settings, "chaos", declare_topology=False)
     schedule = fault_schedule(seed, operations, categories)
     say(f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}")
-    say(f"database {redact_url(names.database_url)}, queue {names.queue}")
+    say(f"database {redact_url(scratch.database_url)}, queue {scratch.topology.queue}")
     say(f"fault schedule ({len(schedule)}):")
     for fault in schedule:
         say(f"  {fault.describe()}")
@@ -512,19 +480,20 @@ def run_once(
         if "provider" in categories
         else Faults()
     )
-    amqp_url = settings.amqp_url.get_secret_value()
     evidence: Path | None = None
+    timings: dict[str, float] = {}
     with (
         SandboxProvider(faults=provider_faults) as provider,
         tempfile.TemporaryDirectory(prefix="outbox-chaos-") as log_dir,
-        _proxy_to(amqp_url, 5672) as broker_link,
-        _proxy_to(names.database_url, 5432) as database_link,
+        _proxy_to(scratch.amqp_url, 5672) as broker_link,
+        _proxy_to(scratch.database_url, 5432) as database_link,
     ):
+        # Before the try: a database that cannot be created (the server unreachable)
+        # leaves nothing to remove, and its error is the one to report.
+        scratch.create()
         try:
-            migrate(names.database_url)
             chaos = Chaos(
-                names=names,
-                amqp_url=amqp_url,
+                scratch=scratch,
                 provider=provider,
                 links={"broker": broker_link, "database": database_link},
                 log_dir=Path(log_dir),
@@ -532,6 +501,7 @@ def run_once(
                 schedule=schedule,
                 rabbitmqctl=rabbitmqctl,
                 drain_timeout=drain_timeout,
+                timings=timings,
             )
             try:
                 drain_s = chaos.run()
@@ -541,31 +511,33 @@ def run_once(
                 chaos.stop()
                 chaos.timings["stop_daemons"] = time.monotonic() - stopping
             checking = time.monotonic()
-            verdict = check(names.database_url, operations, provider)
+            verdict = check(scratch.database_url, operations, provider)
             if verdict.last_settled_at is not None:
                 verdict.settle_s = max(
                     0.0, verdict.last_settled_at.timestamp() - chaos.faults_ended_at
                 )
             chaos.timings["check"] = time.monotonic() - checking
             if not verdict.held or drain_s is None:
-                evidence = _keep_evidence(names, Path(log_dir), sessions)
+                evidence = _keep_evidence(scratch, Path(log_dir), sessions)
+                scratch.keep()
         finally:
+            cleaning = time.monotonic()
+            for problem in scratch.remove():
+                say(f"   ({problem})")
             if evidence is None:
-                cleaning = time.monotonic()
-                clean_up(settings, names)
-                chaos.timings["clean_up"] = time.monotonic() - cleaning
-    chaos.timings["total"] = time.monotonic() - began
-    report(verdict, chaos.tally, drain_s, chaos.timings)
+                timings["clean_up"] = time.monotonic() - cleaning
+    timings["total"] = time.monotonic() - began
+    report(verdict, chaos.tally, drain_s, timings)
     if evidence is not None:
         say(f"evidence kept: the daemons' logs and sessions in {evidence}; the database")
-        say(f"  {redact_url(names.database_url)} and the queues {names.queue}, ")
-        say(f"  {names.dead_letter_queue} stay until you drop them.")
+        say(f"  {redact_url(scratch.database_url)} and the queues {scratch.topology.queue}, ")
+        say(f"  {scratch.topology.dead_letter_queue} stay until you drop them.")
     summary = (
         f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
         f"escalated={verdict.escalated} lost={verdict.lost} "
         f"duplicate_effects={verdict.duplicate_effects} blind_retries={verdict.blind_retries} "
         f"illegal_sequences={verdict.illegal_sequences} "
-        f"settle_s={_seconds(verdict.settle_s)} total_s={chaos.timings['total']:.0f} "
+        f"settle_s={_seconds(verdict.settle_s)} total_s={timings['total']:.0f} "
         + ("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
     )
     return verdict, summary
@@ -575,10 +547,10 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _keep_evidence(names: DemoNames, log_dir: Path, sessions: list[str]) -> Path:
+def _keep_evidence(scratch: ScratchEnvironment, log_dir: Path, sessions: list[str]) -> Path:
     """Copy the daemons' logs (and the database sessions seen as the run ended) out of
     the temporary directory; the caller then leaves the database and queues in place."""
-    kept = Path(tempfile.mkdtemp(prefix=f"outbox-chaos-evidence-{names.queue.split('.')[1]}-"))
+    kept = Path(tempfile.mkdtemp(prefix=f"outbox-chaos-evidence-{scratch.tag}-"))
     shutil.copytree(log_dir, kept, dirs_exist_ok=True)
     (kept / "sessions.txt").write_text("\n".join(sessions) + "\n")
     return kept
@@ -641,21 +613,9 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def _fresh_names(settings: Settings) -> DemoNames:
-    tag = uuid.uuid4().hex[:8]
-    return DemoNames(
-        database_url=with_database(settings.libpq_url, f"outbox_chaos_{tag}"),
-        exchange=f"chaos.{tag}.outbox",
-        queue=f"chaos.{tag}.operations",
-        dead_letter_exchange=f"chaos.{tag}.dead",
-        dead_letter_queue=f"chaos.{tag}.operations.dead",
-    )
-
-
 @dataclass
 class Chaos:
-    names: DemoNames
-    amqp_url: str
+    scratch: ScratchEnvironment
     provider: SandboxProvider
     links: dict[str, ThreadedProxy]
     log_dir: Path
@@ -674,33 +634,38 @@ class Chaos:
     # Faults that last a while, by kind: when each ends and what ends it.
     endings: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
 
+    @property
+    def database_url(self) -> str:
+        return self.scratch.database_url
+
     def environment(self, proxied: bool) -> dict[str, str]:
-        database_url, amqp_url = self.names.database_url, self.amqp_url
+        database_url, amqp_url = self.database_url, self.scratch.amqp_url
         if proxied:
             database_url = url_through(database_url, self.links["database"].port)
             amqp_url = url_through(amqp_url, self.links["broker"].port)
+        daemon_settings = self.scratch.settings.model_copy(
+            update={
+                "database_url": SecretStr(database_url),
+                "amqp_url": SecretStr(amqp_url),
+                "amqp_heartbeat": AMQP_HEARTBEAT_SECONDS,
+                "tools": TOOLS_MODULE,
+                # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
+                "declare_topology": True,
+                "lease_margin": LEASE_MARGIN_SECONDS,
+                "requeue_stale_after": timedelta(seconds=REQUEUE_STALE_AFTER_SECONDS),
+                "publish_retry_max": PUBLISH_RETRY_MAX_SECONDS,
+                "poll_interval": 0.2,
+                "reconcile_interval": 0.2,
+                "metrics_host": "127.0.0.1",
+                "metrics_port": 0,
+                "log_level": "WARNING",
+            }
+        )
         return {
             **os.environ,
-            "OUTBOX_DATABASE_URL": database_url,
-            "OUTBOX_AMQP_URL": amqp_url,
-            "OUTBOX_AMQP_HEARTBEAT": str(AMQP_HEARTBEAT_SECONDS),
-            "OUTBOX_EXCHANGE": self.names.exchange,
-            "OUTBOX_QUEUE": self.names.queue,
-            "OUTBOX_DEAD_LETTER_EXCHANGE": self.names.dead_letter_exchange,
-            "OUTBOX_DEAD_LETTER_QUEUE": self.names.dead_letter_queue,
-            "OUTBOX_TOOLS": TOOLS_MODULE,
-            # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
-            "OUTBOX_DECLARE_TOPOLOGY": "true",
-            "OUTBOX_SANDBOX_URL": self.provider.url,
-            "OUTBOX_SANDBOX_REFUND_DEADLINE": f"{REFUND_DEADLINE_SECONDS:g}",
-            "OUTBOX_LEASE_MARGIN": f"{LEASE_MARGIN_SECONDS:g}",
-            "OUTBOX_REQUEUE_STALE_AFTER": f"PT{REQUEUE_STALE_AFTER_SECONDS:g}S",
-            "OUTBOX_PUBLISH_RETRY_MAX": f"{PUBLISH_RETRY_MAX_SECONDS:g}",
-            "OUTBOX_POLL_INTERVAL": "0.2",
-            "OUTBOX_RECONCILE_INTERVAL": "0.2",
-            "OUTBOX_METRICS_HOST": "127.0.0.1",
-            "OUTBOX_METRICS_PORT": "0",
-            "OUTBOX_LOG_LEVEL": "WARNING",
+            **daemon_settings.to_environment(),
+            SANDBOX_URL_ENV: self.provider.url,
+            REFUND_DEADLINE_ENV: f"{REFUND_DEADLINE_SECONDS:g}",
         }
 
     def run(self) -> float | None:
@@ -723,7 +688,7 @@ class Chaos:
         retry_until = stream_seconds(self.operations) + FAULT_RETRY_AFTER_STREAM_SECONDS
         recorded = 0
         start = time.monotonic()
-        with psycopg.connect(self.names.database_url) as connection:
+        with psycopg.connect(self.database_url) as connection:
             while recorded < self.operations or pending or self._faults_last():
                 elapsed = time.monotonic() - start
                 due = min(self.operations, int(elapsed * rate) + 1)
@@ -796,8 +761,7 @@ class Chaos:
             if daemon.exited_unplanned():
                 self.tally.unplanned_exits += 1
                 say(f"  ! {daemon.name} exited on its own; restarting. Its last lines:")
-                say(daemon.tail())
-                daemon.stop()
+                say(daemon.current.tail())
                 daemon.start()
 
     def _lasting(self, kind: str, seconds: float, end: Callable[[], None]) -> bool:
@@ -851,7 +815,7 @@ class Chaos:
 
     def _holder_of_a_committed_refund(self, deadline: float) -> Daemon | None:
         consumers = {daemon.pid: daemon for daemon in self._of_kind("consumer")}
-        with psycopg.connect(self.names.database_url) as connection:
+        with psycopg.connect(self.database_url) as connection:
             runner = Store(connection)
             while time.monotonic() < deadline:
                 for key in self.provider.executing_keys():
@@ -895,7 +859,7 @@ class Chaos:
         return True
 
     def _fault_db_connection_kill(self, fault: ScheduledFault) -> bool:
-        with psycopg.connect(self.names.database_url, autocommit=True) as connection:
+        with psycopg.connect(self.database_url, autocommit=True) as connection:
             ended = terminate_backends(connection, list(APPLICATION_NAMES.values()))
         self.tally.db_connection_kills += ended
         return ended > 0
@@ -986,7 +950,7 @@ class Chaos:
         return closed
 
     def _settled(self) -> bool:
-        with psycopg.connect(self.names.database_url) as connection:
+        with psycopg.connect(self.database_url) as connection:
             counts = Store(connection).run(store.operations_by_state())
         # Every decision settled implies none is in flight, past its lease or not.
         return (
@@ -997,7 +961,7 @@ class Chaos:
     def sessions(self) -> list[str]:
         """The run database's sessions now (evidence if the run did not settle)."""
         try:
-            with psycopg.connect(self.names.database_url, autocommit=True) as connection:
+            with psycopg.connect(self.database_url, autocommit=True) as connection:
                 return session_snapshot(connection)
         except (psycopg.Error, OutboxError) as failure:
             return [f"(no snapshot: {type(failure).__name__})"]
@@ -1012,10 +976,7 @@ class Chaos:
             except Exception as error:  # keep ending the others
                 say(f"  ! could not end {kind}: {type(error).__name__}")
         # All at once: each finishes the effects in hand while the others do the same.
-        for daemon in self.daemons:
-            daemon.terminate()
-        for daemon in self.daemons:
-            daemon.stop()
+        stop_all([daemon.process for daemon in self.daemons if daemon.process is not None])
 
 
 def _start_app(executable: str) -> None:

@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, TypeAdapter, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox.errors import ConfigurationError
@@ -214,6 +214,38 @@ class Settings(BaseSettings):
     @property
     def libpq_url(self) -> str:
         return libpq_url(self.database_url.get_secret_value())
+
+    def to_environment(self) -> dict[str, str]:
+        """Every set field as the ``OUTBOX_*`` variable :class:`Settings` reads back to
+        an equal model; fields that are None are left out (unset is how they are None).
+
+        Secrets are revealed: this is the environment of a child process, which needs
+        them. Never log it.
+        """
+        return {
+            f"{ENV_PREFIX}{name.upper()}": _environment_value(value)
+            for name in type(self).model_fields
+            if (value := getattr(self, name)) is not None
+        }
+
+
+_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
+
+
+def _environment_value(value: object) -> str:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):  # before int: a bool is one
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # the shortest text that reads back as the same float
+    if isinstance(value, timedelta):
+        # ISO 8601 is exact to the microsecond; seconds as a float would not be.
+        return str(_TIMEDELTA.dump_python(value, mode="json"))
+    if isinstance(value, int | str):
+        return str(value)
+    # A new field of another type must say here how its variable is written.
+    raise TypeError(f"no environment form for a {type(value).__name__} setting")
 
 
 def _scheme(url: str) -> str:

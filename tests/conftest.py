@@ -1,24 +1,21 @@
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
-import aio_pika
-import psycopg
 import pytest
 import sqlalchemy as sa
 from pydantic import SecretStr
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from outbox import Registry, Settings, store
-from outbox.settings import libpq_url, sqlalchemy_url, with_database
+from outbox import Registry, Settings
+from outbox.broker import Topology, delete_topology
+from outbox.sandbox.scratch import ScratchDatabase, new_tag, topology_named
+from outbox.settings import libpq_url, sqlalchemy_url
 
 from support import services
-from support.broker_helpers import BrokerNames
 from support.sample_tools import Ledger, build_registry
 
 
@@ -31,50 +28,29 @@ def postgres_server_url() -> Iterator[str]:
         pytest.fail(str(missing), pytrace=False)
 
 
-def _admin(server_url: str) -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(server_url, autocommit=True)
-
-
 @pytest.fixture(scope="session")
 def template_database(postgres_server_url: str) -> Iterator[str]:
     """A database with schema.sql applied once; every test copies it."""
-    name = f"outbox_test_template_{uuid.uuid4().hex[:8]}"
-    with _admin(postgres_server_url) as admin:
-        store.create_database(admin, name)
-    try:
-        with psycopg.connect(with_database(postgres_server_url, name)) as connection:
-            store.apply_schema(connection)
-        yield name
-    finally:
-        with _admin(postgres_server_url) as admin:
-            store.drop_database(admin, name)
-
-
-@contextlib.contextmanager
-def fresh_database(server_url: str, prefix: str, template: str | None = None) -> Iterator[str]:
-    """A new database (a copy of ``template`` if given), dropped on exit."""
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    with _admin(server_url) as admin:
-        store.create_database(admin, name, template=template)
-    try:
-        yield with_database(server_url, name)
-    finally:
-        with _admin(server_url) as admin:
-            store.drop_database(admin, name)
+    with ScratchDatabase.unique(postgres_server_url, "outbox_test_template") as template:
+        yield template.name
 
 
 @pytest.fixture
 def database_url(postgres_server_url: str, template_database: str) -> Iterator[str]:
     """A fresh database, copied from the template, dropped after the test."""
-    with fresh_database(postgres_server_url, "outbox_test", template_database) as url:
-        yield url
+    with ScratchDatabase.unique(
+        postgres_server_url, "outbox_test", template=template_database
+    ) as database:
+        yield database.url
 
 
 @pytest.fixture
 def empty_database_url(postgres_server_url: str) -> Iterator[str]:
     """A fresh database without the outbox schema."""
-    with fresh_database(postgres_server_url, "outbox_test_empty") as url:
-        yield url
+    with ScratchDatabase.unique(
+        postgres_server_url, "outbox_test_empty", apply_schema=False
+    ) as database:
+        yield database.url
 
 
 @pytest.fixture
@@ -111,21 +87,16 @@ def amqp_server_url() -> Iterator[str]:
 
 
 @pytest.fixture
-async def broker_names(amqp_server_url: str) -> AsyncIterator[BrokerNames]:
-    """Exchange and queue names of this test's own, deleted afterwards (LIFO)."""
-    names = BrokerNames.unique()
+async def broker_names(amqp_server_url: str) -> AsyncIterator[Topology]:
+    """Exchange and queue names of this test's own, deleted afterwards (LIFO). Not
+    declared: the daemons declare them, or a test shows what happens when none did."""
+    names = topology_named(f"test.{new_tag()}")
     yield names
-    connection = await aio_pika.connect(amqp_server_url)
-    async with connection:
-        channel = await connection.channel()
-        for queue in (names.queue, names.dead_letter_queue):
-            await channel.queue_delete(queue)
-        for exchange in (names.exchange, names.dead_letter_exchange):
-            await channel.exchange_delete(exchange)
+    await delete_topology(amqp_server_url, names)
 
 
 @pytest.fixture
-def settings(database_url: str, amqp_server_url: str, broker_names: BrokerNames) -> Settings:
+def settings(database_url: str, amqp_server_url: str, broker_names: Topology) -> Settings:
     """Settings for daemons under test: this test's database and broker names, short
     waits so that conditions are reached quickly, a free metrics port."""
     return Settings(

@@ -22,12 +22,9 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -42,10 +39,12 @@ from outbox.broker import connect as connect_to_broker
 from outbox.decisions import record_decision
 from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.loading import load_registry
-from outbox.migrate import declare_broker_topology, migrate
 from outbox.models import Operation, OperationEvent
+from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
-from outbox.settings import Settings, database_name, redact_url, with_database
+from outbox.sandbox.scratch import ScratchEnvironment
+from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.settings import Settings, redact_url, with_database
 from outbox.store import Store
 
 TOOLS_MODULE = "outbox.sandbox.tools"
@@ -58,27 +57,10 @@ SETTLE_WITHIN_SECONDS = 60.0
 SERVICE_CHECK_SECONDS = 5
 
 
-@dataclass(frozen=True)
-class DemoNames:
-    database_url: str
-    exchange: str
-    queue: str
-    dead_letter_exchange: str
-    dead_letter_queue: str
-    tag: str = ""
-    """What ties the names of one run together, printed so it can be found (and checked)."""
-
-    @classmethod
-    def fresh(cls, settings: Settings) -> DemoNames:
-        tag = uuid.uuid4().hex[:8]
-        return cls(
-            database_url=with_database(settings.libpq_url, f"outbox_demo_{tag}"),
-            exchange=f"demo.{tag}.outbox",
-            queue=f"demo.{tag}.operations",
-            dead_letter_exchange=f"demo.{tag}.dead",
-            dead_letter_queue=f"demo.{tag}.operations.dead",
-            tag=tag,
-        )
+def scratch_for(settings: Settings) -> ScratchEnvironment:
+    """A database ``outbox_demo_<tag>`` and broker names ``demo.<tag>.*`` for one run: its
+    tag is printed once they exist, so that they can be found (and checked gone)."""
+    return ScratchEnvironment.unique(settings, "demo")
 
 
 def register(commands: Any) -> None:
@@ -122,7 +104,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     for noisy in ("outbox.sandbox.provider", "outbox.lifecycle", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     check_services(settings)
-    names = DemoNames.fresh(settings)
+    scratch = scratch_for(settings)
     # Python's default for SIGTERM ends the process without unwinding, and its
     # KeyboardInterrupt can be lost the same way as an exception raised by a handler:
     # the database and the queues would stay behind, and the daemons would run on.
@@ -131,7 +113,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         signum: signal.signal(signum, _request_stop) for signum in (signal.SIGTERM, signal.SIGINT)
     }
     try:
-        return tell_the_story(settings, names)
+        return tell_the_story(scratch)
     except Stopped as stopped:
         say(f"\ndemo stopped by {signal.Signals(stopped.signum).name}")
         return 128 + stopped.signum
@@ -140,21 +122,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             signal.signal(signum, handler)
 
 
-def tell_the_story(settings: Settings, names: DemoNames) -> int:
+def tell_the_story(scratch: ScratchEnvironment) -> int:
     say("effect-outbox demo: a refund whose response is lost in a timeout\n")
-    daemons: list[subprocess.Popen[bytes]] = []
+    daemons: list[DaemonProcess] = []
     with SandboxProvider(faults=Faults(delay_ms=SLOW_ANSWER_MS)) as provider:
         naive_refunds = naive_runtime(provider)
         provider.reset()
         checkpoint()
         try:
-            outbox_refunds = with_effect_outbox(settings, names, provider, daemons)
+            outbox_refunds = with_effect_outbox(scratch, provider, daemons)
         finally:
             # A second signal must not cut this short: the daemons would outlive us.
             with _signals_held():
                 for daemon in daemons:
-                    stop(daemon)
-                clean_up(settings, names)
+                    daemon.stop()
+                clean_up(scratch)
     checkpoint()
     held = naive_refunds == 2 and outbox_refunds == 1
     say(
@@ -253,26 +235,20 @@ def naive_runtime(provider: SandboxProvider) -> int:
 
 
 def with_effect_outbox(
-    settings: Settings,
-    names: DemoNames,
-    provider: SandboxProvider,
-    daemons: list[subprocess.Popen[bytes]],
+    scratch: ScratchEnvironment, provider: SandboxProvider, daemons: list[DaemonProcess]
 ) -> int:
     """The same fault under effect-outbox; the daemons it starts go into ``daemons``, for
     the caller to stop however this ends."""
     say("2. effect-outbox: the same fault")
-    # What `outbox migrate --broker` does, for this run's names: the daemons require it.
-    migrate(names.database_url)
-    asyncio.run(declare_broker_topology(demo_settings(settings, names)))
-    say(
-        f"   (database {database_name(names.database_url)} and broker names "
-        f"demo.{names.tag}.* created for this run, removed at the end)"
-    )
+    # The schema, and what `outbox migrate --broker` declares: the daemons require both.
+    scratch.create()
+    say_created(scratch)
     provider.set_faults(delay_ms=SLOW_ANSWER_MS)
     run_id = f"run_{uuid.uuid4().hex[:6]}"
-    environment = daemon_environment(settings, names, provider)
+    environment = daemon_environment(scratch.settings, provider)
+    database_url = scratch.database_url
     registry = load_registry([TOOLS_MODULE])
-    with psycopg.connect(names.database_url) as connection:
+    with psycopg.connect(database_url) as connection:
         recorded = record_decision(
             connection,
             registry,
@@ -286,10 +262,10 @@ def with_effect_outbox(
     for module in ("dispatcher", "consumer"):
         checkpoint()
         daemons.append(start(module, environment))
-    final = wait_until_settled(names.database_url, operation, daemons)
+    final = wait_until_settled(database_url, operation, daemons)
     for daemon in daemons:
-        stop(daemon)
-    for event in events_of(names.database_url, operation):
+        daemon.stop()
+    for event in events_of(database_url, operation):
         say("   " + trace_line(event, operation))
     outcome = "refund_confirmed" if final.status is OutcomeStatus.COMMITTED else str(final.status)
     completed = lifecycle.agent_completed(run_id, outcome)
@@ -300,63 +276,41 @@ def with_effect_outbox(
     return count
 
 
-def demo_settings(settings: Settings, names: DemoNames) -> Settings:
-    return settings.model_copy(
-        update={
-            "exchange": names.exchange,
-            "queue": names.queue,
-            "dead_letter_exchange": names.dead_letter_exchange,
-            "dead_letter_queue": names.dead_letter_queue,
-        }
+def say_created(scratch: ScratchEnvironment) -> None:
+    say(
+        f"   (database {scratch.database.name} and broker names demo.{scratch.tag}.* "
+        "created for this run, removed at the end)"
     )
 
 
-def daemon_environment(
-    settings: Settings, names: DemoNames, provider: SandboxProvider
-) -> dict[str, str]:
+def daemon_environment(settings: Settings, provider: SandboxProvider) -> dict[str, str]:
+    """The daemons' environment: ``settings`` (this run's names), the sandbox's tools
+    at ``provider``, and waits short enough for a story told in seconds."""
+    daemon_settings = settings.model_copy(
+        update={
+            "tools": TOOLS_MODULE,
+            "poll_interval": 0.2,
+            "reconcile_interval": 0.1,
+            "metrics_host": "127.0.0.1",
+            "metrics_port": 0,
+            "log_level": "WARNING",
+        }
+    )
     return {
         **os.environ,
-        "OUTBOX_DATABASE_URL": names.database_url,
-        "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
-        "OUTBOX_EXCHANGE": names.exchange,
-        "OUTBOX_QUEUE": names.queue,
-        "OUTBOX_DEAD_LETTER_EXCHANGE": names.dead_letter_exchange,
-        "OUTBOX_DEAD_LETTER_QUEUE": names.dead_letter_queue,
-        "OUTBOX_TOOLS": TOOLS_MODULE,
-        "OUTBOX_SANDBOX_URL": provider.url,
-        "OUTBOX_SANDBOX_REFUND_DEADLINE": str(DEADLINE_SECONDS),
-        "OUTBOX_POLL_INTERVAL": "0.2",
-        "OUTBOX_RECONCILE_INTERVAL": "0.1",
-        "OUTBOX_METRICS_HOST": "127.0.0.1",
-        "OUTBOX_METRICS_PORT": "0",
-        "OUTBOX_LOG_LEVEL": "WARNING",
+        **daemon_settings.to_environment(),
+        SANDBOX_URL_ENV: provider.url,
+        REFUND_DEADLINE_ENV: str(DEADLINE_SECONDS),
     }
 
 
-def start(module: str, environment: dict[str, str]) -> subprocess.Popen[bytes]:
-    # The command is this interpreter and one of the project's own modules.
-    return subprocess.Popen(  # noqa: S603
-        [sys.executable, "-m", module],
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-def stop(daemon: subprocess.Popen[bytes]) -> None:
-    if daemon.poll() is None:
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
-    if daemon.stderr is not None:
-        daemon.stderr.close()
+def start(module: str, environment: dict[str, str]) -> DaemonProcess:
+    # Its output is kept to say why, should it exit early.
+    return DaemonProcess(python_module(module), environment=environment, capture=True)
 
 
 def wait_until_settled(
-    database_url: str, operation: Operation, daemons: list[subprocess.Popen[bytes]]
+    database_url: str, operation: Operation, daemons: list[DaemonProcess]
 ) -> Outcome:
     """What the agent does: await the outcome (in slices, to notice a daemon that died
     or a Ctrl-C between them)."""
@@ -367,11 +321,11 @@ def wait_until_settled(
         if outcome.status is not OutcomeStatus.PENDING:
             return outcome
         for daemon in daemons:
-            if daemon.poll() is not None:
+            if not daemon.running():
                 checkpoint()  # Ctrl-C in a terminal stops the daemons too: not a failure
-                errors = daemon.stderr.read().decode(errors="replace") if daemon.stderr else ""
                 raise ServiceUnavailable(
-                    f"a daemon exited early with status {daemon.returncode}:\n{errors[-2000:]}"
+                    f"a daemon exited early with status {daemon.returncode}:\n"
+                    f"{daemon.output()[-2000:]}"
                 )
         if time.monotonic() > deadline:
             raise ServiceUnavailable(
@@ -406,26 +360,7 @@ def trace_line(event: OperationEvent, operation: Operation) -> str:
     return f"{event.name:<25} " + lifecycle.format_event("", fields).strip()
 
 
-def clean_up(settings: Settings, names: DemoNames) -> None:
-    """Remove the demo's database and broker objects; say so if something stays."""
-    try:
-        with psycopg.connect(
-            with_database(settings.libpq_url, "postgres"), autocommit=True
-        ) as admin:
-            store.drop_database(admin, database_name(names.database_url))
-    except (psycopg.Error, OSError) as failure:
-        say(f"   (could not drop {redact_url(names.database_url)}: {type(failure).__name__})")
-    try:
-        asyncio.run(_delete_broker_objects(settings.amqp_url.get_secret_value(), names))
-    except (OSError, aio_pika.exceptions.AMQPError) as failure:
-        say(f"   (could not delete the demo's queues: {type(failure).__name__})")
-
-
-async def _delete_broker_objects(amqp_url: str, names: DemoNames) -> None:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        for queue in (names.queue, names.dead_letter_queue):
-            await channel.queue_delete(queue)
-        for exchange in (names.exchange, names.dead_letter_exchange):
-            await channel.exchange_delete(exchange)
+def clean_up(scratch: ScratchEnvironment) -> None:
+    """Remove the run's database and broker names; say so if something stays."""
+    for problem in scratch.remove():
+        say(f"   ({problem})")

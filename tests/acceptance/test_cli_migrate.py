@@ -3,7 +3,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import psycopg
 import pytest
 
 from outbox import store
-from outbox.settings import with_database
+from outbox.sandbox.scratch import ScratchDatabase
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -30,10 +29,10 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 @pytest.fixture
 def missing_database_url(postgres_server_url: str) -> Iterator[str]:
-    name = f"outbox_accept_{uuid.uuid4().hex[:12]}"
-    yield with_database(postgres_server_url, name)
-    with psycopg.connect(postgres_server_url, autocommit=True) as admin:
-        store.drop_database(admin, name)
+    # Named, not created: `outbox migrate` is to create it.
+    database = ScratchDatabase.unique(postgres_server_url, "outbox_accept")
+    yield database.url
+    database.drop()
 
 
 def test_migrate_creates_a_missing_database_then_is_a_no_op(missing_database_url: str) -> None:

@@ -114,8 +114,7 @@ def test_a_consumer_killed_between_commit_and_record_is_reconciled(settings: Set
         eventually_sync(
             lambda: system.refunds_for(op.id) == 1, within=20, what="the provider to commit"
         )
-        victim.signal(signal.SIGKILL)
-        victim.process.wait(timeout=10)
+        victim.kill()
         assert system.operation(op.id).state is S.IN_FLIGHT  # nobody recorded the outcome
 
         system.start("consumer")
@@ -172,9 +171,7 @@ def test_the_same_message_published_twice_executes_once(
             for _ in range(2):
                 await publish_raw(amqp_server_url, settings.exchange, body)
 
-        eventually_sync(
-            lambda: bool(system.daemons[0].process.poll() is None), within=5, what="consumer up"
-        )
+        eventually_sync(lambda: system.daemons[0].running(), within=5, what="consumer up")
         wait_for_queue(amqp_server_url, settings.queue)
         asyncio.run(publish_twice())
         final = system.wait_for(op.id, *SETTLED)

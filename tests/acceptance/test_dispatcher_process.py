@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
 from harness.proxy import tcp_proxy
 from outbox import Registry, Settings
+from outbox.sandbox.processes import DaemonProcess
 
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
@@ -27,35 +28,28 @@ from support.waiting import eventually, eventually_sync
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 
 
-def daemon_environment(settings: Settings) -> dict[str, str]:
+def daemon_environment(settings: Settings, **changes: Any) -> dict[str, str]:
     return {
         **os.environ,
-        **connection_environment(settings),
-        "OUTBOX_POLL_INTERVAL": "0.2",
-        "OUTBOX_METRICS_HOST": "127.0.0.1",
-        "OUTBOX_METRICS_PORT": "0",
-        "OUTBOX_DECLARE_TOPOLOGY": str(settings.declare_topology).lower(),
+        **connection_environment(
+            settings,
+            poll_interval=0.2,
+            metrics_host="127.0.0.1",
+            metrics_port=0,
+            declare_topology=settings.declare_topology,
+            **changes,
+        ),
     }
 
 
-class DaemonProcess:
-    def __init__(self, settings: Settings, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [OUTBOX, "dispatcher", *args],
-            env=daemon_environment(settings),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    def output(self) -> str:
-        stdout, _ = self.process.communicate(timeout=30)
-        return stdout
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
+def dispatcher(settings: Settings, *args: str, **changes: Any) -> DaemonProcess:
+    """``outbox dispatcher`` (the command an operator runs), its output captured."""
+    return DaemonProcess(
+        [OUTBOX, "dispatcher", *args],
+        environment=daemon_environment(settings, **changes),
+        capture=True,
+        name="dispatcher",
+    )
 
 
 @pytest.fixture
@@ -64,8 +58,6 @@ def daemons() -> Iterator[list[DaemonProcess]]:
     yield started
     for daemon in started:
         daemon.kill()
-        if daemon.process.stdout:
-            daemon.process.stdout.close()
 
 
 def published_count(database_url: str) -> int:
@@ -82,13 +74,12 @@ def test_a_dispatcher_killed_mid_run_and_restarted_publishes_every_row(
     rows, batch_size, lanes = 3000, 50, 2
     flags = ("--batch-size", str(batch_size), "--dispatch-lanes", str(lanes))
     record_many(database_url, registry, rows)
-    first = DaemonProcess(settings, *flags)
+    first = dispatcher(settings, *flags)
     daemons.append(first)
     eventually_sync(
         lambda: published_count(database_url) >= 300, within=30, what="300 rows published"
     )
-    first.process.send_signal(signal.SIGKILL)
-    first.process.wait(timeout=10)
+    first.kill()
     marked_before_kill = {
         row[0]
         for row in execute_admin(
@@ -97,7 +88,7 @@ def test_a_dispatcher_killed_mid_run_and_restarted_publishes_every_row(
     }
     assert len(marked_before_kill) < rows, "the kill must land mid-run"
 
-    second = DaemonProcess(settings, *flags)
+    second = dispatcher(settings, *flags)
     daemons.append(second)
     eventually_sync(
         lambda: published_count(database_url) == rows, within=60, what="every row published"
@@ -119,15 +110,15 @@ def test_sigterm_exits_zero_quickly_and_leaves_no_row_claimed(
     settings: Settings, registry: Registry, database_url: str, daemons: list[DaemonProcess]
 ) -> None:
     record_many(database_url, registry, 4000)
-    daemon = DaemonProcess(settings, "--batch-size", "20")
+    daemon = dispatcher(settings, "--batch-size", "20")
     daemons.append(daemon)
     eventually_sync(
         lambda: published_count(database_url) >= 100, within=30, what="publishing under way"
     )
 
     stopped_at = time.monotonic()
-    daemon.process.send_signal(signal.SIGTERM)
-    exit_code = daemon.process.wait(timeout=10)
+    daemon.signal(signal.SIGTERM)
+    exit_code = daemon.wait(10)
     took = time.monotonic() - stopped_at
     output = daemon.output()
 
@@ -155,10 +146,10 @@ def test_once_mode_drains_and_reports(
     settings: Settings, registry: Registry, database_url: str, daemons: list[DaemonProcess]
 ) -> None:
     record_many(database_url, registry, 130)
-    daemon = DaemonProcess(settings, "--once", "--batch-size", "50")
+    daemon = dispatcher(settings, "--once", "--batch-size", "50")
     daemons.append(daemon)
 
-    exit_code = daemon.process.wait(timeout=60)
+    exit_code = daemon.wait(60)
     output = daemon.output()
 
     assert exit_code == 0, output
@@ -173,10 +164,10 @@ def test_once_mode_gives_up_on_an_unreachable_broker_with_a_clear_exit(
     unreachable = settings.model_copy(
         update={"amqp_url": type(settings.amqp_url)("amqp://guest:s3cret-canary@127.0.0.1:1/")}
     )
-    daemon = DaemonProcess(unreachable, "--once")
+    daemon = dispatcher(unreachable, "--once")
     daemons.append(daemon)
 
-    exit_code = daemon.process.wait(timeout=60)
+    exit_code = daemon.wait(60)
     output = daemon.output()
 
     assert exit_code == 1
@@ -192,21 +183,11 @@ async def test_a_second_signal_exits_at_once_while_a_batch_waits_for_confirms(
 ) -> None:
     target = urlsplit(amqp_server_url)
     async with tcp_proxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
-        environment = daemon_environment(settings)
-        environment["OUTBOX_AMQP_URL"] = (
-            f"amqp://{target.username}:{target.password}@127.0.0.1:{proxy.port}/"
-        )
-        environment["OUTBOX_PUBLISH_TIMEOUT"] = "60"
-        process = await asyncio.create_subprocess_exec(
-            OUTBOX,
-            "dispatcher",
-            env=environment,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        assert process.stdout is not None
+        proxied = f"amqp://{target.username}:{target.password}@127.0.0.1:{proxy.port}/"
+        daemon = dispatcher(settings, amqp_url=proxied, publish_timeout=60.0)
+        # The proxy runs on this event loop: the waits for the daemon go to a thread.
         try:
-            await read_until(process.stdout, "dispatcher.session_ready")
+            await asyncio.to_thread(daemon.wait_for_line, "dispatcher.session_ready")
             proxy.blackhole()
             await asyncio.to_thread(record_many, database_url, registry, 10)
 
@@ -221,33 +202,15 @@ async def test_a_second_signal_exits_at_once_while_a_batch_waits_for_confirms(
 
             await eventually(batch_in_hand, within=20, what="a batch claimed and unconfirmed")
 
-            process.send_signal(signal.SIGTERM)
-            await read_until(process.stdout, "dispatcher.stopping signal=SIGTERM")
-            assert process.returncode is None  # still finishing the batch it holds
-            process.send_signal(signal.SIGTERM)
-            exit_code = await asyncio.wait_for(process.wait(), timeout=5)
+            daemon.signal(signal.SIGTERM)
+            await asyncio.to_thread(daemon.wait_for_line, "dispatcher.stopping signal=SIGTERM")
+            assert daemon.running()  # still finishing the batch it holds
+            daemon.signal(signal.SIGTERM)
+            exit_code = await asyncio.to_thread(daemon.wait, 5)
         finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+            await asyncio.to_thread(daemon.kill)
 
     assert exit_code == 1
     # The abandoned batch is neither published nor locked: the next dispatcher takes it.
     assert publish_state(database_url) == (10, 0)
     assert not await batch_in_hand()
-
-
-async def read_until(stream: asyncio.StreamReader, marker: str, within: float = 20) -> str:
-    """Lines of a daemon's output up to the one containing ``marker``."""
-    seen: list[str] = []
-
-    async def scan() -> str:
-        while True:
-            line = (await stream.readline()).decode()
-            if not line:
-                raise AssertionError(f"output ended before {marker!r}:\n{''.join(seen)}")
-            seen.append(line)
-            if marker in line:
-                return "".join(seen)
-
-    return await asyncio.wait_for(scan(), timeout=within)

@@ -140,7 +140,9 @@ TOKEN = "tok-CANARY-2b8e41"
 
 def test_http_through_the_command_answers_only_the_token_holder(database_url: str) -> None:
     port = closed_port()
-    process = subprocess.Popen(
+    server = Daemon(
+        "mcp",
+        {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_TEST_MCP_TOKEN": TOKEN},
         [
             OUTBOX,
             "mcp",
@@ -157,22 +159,16 @@ def test_http_through_the_command_answers_only_the_token_holder(database_url: st
             "--wait",
             "0",
         ],
-        env={**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_TEST_MCP_TOKEN": TOKEN},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
-    server = Daemon("mcp", process)
     try:
         server.wait_for_line("Uvicorn running on", within=60)
         url = f"http://127.0.0.1:{port}/mcp"
         refused, outcome = asyncio.run(_call_over_http(url))
         server.signal(signal.SIGTERM)
-        code = process.wait(timeout=30)
+        code = server.wait(30)
         output = server.output()
     finally:
-        server.close()
+        server.kill()
 
     assert refused == 401
     assert outcome.run_id == "bearer:h1"

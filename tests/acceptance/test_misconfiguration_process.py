@@ -29,12 +29,12 @@ CANARY = f"canary{uuid.uuid4().hex[:10]}"
 
 def nowhere() -> dict[str, str]:
     """Environment in which neither service answers: a refusal must come first."""
-    return {
-        "OUTBOX_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed_port()}/outbox",
-        "OUTBOX_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{closed_port()}/",
-        "OUTBOX_METRICS_HOST": "127.0.0.1",
-        "OUTBOX_METRICS_PORT": "0",
-    }
+    return Settings(
+        database_url=f"postgresql://postgres@127.0.0.1:{closed_port()}/outbox",
+        amqp_url=f"amqp://guest:guest@127.0.0.1:{closed_port()}/",
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+    ).to_environment()
 
 
 def run(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -56,7 +56,7 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def broker_environment(settings: Settings) -> dict[str, str]:
-    return {**connection_environment(settings), "OUTBOX_LOG_LEVEL": "ERROR"}
+    return connection_environment(settings, log_level="ERROR")
 
 
 # --- 1. no schema ----------------------------------------------------------------------

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.daemon import Dispatcher
 from outbox import Registry, Settings, record_decision
-from outbox.broker import CONTENT_TYPE, MESSAGE_TYPE
+from outbox.broker import CONTENT_TYPE, MESSAGE_TYPE, Topology
 from outbox.sql import QUERIES
 
-from support.broker_helpers import BrokerNames, read_all
+from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import all_published, counter_value, record_many, running_dispatcher
 from support.waiting import eventually
@@ -216,7 +216,7 @@ async def test_an_unroutable_message_is_a_failure_until_the_binding_returns(
     engine: Any,
     database_url: str,
     amqp_server_url: str,
-    broker_names: BrokerNames,
+    broker_names: Topology,
 ) -> None:
     connection = await aio_pika.connect(amqp_server_url)
     async with connection, running_dispatcher(settings) as dispatcher:

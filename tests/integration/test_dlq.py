@@ -20,7 +20,7 @@ from outbox.broker import OperationMessage, Topology, declare_topology, message_
 from outbox.cli import run_command
 from outbox.settings import Settings
 
-from support.broker_helpers import BrokerNames, read_raw
+from support.broker_helpers import read_raw
 from support.waiting import eventually
 
 CANARY = "CANARY-7f3a-do-not-print"
@@ -31,7 +31,7 @@ Cli = Callable[..., Awaitable[tuple[int, str, str]]]
 
 
 @pytest.fixture
-async def broker(amqp_server_url: str, broker_names: BrokerNames) -> Settings:
+async def broker(amqp_server_url: str, broker_names: Topology) -> Settings:
     """This test's own topology, declared as the daemons declare it (no database needed)."""
     settings = Settings(
         amqp_url=SecretStr(amqp_server_url),

@@ -1,9 +1,8 @@
-"""Test-side RabbitMQ helpers: private names per test, reading what reached a queue."""
+"""Test-side RabbitMQ helpers: reading what reached a queue."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import dataclass
 
 import aio_pika
@@ -12,24 +11,6 @@ from aio_pika.abc import AbstractIncomingMessage
 from outbox.broker import OperationMessage
 
 from support.waiting import POLL_SECONDS
-
-
-@dataclass(frozen=True)
-class BrokerNames:
-    exchange: str
-    queue: str
-    dead_letter_exchange: str
-    dead_letter_queue: str
-
-    @classmethod
-    def unique(cls) -> BrokerNames:
-        tag = uuid.uuid4().hex[:10]
-        return cls(
-            exchange=f"test.{tag}.outbox",
-            queue=f"test.{tag}.operations",
-            dead_letter_exchange=f"test.{tag}.dead",
-            dead_letter_queue=f"test.{tag}.operations.dead",
-        )
 
 
 @dataclass(frozen=True)

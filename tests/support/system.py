@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -19,57 +15,43 @@ import psycopg
 
 from outbox import Operation, OperationState, Registry, Settings, record_decision
 from outbox import store as outbox_store
+from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
-from outbox.sandbox.tools import REFUND_DEADLINE_ENV, build_registry
+from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV, build_registry
 from outbox.store import Store
 
 from support.waiting import eventually_sync
 
 SETTLED = (OperationState.COMMITTED, OperationState.REJECTED, OperationState.ESCALATED)
+# What points a daemon at this test's database and broker names.
+CONNECTION_SETTINGS = (
+    "database_url",
+    "amqp_url",
+    "exchange",
+    "queue",
+    "dead_letter_exchange",
+    "dead_letter_queue",
+)
+# A daemon that does not stop within this after SIGTERM fails the test that waits.
+STOP_SECONDS = 30.0
 
 
-@dataclass
-class Daemon:
-    kind: str
-    process: subprocess.Popen[str]
-    lines: list[str] = field(default_factory=list)
+class Daemon(DaemonProcess):
+    """A daemon under test (``python -m <kind>``, or ``command``), its output captured so
+    that the test can wait for a line or read all of it."""
 
-    def __post_init__(self) -> None:
-        # Read the output as it comes, so a test can wait for a line while it runs.
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def signal(self, signum: signal.Signals) -> None:
-        self.process.send_signal(signum)
-
-    def wait_for_line(self, marker: str, within: float = 20) -> None:
-        eventually_sync(
-            lambda: any(marker in line for line in self.lines),
-            within=within,
-            what=f"{self.kind} to log {marker!r}",
+    def __init__(
+        self, kind: str, environment: dict[str, str], command: Sequence[str] | None = None
+    ) -> None:
+        super().__init__(
+            command or python_module(kind), environment=environment, capture=True, name=kind
         )
+        self.kind = kind
 
     def output(self) -> str:
-        """Everything the daemon wrote, once it has exited (stopped with SIGTERM)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-        self.process.wait(timeout=30)
-        self._reader.join(timeout=10)
-        return "".join(self.lines)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)  # a stopped process cannot die
-            self.process.kill()
-        self.process.wait(timeout=30)
-        self._reader.join(timeout=10)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        """Everything the daemon wrote, once it has exited (stopped with SIGTERM first)."""
+        self.stop(STOP_SECONDS)
+        return super().output()
 
 
 @dataclass
@@ -85,15 +67,7 @@ class System:
         return self.settings.database_url.get_secret_value()
 
     def start(self, kind: str) -> Daemon:
-        # This interpreter and one of the project's own modules.
-        process = subprocess.Popen(
-            [sys.executable, "-m", kind],
-            env=self.environment,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        daemon = Daemon(kind, process)
+        daemon = Daemon(kind, self.environment)
         self.daemons.append(daemon)
         return daemon
 
@@ -140,38 +114,43 @@ def running_system(
     payment_amount_cents: int = 100_000,
 ) -> Iterator[System]:
     with SandboxProvider(faults=faults, payment_amount_cents=payment_amount_cents) as provider:
-        environment = {
-            **os.environ,
-            **connection_environment(settings),
-            "OUTBOX_TOOLS": "outbox.sandbox.tools",
-            "OUTBOX_SANDBOX_URL": provider.url,
-            REFUND_DEADLINE_ENV: str(refund_deadline),
-            "OUTBOX_POLL_INTERVAL": "0.2",
-            "OUTBOX_RECONCILE_INTERVAL": "0.1",
-            "OUTBOX_LEASE_MARGIN": "0.5",
+        daemon = daemon_settings(
+            settings,
+            tools="outbox.sandbox.tools",
+            poll_interval=0.2,
+            reconcile_interval=0.1,
+            lease_margin=0.5,
             # Short leases for quick takeovers; database bounds a busy machine meets
             # (by default they derive from the margin: 0.25 s here).
-            "OUTBOX_DB_TRANSACTION_TIMEOUT": "5",
-            "OUTBOX_METRICS_HOST": "127.0.0.1",
-            "OUTBOX_METRICS_PORT": "0",
-            "OUTBOX_DECLARE_TOPOLOGY": str(settings.declare_topology).lower(),
+            db_transaction_timeout=5.0,
+            metrics_host="127.0.0.1",
+            metrics_port=0,
+            declare_topology=settings.declare_topology,
+        )
+        environment = {
+            **os.environ,
+            **daemon.to_environment(),
+            SANDBOX_URL_ENV: provider.url,
+            REFUND_DEADLINE_ENV: str(refund_deadline),
         }
         system = System(settings=settings, provider=provider, environment=environment)
         try:
             yield system
         finally:
-            for daemon in system.daemons:
-                daemon.close()
+            for started in system.daemons:
+                started.kill()
 
 
-def connection_environment(settings: Settings) -> dict[str, str]:
-    """The ``OUTBOX_*`` variables that point a subprocess at this test's database and
-    broker names."""
-    return {
-        "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
-        "OUTBOX_AMQP_URL": settings.amqp_url.get_secret_value(),
-        "OUTBOX_EXCHANGE": settings.exchange,
-        "OUTBOX_QUEUE": settings.queue,
-        "OUTBOX_DEAD_LETTER_EXCHANGE": settings.dead_letter_exchange,
-        "OUTBOX_DEAD_LETTER_QUEUE": settings.dead_letter_queue,
-    }
+def daemon_settings(settings: Settings, **changes: Any) -> Settings:
+    """What a daemon started by this test reads: this process's own ``OUTBOX_*``
+    environment (which it inherits), pointed at the test's database and broker names,
+    with ``changes``. The rest of the test's ``settings`` (its quick publish retries,
+    its declare_topology) stays the test's own."""
+    pointed = {name: getattr(settings, name) for name in CONNECTION_SETTINGS}
+    return Settings(**{**pointed, **changes})
+
+
+def connection_environment(settings: Settings, **changes: Any) -> dict[str, str]:
+    """The ``OUTBOX_*`` variables of a subprocess pointed at this test's database and
+    broker names (with ``changes``)."""
+    return daemon_settings(settings, **changes).to_environment()
