@@ -22,13 +22,12 @@ from harness.chaos import (
     FAULT_CATEGORIES,
     RUN_OVERHEAD_SECONDS,
     Tally,
-    Verdict,
-    _check_sequence,
-    _seed_range,
     fault_schedule,
     liveness_bound,
     run_deadline,
+    seed_range,
 )
+from harness.checker import Verdict, check_sequence
 from outbox.models import OperationEvent
 from outbox.states import OperationState
 
@@ -192,7 +191,7 @@ def test_the_checker_counts_a_retry_never_proven_absent(
         event("operation.committed", **{"from": "in_flight", "to": "committed"}),
     ]
 
-    _check_sequence(verdict, "op", OperationState.COMMITTED, events)
+    check_sequence(verdict, "op", OperationState.COMMITTED, events)
 
     assert (verdict.blind_retries, verdict.illegal_sequences) == (blind, 0)
 
@@ -204,7 +203,7 @@ def test_the_checker_refuses_an_illegal_sequence() -> None:
         event("operation.committed", **{"from": "in_flight", "to": "committed"}),
     ]
 
-    _check_sequence(verdict, "op", OperationState.COMMITTED, events)
+    check_sequence(verdict, "op", OperationState.COMMITTED, events)
 
     assert verdict.illegal_sequences == 1
 
@@ -217,10 +216,10 @@ def test_the_checker_notes_when_the_last_operation_settled() -> None:
     escalated = escalated.model_copy(update={"created_at": later})
     attempted = event("operation.attempted")
 
-    _check_sequence(
+    check_sequence(
         verdict, "a", OperationState.COMMITTED, [event("operation.prepared"), attempted, committed]
     )
-    _check_sequence(
+    check_sequence(
         verdict,
         "b",
         OperationState.ESCALATED,
@@ -236,13 +235,13 @@ def test_the_checker_notes_when_the_last_operation_settled() -> None:
     [("7", [7]), ("1-3", [1, 2, 3]), ("1-3,9", [1, 2, 3, 9]), ("5,2", [5, 2])],
 )
 def test_a_seed_sweep_is_read_from_ranges_and_lists(text: str, seeds: list[int]) -> None:
-    assert _seed_range(text) == seeds
+    assert seed_range(text) == seeds
 
 
 @pytest.mark.parametrize("text", ["", "a-b", "5-1", "1-"])
 def test_a_bad_seed_list_is_refused_with_the_forms_it_takes(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="use 1-20"):
-        _seed_range(text)
+        seed_range(text)
 
 
 def test_the_run_deadline_is_the_stream_the_liveness_bound_and_the_overhead() -> None:
