@@ -46,6 +46,12 @@ def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
     trace = [
         line.split()[0] for line in out.splitlines() if re.match(r"^\s+(operation|agent)\.", line)
     ]
+    # On a loaded machine the sandbox's held answer can outlast the first lookup's
+    # backoff: the provider then says the key is still in flight and the lookup is
+    # deferred, which is the runtime doing its job, not a different ending.
+    deferred = re.findall(r"operation\.reconcile_deferred\s+id=op_\S+ reason=(\S+)", out)
+    assert set(deferred) <= {"key_in_flight"}, deferred
+    trace = [name for name in trace if name != "operation.reconcile_deferred"]
     assert trace == [
         "operation.prepared",
         "operation.attempted",
