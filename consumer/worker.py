@@ -39,7 +39,7 @@ from outbox.broker import (
     DeclaredTopology,
     OperationMessage,
     Topology,
-    amqp_url_with_heartbeat,
+    broker_urls,
     establish_topology,
 )
 from outbox.broker import connect as connect_to_broker
@@ -197,13 +197,12 @@ class Consumer(Daemon):
         self.metrics.reconnects.inc()
 
     async def _consume_session(self) -> None:
-        url = amqp_url_with_heartbeat(
-            self.settings.amqp_url.get_secret_value(), self.settings.amqp_heartbeat
+        # Each address of a cluster in turn, each with its own connect deadline (so
+        # no setup deadline around it: several addresses may take several of those).
+        connection = await connect_to_broker(
+            broker_urls(self.settings.amqp_urls, self.settings.amqp_heartbeat),
+            connection_name=f"{APPLICATION_NAME} {self.worker_id}",
         )
-        async with asyncio.timeout(SESSION_SETUP_SECONDS):
-            connection = await connect_to_broker(
-                url, connection_name=f"{APPLICATION_NAME} {self.worker_id}"
-            )
         closed = asyncio.Event()
         connection.close_callbacks.add(lambda *_: closed.set())
         async with connection:

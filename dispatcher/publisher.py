@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aio_pika
@@ -24,7 +25,7 @@ from outbox.broker import (
     MESSAGE_TYPE,
     SESSION_SETUP_SECONDS,
     Topology,
-    amqp_url_with_heartbeat,
+    broker_urls,
     establish_topology,
     message_id,
 )
@@ -114,14 +115,15 @@ class Publisher:
 
     def __init__(
         self,
-        amqp_url: str,
+        amqp_url: str | Sequence[str],
         heartbeat: int,
         topology: Topology,
         connection_name: str,
         *,
         declare_topology: bool = False,
     ) -> None:
-        self._url = amqp_url_with_heartbeat(amqp_url, heartbeat)
+        # One URL or a cluster's several (OUTBOX_AMQP_URL's comma-separated form).
+        self._urls = broker_urls(amqp_url, heartbeat)
         self._connection_name = connection_name
         self._topology = topology
         self._declare_topology = declare_topology
@@ -137,11 +139,13 @@ class Publisher:
             raise
 
     async def _open(self) -> None:
+        # The name shows in the management UI and `rabbitmqctl list_connections`. The
+        # connect has a deadline per address, so it stays outside the setup deadline:
+        # with several addresses it may take several of those.
+        self._connection = await connect_to_broker(
+            self._urls, connection_name=self._connection_name
+        )
         async with asyncio.timeout(SESSION_SETUP_SECONDS):
-            # The name shows in the management UI and `rabbitmqctl list_connections`.
-            self._connection = await connect_to_broker(
-                self._url, connection_name=self._connection_name
-            )
             self._channel = await self._connection.channel(
                 publisher_confirms=True, on_return_raises=True
             )

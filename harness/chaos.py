@@ -60,7 +60,7 @@ from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.sandbox.scratch import ScratchEnvironment
 from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
-from outbox.settings import Settings, redact_url
+from outbox.settings import Settings, redact_url, split_amqp_urls
 from outbox.states import OperationState
 from outbox.store import Store
 
@@ -448,7 +448,8 @@ def run_once(
     with (
         SandboxProvider(faults=provider_faults) as provider,
         tempfile.TemporaryDirectory(prefix="outbox-chaos-") as log_dir,
-        _proxy_to(scratch.amqp_url, 5672) as broker_link,
+        # A cluster's first node only: the proxied daemons' broker faults go through it.
+        _proxy_to(split_amqp_urls(scratch.amqp_url)[0], 5672) as broker_link,
         _proxy_to(scratch.database_url, 5432) as database_link,
     ):
         # Before the try: a database that cannot be created (the server unreachable)
@@ -605,7 +606,7 @@ class Chaos:
         database_url, amqp_url = self.database_url, self.scratch.amqp_url
         if proxied:
             database_url = url_through(database_url, self.links["database"].port)
-            amqp_url = url_through(amqp_url, self.links["broker"].port)
+            amqp_url = url_through(split_amqp_urls(amqp_url)[0], self.links["broker"].port)
         daemon_settings = self.scratch.settings.model_copy(
             update={
                 "database_url": SecretStr(database_url),

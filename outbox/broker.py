@@ -7,7 +7,9 @@ tool inputs; the consumer loads the operation from Postgres and trusts only that
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -20,9 +22,11 @@ from pamqp.common import FieldTable
 from pydantic import BaseModel, ConfigDict, Field
 
 from outbox.errors import ConfigurationError, TopologyMissing
-from outbox.settings import Settings, redact_url
+from outbox.logs import log_fields
+from outbox.settings import Settings, redact_amqp_urls, split_amqp_urls
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "application/json"
 MESSAGE_TYPE = "outbox.operation.v1"
@@ -206,7 +210,103 @@ def amqp_url_with_heartbeat(url: str, heartbeat: int) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
-async def connect(url: str, *, connection_name: str | None = None) -> AbstractConnection:
+def broker_urls(amqp_url: str | Sequence[str], heartbeat: int) -> list[str]:
+    """Each address of ``OUTBOX_AMQP_URL`` (or of a list) with the heartbeat added."""
+    urls = split_amqp_urls(amqp_url) if isinstance(amqp_url, str) else list(amqp_url)
+    return [amqp_url_with_heartbeat(url, heartbeat) for url in urls]
+
+
+# Per process, for each list of addresses: the position of the one that failed last,
+# by refusing a connect or by dropping a connection it had opened. The next connect
+# starts after it, so a node known to be down is tried last instead of first: a host
+# that is gone (not refusing, silent) costs a whole connect timeout per attempt. Kept
+# per process rather than per daemon so one-shot callers learn it too; it is only a
+# hint of where to start, and every address is still tried.
+_last_failed: dict[tuple[str, ...], int] = {}
+
+
+def attempt_order(count: int, last_failed: int | None) -> list[int]:
+    """The positions of ``count`` addresses in the order a connect tries them: the
+    operator's order, starting after the one that failed last. Not shuffled: the
+    operator may list the nearest node first, and a quorum queue's leader does the
+    work whichever node a client is connected to, so spreading clients buys little."""
+    start = 0 if last_failed is None else (last_failed + 1) % count
+    return [(start + offset) % count for offset in range(count)]
+
+
+def forget_failed_addresses() -> None:
+    """Start every list of addresses at its first again (for tests)."""
+    _last_failed.clear()
+
+
+async def connect(
+    amqp_url: str | Sequence[str], *, connection_name: str | None = None
+) -> AbstractConnection:
+    """A connection to the first address that opens one, each tried with its own
+    timeout, starting after the address that failed last. ``amqp_url`` is one URL,
+    several separated by commas (``OUTBOX_AMQP_URL``'s form) or a list. If none opens,
+    the last address's error is raised: the daemons' session loop treats it as
+    transient and tries again after a backoff.
+
+    Not ``aio_pika.connect_robust``: each daemon runs its own sessions (topology,
+    consumer, confirms) and must know when one ends."""
+    urls = split_amqp_urls(amqp_url) if isinstance(amqp_url, str) else list(amqp_url)
+    if not urls:
+        raise ValueError("no broker address to connect to")
+    key = tuple(urls)
+    several = len(urls) > 1
+    failure: BaseException | None = None
+    for position in attempt_order(len(urls), _last_failed.get(key)):
+        try:
+            connection = await _connect_one(urls[position], connection_name)
+        except (OSError, aiormq.exceptions.AMQPConnectionError) as error:
+            _last_failed[key] = position
+            failure = error
+            if several:
+                log_fields(
+                    logger,
+                    logging.WARNING,
+                    "broker.address_failed",
+                    "could not connect to this broker address; trying the next",
+                    broker=_host_port(urls[position]),
+                    error=type(error).__name__,
+                )
+            continue
+        if several:
+            connection.close_callbacks.add(_remember_loss(key, position, connection))
+            # Which node a process is on, for whoever follows a failover in the logs.
+            log_fields(
+                logger,
+                logging.INFO,
+                "broker.connected",
+                "connected to the broker",
+                broker=_host_port(urls[position]),
+            )
+        return connection
+    assert failure is not None
+    raise failure
+
+
+def _remember_loss(
+    key: tuple[str, ...], position: int, connection: AbstractConnection
+) -> Callable[..., None]:
+    def closed(*_: object) -> None:
+        # A close we asked for says nothing about the node; one we did not (the node
+        # stopped, the link broke) moves the next connect on to the next address.
+        if not connection.close_called:
+            _last_failed[key] = position
+
+    return closed
+
+
+def _host_port(url: str) -> str:
+    """Where a URL points, without its credentials or virtual host: a log field."""
+    parts = urlsplit(url)
+    default = 5671 if parts.scheme == "amqps" else 5672
+    return f"{parts.hostname or 'localhost'}:{parts.port or default}"
+
+
+async def _connect_one(url: str, connection_name: str | None) -> AbstractConnection:
     """``aio_pika.connect``, with a handshake the peer cut short reported as the
     connection error it is. aiormq raises StopAsyncIteration when the socket reaches end
     of file before the first frame (a broker starting or stopping, a proxy whose upstream
@@ -215,9 +315,13 @@ async def connect(url: str, *, connection_name: str | None = None) -> AbstractCo
         {"connection_name": connection_name} if connection_name else None
     )
     try:
-        return await aio_pika.connect(
-            url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties=client_properties
-        )
+        # The deadline covers the whole handshake (aio_pika's own timeout does not
+        # cover its final wait for the connection to be ready): with several
+        # addresses, each gets this long and a session's setup deadline starts after.
+        async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS):
+            return await aio_pika.connect(
+                url, timeout=CONNECT_TIMEOUT_SECONDS, client_properties=client_properties
+            )
     except StopAsyncIteration as cut:
         raise aiormq.exceptions.AMQPConnectionError(
             "the broker closed the connection during the handshake"
@@ -226,12 +330,11 @@ async def connect(url: str, *, connection_name: str | None = None) -> AbstractCo
 
 async def connect_for_command(settings: Settings) -> AbstractConnection:
     """A broker connection for a one-shot command; an unreachable broker is a clear
-    configuration error, with the password redacted."""
-    url = settings.amqp_url.get_secret_value()
+    configuration error, with the passwords redacted."""
     try:
-        return await connect(amqp_url_with_heartbeat(url, settings.amqp_heartbeat))
+        return await connect(broker_urls(settings.amqp_urls, settings.amqp_heartbeat))
     except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
         raise ConfigurationError(
-            f"cannot connect to {redact_url(url)}: {type(failure).__name__}. Is RabbitMQ "
-            "running, and is OUTBOX_AMQP_URL right?"
+            f"cannot connect to {redact_amqp_urls(settings.amqp_url.get_secret_value())}: "
+            f"{type(failure).__name__}. Is RabbitMQ running, and is OUTBOX_AMQP_URL right?"
         ) from None

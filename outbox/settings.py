@@ -24,6 +24,10 @@ _ENCODE_IT = (
     "percent-encode spaces and the characters @ : / ? # [ ] in the user name and password "
     "(a space is %20, # is %23)"
 )
+_SEPARATE_THEM = (
+    "several broker URLs are separated by commas, so a comma in a user name or password "
+    "must be written %2C"
+)
 
 
 class Settings(BaseSettings):
@@ -33,9 +37,11 @@ class Settings(BaseSettings):
         default=SecretStr("postgresql+psycopg://localhost:5432/outbox"),
         description="Postgres URL (postgresql:// or postgresql+psycopg://)",
     )
+    # Several comma-separated URLs name the nodes of one cluster: each connect tries them
+    # in turn (outbox.broker.connect), so a daemon carries on against the survivors.
     amqp_url: SecretStr = Field(
         default=SecretStr("amqp://guest:guest@localhost:5672/"),
-        description="RabbitMQ URL",
+        description="RabbitMQ URL, or the URLs of a cluster's nodes separated by commas",
     )
     exchange: str = Field(
         default="outbox", description="topic exchange operations are published to"
@@ -194,18 +200,24 @@ class Settings(BaseSettings):
     @field_validator("amqp_url")
     @classmethod
     def _amqp_scheme(cls, value: SecretStr) -> SecretStr:
-        scheme = _scheme(value.get_secret_value())
-        if scheme not in ("amqp", "amqps"):
-            raise ValueError(
-                f"AMQP URL scheme {scheme!r} is not supported; use amqp:// or amqps://"
-            )
-        try:
-            _ = urlsplit(value.get_secret_value()).port  # raises on a port that is no number
-        except ValueError:
-            # Its message quotes the "port", which is part of the password when an
-            # unencoded "#", "?" or "/" cut the URL short.
-            raise ValueError(f"the URL's port is not a number; {_ENCODE_IT}") from None
+        urls = split_amqp_urls(value.get_secret_value())
+        if len(urls) == 1:
+            _check_amqp_url(urls[0], first=True)
+            return value
+        for number, url in enumerate(urls, start=1):
+            try:
+                _check_amqp_url(url, first=number == 1)
+            except ValueError as problem:
+                raise ValueError(
+                    f"address {number} of {len(urls)}: {problem}; {_SEPARATE_THEM}"
+                ) from None
         return value
+
+    @property
+    def amqp_urls(self) -> list[str]:
+        """The broker addresses, in the order a connect tries them first (secrets
+        revealed: never log them; :func:`redact_amqp_urls` is for that)."""
+        return split_amqp_urls(self.amqp_url.get_secret_value())
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -246,6 +258,36 @@ def _environment_value(value: object) -> str:
         return str(value)
     # A new field of another type must say here how its variable is written.
     raise TypeError(f"no environment form for a {type(value).__name__} setting")
+
+
+def split_amqp_urls(value: str) -> list[str]:
+    """``OUTBOX_AMQP_URL`` as its addresses: one URL, or several separated by commas
+    (spaces around a comma are ignored). Empty ones are kept for validation to refuse."""
+    return [url.strip() for url in value.split(",")]
+
+
+def redact_amqp_urls(value: str) -> str:
+    """Every address of ``OUTBOX_AMQP_URL`` with its password replaced. redact_url alone
+    would hide the first address's password only: urlsplit reads the rest as a path."""
+    return ", ".join(redact_url(url) for url in split_amqp_urls(value))
+
+
+def _check_amqp_url(url: str, *, first: bool) -> None:
+    if not url:
+        raise ValueError("the URL is empty")
+    scheme = _scheme(url)
+    if scheme not in ("amqp", "amqps"):
+        if not first:
+            # What precedes a ":" in a later address may be the tail of a password that
+            # held an unencoded comma: never quote it.
+            raise ValueError("the URL does not start with amqp:// or amqps://")
+        raise ValueError(f"AMQP URL scheme {scheme!r} is not supported; use amqp:// or amqps://")
+    try:
+        _ = urlsplit(url).port  # raises on a port that is no number
+    except ValueError:
+        # Its message quotes the "port", which is part of the password when an
+        # unencoded "#", "?", "/" or "," cut the URL short.
+        raise ValueError(f"the URL's port is not a number; {_ENCODE_IT}") from None
 
 
 def _scheme(url: str) -> str:

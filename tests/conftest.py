@@ -15,7 +15,7 @@ from outbox.broker import Topology, delete_topology
 from outbox.sandbox.scratch import ScratchDatabase, new_tag, topology_named
 from outbox.settings import libpq_url, sqlalchemy_url
 
-from support import services
+from support import rabbit_cluster, services
 from support.sample_tools import Ledger, build_registry
 
 
@@ -125,11 +125,17 @@ REQUIRE_RABBITMQCTL = "OUTBOX_TEST_REQUIRE_RABBITMQCTL"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Broker-fault tests drive the local broker with rabbitmqctl. Where it is absent they
-    are skipped, unless the run demands them (.ci/run sets OUTBOX_TEST_REQUIRE_RABBITMQCTL)."""
-    if shutil.which("rabbitmqctl") or os.environ.get(REQUIRE_RABBITMQCTL):
+    """Broker-fault tests drive the local broker with rabbitmqctl; the cluster test starts
+    nodes of its own with rabbitmq-server. Where those are absent the tests are skipped,
+    unless the run demands them (.ci/run sets OUTBOX_TEST_REQUIRE_RABBITMQCTL): then
+    they run and fail, rather than pass by not running."""
+    if os.environ.get(REQUIRE_RABBITMQCTL):
         return
-    absent = pytest.mark.skip(reason="rabbitmqctl is not installed on this machine")
+    missing = {
+        "rabbitmqctl": None if shutil.which("rabbitmqctl") else "rabbitmqctl",
+        "rabbit_cluster": None if rabbit_cluster.installed() else "rabbitmq-server",
+    }
     for item in items:
-        if "rabbitmqctl" in item.keywords:
-            item.add_marker(absent)
+        for marker, absent in missing.items():
+            if absent and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=f"{absent} is not installed here"))

@@ -44,7 +44,7 @@ from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.sandbox.scratch import ScratchEnvironment
 from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
-from outbox.settings import Settings, redact_url, with_database
+from outbox.settings import Settings, redact_amqp_urls, redact_url, with_database
 from outbox.store import Store
 
 TOOLS_MODULE = "outbox.sandbox.tools"
@@ -180,7 +180,7 @@ def check_services(settings: Settings) -> None:
         asyncio.run(_broker_answers(url))
     except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as failure:
         raise ServiceUnavailable(
-            f"cannot connect to RabbitMQ at {redact_url(url)} ({_broker_failure(failure)}): "
+            f"cannot connect to RabbitMQ at {redact_amqp_urls(url)} ({_broker_failure(failure)}): "
             "is it running? Start it (`docker compose up -d rabbitmq`, or your "
             "distribution's rabbitmq-server package) or point OUTBOX_AMQP_URL at a running broker"
         ) from None
