@@ -158,6 +158,10 @@ class Consumer(Daemon):
                 reconciler = asyncio.create_task(self.reconciler.run())
                 try:
                     await self.keep_sessions(self._consume_session, self._session_lost)
+                    # Stopped between sessions: what a lost session left in hand still
+                    # finishes and records its outcome before the pool closes.
+                    if self._handlers:
+                        await asyncio.gather(*self._handlers, return_exceptions=True)
                 finally:
                     reconciler.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -249,9 +253,17 @@ class Consumer(Daemon):
         return declared, await declared.queue.consume(self._on_message)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
+        # aiormq runs this as a task of the channel and cancels it when the channel
+        # closes. The effect in hand must not be cut off with it: its operation would
+        # sit in flight until its lease ran out and then be looked up and called again.
+        # The handling runs in a task this consumer owns, so a lost connection costs
+        # only the ack (the redelivery is a duplicate the claim suppresses).
+        handling = asyncio.create_task(self._deliver(message))
+        self._handlers.add(handling)
+        handling.add_done_callback(self._handlers.discard)
+        await asyncio.shield(handling)
+
+    async def _deliver(self, message: AbstractIncomingMessage) -> None:
         try:
             await self.handle(message)
         except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError) as error:
@@ -275,9 +287,6 @@ class Consumer(Daemon):
             await self._sleep(1.0)  # no hot loop of redeliveries while it persists
             with contextlib.suppress(Exception):
                 await message.nack(requeue=True)
-        finally:
-            if task is not None:
-                self._handlers.discard(task)
 
     async def handle(self, message: AbstractIncomingMessage) -> str:
         """Handle one delivery; returns its result label (for metrics and tests)."""
