@@ -6,9 +6,12 @@ committed before any external call -> check the approval -> execute with the ope
 id as idempotency key and a deadline -> record the outcome under the fencing token ->
 ack. A delivery whose claim fails is a duplicate: acked, counted, never executed.
 
-What an outcome leads to is decided in :mod:`consumer.policy`; unknown outcomes and
-expired leases are the :class:`~consumer.reconciler.Reconciler`'s, which runs beside the
-deliveries in the same process.
+This module keeps the delivery loop: broker sessions, a task per delivery, acks,
+dead letters and nacks. The claim and its checks are :mod:`consumer.claims`, the call
+and its record :mod:`consumer.effects`; what an outcome leads to is decided in
+:mod:`consumer.policy`; unknown outcomes and expired leases are the
+:class:`~consumer.reconciler.Reconciler`'s, which runs beside the deliveries in the
+same process.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -26,13 +26,13 @@ import aiormq.exceptions
 import pydantic
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, ConsumerTag
 
-from consumer import policy
-from consumer.batching import Batcher
-from consumer.database import APPLICATION_NAME, Database, transition_plan
-from consumer.policy import LEASE_LOST_BEFORE_CALL, Attempt, AttemptOutcome
+from consumer.claims import Claimed, Claims, Skip
+from consumer.database import APPLICATION_NAME, Database
+from consumer.effects import Effects
+from consumer.policy import Attempt
 from consumer.reconciler import Reconciler
-from consumer.telemetry import log, logger, span_attributes
-from outbox import store, tracing
+from consumer.telemetry import log, logger
+from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.broker import (
     SESSION_SETUP_SECONDS,
@@ -43,62 +43,19 @@ from outbox.broker import (
     establish_topology,
 )
 from outbox.broker import connect as connect_to_broker
-from outbox.contracts import Registry, ToolContract
+from outbox.contracts import Registry
 from outbox.daemon import Daemon, is_transient_database_error
-from outbox.decisions import derive_intent
 from outbox.errors import (
     ConfigurationError,
-    IllegalTransition,
     SchemaMissing,
-    ToolNotRegistered,
 )
 from outbox.metrics import ConsumerMetrics
-from outbox.models import Operation
-from outbox.outcomes import (
-    DefinitiveRejection,
-    ExecutionContext,
-    NotSent,
-    OutcomeUnknown,
-)
 from outbox.settings import Settings, redact_url
-from outbox.states import EventName, OperationState
-from outbox.store import AsyncStore
+from outbox.states import OperationState
 
 DEFAULT_METRICS_PORT = 9465
 MAX_BODY_BYTES = 4096
 S = OperationState
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """An operation this worker holds in flight, under the lease its claim took."""
-
-    operation: Operation
-    contract: ToolContract[Any]
-    # On this process's monotonic clock, a time by which the lease has surely not yet
-    # expired: the lease runs from the database's transaction start, which is later than
-    # the moment this process began the claim's transaction.
-    lease_safe_until: float = float("inf")
-    # The input as the claim's checks validated it; validated again only when absent.
-    tool_input: Any = None
-
-
-@dataclass(frozen=True)
-class Skip:
-    """A delivery that will not run: its result label, and why it is dead-lettered if
-    it is."""
-
-    result: str
-    dead_letter_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class _Runnable:
-    """A delivery that passed every check: the contract to claim it under, and its
-    validated input (so the hot path validates it once)."""
-
-    contract: ToolContract[Any]
-    tool_input: Any
 
 
 class Consumer(Daemon):
@@ -126,8 +83,10 @@ class Consumer(Daemon):
         self._handlers: set[asyncio.Task[Any]] = set()
         # Group commit: the deliveries in hand share their claim transaction and their
         # outcome transaction, instead of two transactions each.
-        self._claims = Batcher(self._prepare_many, limit=settings.prefetch)
-        self._commits = Batcher(self._record_many, limit=settings.prefetch)
+        self.claims = Claims(
+            settings, registry, self.metrics, self.database, worker_id=self.worker_id
+        )
+        self.effects = Effects(settings, self.metrics, self.database)
 
     def healthy(self) -> bool:
         return self._broker_ready and not self.stopping
@@ -324,277 +283,16 @@ class Consumer(Daemon):
         return "processed"
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
-        """Load, check and claim; shares its transaction with the deliveries that arrive
-        in the same burst (see :meth:`_prepare_many`)."""
-        return await self._claims.submit(envelope)
-
-    async def _prepare_many(self, envelopes: list[OperationMessage]) -> list[Claimed | Skip]:
-        """Load, check and claim a burst of deliveries in one transaction, committed
-        before any of their external calls: one round trip loads them all, one statement
-        claims them all, each with its own lease and a new fencing token."""
-        began = time.monotonic()
-        async with self.database.transaction() as connection:
-            runner = await AsyncStore.on(connection)
-            await self.database.remember_fingerprint_key(runner)
-            operations = await runner.run(
-                store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
-            )
-            verdicts: list[Skip | _Runnable] = []
-            wanted: dict[UUID, timedelta] = {}
-            for envelope in envelopes:
-                verdict = await self._check(runner, envelope, operations.get(envelope.operation_id))
-                verdicts.append(verdict)
-                if not isinstance(verdict, Skip):
-                    lease = verdict.contract.deadline + timedelta(
-                        seconds=self.settings.lease_margin
-                    )
-                    wanted.setdefault(envelope.operation_id, lease)
-            claimed = await runner.run(
-                store.claim_many(sorted(wanted.items()), owner=self.worker_id)
-            )
-            results: list[Claimed | Skip] = []
-            for envelope, verdict in zip(envelopes, verdicts, strict=True):
-                if isinstance(verdict, Skip):
-                    results.append(verdict)
-                    continue
-                # One claim per operation: a second delivery of it in this burst, or one
-                # whose claim another worker won since the read, is a duplicate.
-                operation = claimed.pop(envelope.operation_id, None)
-                if operation is None:
-                    current = await runner.run(store.find_operation(envelope.operation_id))
-                    results.append(
-                        await _suppressed(runner, current or operations[envelope.operation_id])
-                    )
-                    continue
-                lease_seconds = wanted[envelope.operation_id].total_seconds()
-                results.append(
-                    Claimed(
-                        operation,
-                        verdict.contract,
-                        lease_safe_until=began + lease_seconds,
-                        tool_input=verdict.tool_input,
-                    )
-                )
-        return results
-
-    async def _check(
-        self, runner: AsyncStore, envelope: OperationMessage, operation: Operation | None
-    ) -> Skip | _Runnable:
-        """Why this delivery must not run (a skip), or the contract to claim it under
-        with its validated input."""
-        if operation is None:
-            return Skip("invalid", "unknown_operation")
-        if (
-            operation.input_fingerprint != envelope.input_fingerprint
-            or operation.tool_name != envelope.tool
-            or operation.tool_version != envelope.tool_version
-        ):
-            return Skip("invalid", "fingerprint_mismatch")
-        try:
-            contract = self.registry.get(operation.tool_name, operation.tool_version)
-        except ToolNotRegistered:
-            log(
-                logging.ERROR,
-                "consumer.unknown_tool",
-                "no registered tool can run it",
-                id=operation.display_id,
-            )
-            if operation.state is S.PREPARED:
-                # Evidence for the escalation that ends it if no consumer ever can run it.
-                await runner.run(
-                    store.append_event(
-                        operation, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}
-                    )
-                )
-            return Skip("invalid", "unknown_tool")
-        if operation.state is not S.PREPARED:
-            return await _suppressed(runner, operation)
-        # Trust only what can be derived: the stored row's fingerprint and approval flag
-        # were written by whoever holds the agent's grant, and may have been forged.
-        intent = derive_intent(contract, operation)
-        if intent.disagreement is not None:
-            return await self._tampered(runner, operation, contract, intent.disagreement)
-        if intent.requires_approval:
-            check = await runner.run(store.check_approval(operation.id))
-            if not check.is_valid:
-                await runner.run(
-                    store.append_event(
-                        operation,
-                        EventName.APPROVAL_REQUIRED,
-                        {"status": str(check.status), "policy": "approval_required"},
-                    )
-                )
-                return Skip("awaiting_approval")
-        if policy.replay_window_passed(operation, contract, now=datetime.now(UTC)):
-            return await self._escalate_before_replay(runner, operation, contract)
-        return _Runnable(contract, intent.tool_input)
-
-    async def _escalate_before_replay(
-        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
-    ) -> Skip:
-        decision = policy.escalation_before_replay(operation)
-        try:
-            await runner.run(transition_plan(operation, decision.transition))
-        except IllegalTransition:
-            return Skip("duplicate")  # a second delivery in the same burst escalated it
-        self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
-        return Skip("escalated")
-
-    async def _tampered(
-        self,
-        runner: AsyncStore,
-        operation: Operation,
-        contract: ToolContract[Any],
-        disagreement: str,
-    ) -> Skip:
-        """Never execute a row that disagrees with its own input: write down which check
-        failed and hand it to a person."""
-        self.metrics.tampered.labels(contract.name, disagreement).inc()
-        log(
-            logging.ERROR,
-            "consumer.tampered",
-            "the row disagrees with its own input; escalated",
-            id=operation.display_id,
-            tool=contract.name,
-            check=disagreement,
-        )
-        await runner.run(store.append_event(operation, EventName.TAMPERED, {"check": disagreement}))
-        try:
-            await runner.run(
-                store.transition(
-                    operation.id,
-                    source=S.PREPARED,
-                    target=S.ESCALATED,
-                    attributes={"reason": "tampered", "check": disagreement},
-                )
-            )
-        except IllegalTransition:
-            # A second delivery of it in the same burst: the first one escalated it.
-            return Skip("duplicate")
-        self.metrics.escalations.labels(contract.name, "tampered").inc()
-        return Skip("tampered")
+        """Load, check and claim (see :class:`consumer.claims.Claims`)."""
+        return await self.claims.claim(envelope)
 
     async def attempt(self, claimed: Claimed, traceparent: str | None = None) -> Attempt:
-        """Call the tool once for ``claimed``, in a span that continues the decision's
-        trace; never raises, whatever the tool does."""
-        operation, contract = claimed.operation, claimed.contract
-        with tracing.span(
-            f"outbox.attempt {contract.name}",
-            parent_traceparent=traceparent,
-            attributes=span_attributes(operation, contract, self.database.fingerprint_key),
-            kind="consumer",
-        ) as traced:
-            attempt = await self._execute(claimed)
-            traced.set_attributes(
-                {"outbox.outcome": str(attempt.outcome), "outbox.code": attempt.code}
-            )
-            if attempt.effect is not None:
-                traced.set_attributes(
-                    {"outbox.provider_reference": attempt.effect.provider_reference}
-                )
-            traced.set_status(attempt.outcome is AttemptOutcome.COMMITTED, attempt.code)
-        return attempt
-
-    async def _execute(self, claimed: Claimed) -> Attempt:
-        operation, contract = claimed.operation, claimed.contract
-        # The call must end, and its outcome be recorded, within the lease: a process that
-        # stalled after its claim (a pause, a slow link) calls with what is left or, with
-        # nothing left, not at all; another worker may already be reconciling it.
-        left = claimed.lease_safe_until - self.settings.lease_margin - time.monotonic()
-        seconds = min(contract.deadline.total_seconds(), left)
-        if seconds <= 0:
-            log(
-                logging.WARNING,
-                "consumer.lease_lost_before_call",
-                "the lease ran out before the call; not calling",
-                id=operation.display_id,
-            )
-            return Attempt(AttemptOutcome.NOT_SENT, LEASE_LOST_BEFORE_CALL)
-        context = ExecutionContext(
-            operation_id=operation.id,
-            attempt=operation.attempts,
-            deadline=time.monotonic() + seconds,
-        )
-        started = time.monotonic()
-        try:
-            tool_input = claimed.tool_input
-            if tool_input is None:
-                tool_input = contract.input_model.model_validate(operation.input)
-            async with asyncio.timeout(seconds):
-                effect = await contract.execute(tool_input, context)
-            attempt = Attempt(AttemptOutcome.COMMITTED, "ok", effect)
-        except DefinitiveRejection as rejection:
-            attempt = Attempt(AttemptOutcome.REJECTED, rejection.code)
-        except NotSent as not_sent:
-            attempt = Attempt(AttemptOutcome.NOT_SENT, not_sent.code)
-        except OutcomeUnknown as unknown:
-            attempt = Attempt(AttemptOutcome.OUTCOME_UNKNOWN, unknown.code)
-        except TimeoutError:
-            context.cancelled.set()
-            attempt = Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "deadline_exceeded")
-        except Exception as error:
-            # A tool that cannot say what happened may have done it: unknown, not retry.
-            log(
-                logging.WARNING,
-                "consumer.tool_error",
-                "the tool raised; the outcome is unknown",
-                id=operation.display_id,
-                tool=contract.name,
-                error=type(error).__name__,
-            )
-            attempt = Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "tool_error")
-        self.metrics.effect_duration.labels(contract.name).observe(time.monotonic() - started)
-        self.metrics.effect_attempts.labels(contract.name, str(attempt.outcome)).inc()
-        return attempt
+        """Call the tool once (see :meth:`consumer.effects.Effects.attempt`)."""
+        return await self.effects.attempt(claimed, traceparent)
 
     async def record(self, claimed: Claimed, attempt: Attempt) -> None:
-        """Record the outcome where :func:`consumer.policy.after_attempt` says it leads,
-        under the claim's fencing token. Confirmed effects share one transaction with
-        those that finish in the same burst."""
-        if attempt.outcome is AttemptOutcome.COMMITTED:
-            await self._commits.submit((claimed, attempt))
-        else:
-            await self._record_one(claimed, attempt)
-
-    async def _record_many(self, done: list[tuple[Claimed, Attempt]]) -> list[None]:
-        effects = []
-        for claimed, attempt in done:
-            assert attempt.effect is not None
-            effects.append(
-                store.ConfirmedEffect(
-                    operation=claimed.operation,
-                    provider_reference=attempt.effect.provider_reference,
-                    result=attempt.effect.result,
-                    attributes={"attempt": claimed.operation.attempts},
-                )
-            )
-        committed = await self.database.run(store.commit_many(effects))
-        for claimed, attempt in done:
-            if claimed.operation.id not in committed:
-                # Fenced or moved meanwhile: the single-row write finds out which, and logs it.
-                await self._record_one(claimed, attempt)
-        return [None] * len(done)
-
-    async def _record_one(self, claimed: Claimed, attempt: Attempt) -> None:
-        operation = claimed.operation
-        move = policy.after_attempt(operation, claimed.contract, attempt)
-        try:
-            await self.database.run(transition_plan(operation, move))
-            if move.then is not None:
-                # The effect may have happened and no lookup can tell: a person decides.
-                self.metrics.escalations.labels(claimed.contract.name, str(move.then.reason)).inc()
-        except IllegalTransition as fenced:
-            # Another process took the operation over (our lease expired): its record
-            # wins; ours would overwrite evidence. The reconciler has or will settle it.
-            log(
-                logging.WARNING,
-                "consumer.write_fenced",
-                "another process took the operation over; its record wins",
-                id=operation.display_id,
-                token=operation.lease_token,
-                outcome=str(attempt.outcome),
-                reason=type(fenced).__name__,
-            )
+        """Record the outcome (see :meth:`consumer.effects.Effects.record`)."""
+        await self.effects.record(claimed, attempt)
 
     async def _dead_letter(
         self,
@@ -625,18 +323,6 @@ class Consumer(Daemon):
         await self._sleep(1.0)
         await message.nack(requeue=True)
         return "retry_later"
-
-
-async def _suppressed(runner: AsyncStore, operation: Operation) -> Skip:
-    """A duplicate delivery, written down: the event is the durable count of what the
-    dedupe stopped (metrics die with the process), and an operator reading the timeline
-    sees the broker's redeliveries beside the one attempt."""
-    await runner.run(
-        store.append_event(
-            operation, EventName.DELIVERY_SUPPRESSED, {"state": str(operation.state)}
-        )
-    )
-    return Skip("duplicate")
 
 
 def _safe_id(value: str | None) -> str:

@@ -14,7 +14,8 @@ import sqlalchemy.exc
 
 from consumer.policy import LEASE_LOST_BEFORE_CALL, AttemptOutcome
 from consumer.reconciler import Reconciler
-from consumer.worker import Claimed, Consumer, Skip
+from consumer.claims import Claimed, Skip
+from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
 from outbox import (
     OperationState,

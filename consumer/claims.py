@@ -1,0 +1,250 @@
+"""Deliveries to claims: load each delivery's operation, check it, and claim the ones
+that may run, a burst at a time in one transaction committed before any call.
+
+A delivery that must not run is a :class:`Skip` with its result label (and, for a
+message that can never be right, why it is dead-lettered); the checks write their
+evidence (an unknown tool, a tampered row, a missing approval, a replay too late for
+its dedupe window) in the same transaction. One that may run is :class:`Claimed`: in
+flight under a new lease and fencing token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from consumer import policy
+from consumer.batching import Batcher
+from consumer.database import Database, transition_plan
+from consumer.telemetry import log
+from outbox import store
+from outbox.broker import OperationMessage
+from outbox.contracts import Registry, ToolContract
+from outbox.decisions import derive_intent
+from outbox.errors import IllegalTransition, ToolNotRegistered
+from outbox.metrics import ConsumerMetrics
+from outbox.models import Operation
+from outbox.settings import Settings
+from outbox.states import EventName, OperationState
+from outbox.store import AsyncStore
+
+S = OperationState
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """An operation this worker holds in flight, under the lease its claim took."""
+
+    operation: Operation
+    contract: ToolContract[Any]
+    # On this process's monotonic clock, a time by which the lease has surely not yet
+    # expired: the lease runs from the database's transaction start, which is later than
+    # the moment this process began the claim's transaction.
+    lease_safe_until: float = float("inf")
+    # The input as the claim's checks validated it; validated again only when absent.
+    tool_input: Any = None
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A delivery that will not run: its result label, and why it is dead-lettered if
+    it is."""
+
+    result: str
+    dead_letter_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class _Runnable:
+    """A delivery that passed every check: the contract to claim it under, and its
+    validated input (so the hot path validates it once)."""
+
+    contract: ToolContract[Any]
+    tool_input: Any
+
+
+class Claims:
+    """Claims deliveries for one consumer; the deliveries that arrive in the same burst
+    share one transaction (group commit, :class:`consumer.batching.Batcher`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        metrics: ConsumerMetrics,
+        database: Database,
+        *,
+        worker_id: str,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        self.database = database
+        self.worker_id = worker_id
+        self._batcher = Batcher(self._prepare_many, limit=settings.prefetch)
+
+    async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
+        """Load, check and claim one delivery, in the transaction of its burst."""
+        return await self._batcher.submit(envelope)
+
+    async def _prepare_many(self, envelopes: list[OperationMessage]) -> list[Claimed | Skip]:
+        """Load, check and claim a burst of deliveries in one transaction, committed
+        before any of their external calls: one round trip loads them all, one statement
+        claims them all, each with its own lease and a new fencing token."""
+        began = time.monotonic()
+        async with self.database.transaction() as connection:
+            runner = await AsyncStore.on(connection)
+            await self.database.remember_fingerprint_key(runner)
+            operations = await runner.run(
+                store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
+            )
+            verdicts: list[Skip | _Runnable] = []
+            wanted: dict[UUID, timedelta] = {}
+            for envelope in envelopes:
+                verdict = await self._check(runner, envelope, operations.get(envelope.operation_id))
+                verdicts.append(verdict)
+                if not isinstance(verdict, Skip):
+                    lease = verdict.contract.deadline + timedelta(
+                        seconds=self.settings.lease_margin
+                    )
+                    wanted.setdefault(envelope.operation_id, lease)
+            claimed = await runner.run(
+                store.claim_many(sorted(wanted.items()), owner=self.worker_id)
+            )
+            results: list[Claimed | Skip] = []
+            for envelope, verdict in zip(envelopes, verdicts, strict=True):
+                if isinstance(verdict, Skip):
+                    results.append(verdict)
+                    continue
+                # One claim per operation: a second delivery of it in this burst, or one
+                # whose claim another worker won since the read, is a duplicate.
+                operation = claimed.pop(envelope.operation_id, None)
+                if operation is None:
+                    current = await runner.run(store.find_operation(envelope.operation_id))
+                    results.append(
+                        await _suppressed(runner, current or operations[envelope.operation_id])
+                    )
+                    continue
+                lease_seconds = wanted[envelope.operation_id].total_seconds()
+                results.append(
+                    Claimed(
+                        operation,
+                        verdict.contract,
+                        lease_safe_until=began + lease_seconds,
+                        tool_input=verdict.tool_input,
+                    )
+                )
+        return results
+
+    async def _check(
+        self, runner: AsyncStore, envelope: OperationMessage, operation: Operation | None
+    ) -> Skip | _Runnable:
+        """Why this delivery must not run (a skip), or the contract to claim it under
+        with its validated input."""
+        if operation is None:
+            return Skip("invalid", "unknown_operation")
+        if (
+            operation.input_fingerprint != envelope.input_fingerprint
+            or operation.tool_name != envelope.tool
+            or operation.tool_version != envelope.tool_version
+        ):
+            return Skip("invalid", "fingerprint_mismatch")
+        try:
+            contract = self.registry.get(operation.tool_name, operation.tool_version)
+        except ToolNotRegistered:
+            log(
+                logging.ERROR,
+                "consumer.unknown_tool",
+                "no registered tool can run it",
+                id=operation.display_id,
+            )
+            if operation.state is S.PREPARED:
+                # Evidence for the escalation that ends it if no consumer ever can run it.
+                await runner.run(
+                    store.append_event(
+                        operation, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}
+                    )
+                )
+            return Skip("invalid", "unknown_tool")
+        if operation.state is not S.PREPARED:
+            return await _suppressed(runner, operation)
+        # Trust only what can be derived: the stored row's fingerprint and approval flag
+        # were written by whoever holds the agent's grant, and may have been forged.
+        intent = derive_intent(contract, operation)
+        if intent.disagreement is not None:
+            return await self._tampered(runner, operation, contract, intent.disagreement)
+        if intent.requires_approval:
+            check = await runner.run(store.check_approval(operation.id))
+            if not check.is_valid:
+                await runner.run(
+                    store.append_event(
+                        operation,
+                        EventName.APPROVAL_REQUIRED,
+                        {"status": str(check.status), "policy": "approval_required"},
+                    )
+                )
+                return Skip("awaiting_approval")
+        if policy.replay_window_passed(operation, contract, now=datetime.now(UTC)):
+            return await self._escalate_before_replay(runner, operation, contract)
+        return _Runnable(contract, intent.tool_input)
+
+    async def _escalate_before_replay(
+        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+    ) -> Skip:
+        decision = policy.escalation_before_replay(operation)
+        try:
+            await runner.run(transition_plan(operation, decision.transition))
+        except IllegalTransition:
+            return Skip("duplicate")  # a second delivery in the same burst escalated it
+        self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
+        return Skip("escalated")
+
+    async def _tampered(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        disagreement: str,
+    ) -> Skip:
+        """Never execute a row that disagrees with its own input: write down which check
+        failed and hand it to a person."""
+        self.metrics.tampered.labels(contract.name, disagreement).inc()
+        log(
+            logging.ERROR,
+            "consumer.tampered",
+            "the row disagrees with its own input; escalated",
+            id=operation.display_id,
+            tool=contract.name,
+            check=disagreement,
+        )
+        await runner.run(store.append_event(operation, EventName.TAMPERED, {"check": disagreement}))
+        try:
+            await runner.run(
+                store.transition(
+                    operation.id,
+                    source=S.PREPARED,
+                    target=S.ESCALATED,
+                    attributes={"reason": "tampered", "check": disagreement},
+                )
+            )
+        except IllegalTransition:
+            # A second delivery of it in the same burst: the first one escalated it.
+            return Skip("duplicate")
+        self.metrics.escalations.labels(contract.name, "tampered").inc()
+        return Skip("tampered")
+
+
+async def _suppressed(runner: AsyncStore, operation: Operation) -> Skip:
+    """A duplicate delivery, written down: the event is the durable count of what the
+    dedupe stopped (metrics die with the process), and an operator reading the timeline
+    sees the broker's redeliveries beside the one attempt."""
+    await runner.run(
+        store.append_event(
+            operation, EventName.DELIVERY_SUPPRESSED, {"state": str(operation.state)}
+        )
+    )
+    return Skip("duplicate")
