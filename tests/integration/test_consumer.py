@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import sqlalchemy.exc
 
+from consumer.claims import Claimed, Skip
 from consumer.policy import LEASE_LOST_BEFORE_CALL, AttemptOutcome
 from consumer.reconciler import Reconciler
-from consumer.claims import Claimed, Skip
 from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
 from outbox import (
