@@ -6,6 +6,7 @@ the database; bad input raises :class:`InputRejected` and writes nothing.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +19,7 @@ from pydantic import BaseModel
 from outbox import store, tracing
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import InputRejected
-from outbox.fingerprint import canonical_json, intent_fingerprint
+from outbox.fingerprint import canonical_fingerprint, canonical_json, intent_fingerprint
 from outbox.models import (
     Approval,
     ApprovalCheck,
@@ -59,8 +60,8 @@ def prepare_decision(
                 problems=["traceparent"],
             )
         headers["traceparent"] = traceparent
-    validated = validate_input(contract, tool_input)
-    input_json = validated.model_dump(mode="json")
+    validated, input_json = _validated_and_stored(contract, tool_input)
+    # Canonicalized once: the same bytes are measured, searched for a NUL and hashed.
     canonical = canonical_json(input_json)
     if len(canonical) > MAX_INPUT_BYTES:
         raise InputRejected(
@@ -68,7 +69,7 @@ def prepare_decision(
             f"the limit is {MAX_INPUT_BYTES}. Store large payloads elsewhere and pass a reference",
             problems=["input too large"],
         )
-    if _holds_nul(input_json):
+    if _canonical_holds_nul(canonical):
         raise InputRejected(
             f"input for tool {contract.label} holds a NUL character, which Postgres cannot store",
             problems=["NUL character"],
@@ -80,7 +81,7 @@ def prepare_decision(
         tool_version=contract.version,
         side_effect=str(contract.side_effect),
         input=input_json,
-        input_fingerprint=intent_fingerprint(contract.name, contract.version, input_json),
+        input_fingerprint=canonical_fingerprint(contract.name, contract.version, canonical),
         requires_approval=contract.approval.applies_to(validated),
         headers=headers,
     )
@@ -133,6 +134,14 @@ def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | 
 
     Problems name the field and the rule, never the offending value.
     """
+    return _validated_and_stored(contract, tool_input)[0]
+
+
+def _validated_and_stored(
+    contract: ToolContract[Any], tool_input: Mapping[str, Any] | BaseModel
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`validate_input`, and the JSON the model dumped: the form that is stored,
+    the one the round trip was checked on (recording needs it, and need not dump again)."""
     try:
         raw = (
             tool_input.model_dump(mode="json") if isinstance(tool_input, BaseModel) else tool_input
@@ -166,34 +175,48 @@ def validate_input(contract: ToolContract[Any], tool_input: Mapping[str, Any] | 
             "consumer would execute something other than what was recorded",
             problems=["not JSON round-trippable"],
         )
-    return validated
+    return validated, stored
 
 
 def _nested_deeper_than(value: Any, limit: int) -> bool:
     # Iterative on purpose: a recursive walk would overflow on the very input it checks.
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, Mapping):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
+    # Level by level: the containers of one level are all at the same depth, so no
+    # (item, depth) pair is built per value, and scalars cost one type test.
+    level = [value]
+    depth = 1
+    while level:
+        below: list[Any] = []
+        for item in level:
+            # Scalars by a set lookup: the Mapping ABC's instance check is the slow part.
+            if type(item) in _SCALARS:
+                continue
+            if isinstance(item, Mapping):
+                children: Any = item.values()
+            elif isinstance(item, list | tuple):
+                children = item
+            else:
+                continue
+            if depth > limit:
+                return True
+            below.extend(children)
+        level = below
+        depth += 1
     return False
 
 
-def _holds_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_holds_nul(key) or _holds_nul(item) for key, item in value.items())
-    if isinstance(value, list):
-        return any(_holds_nul(item) for item in value)
-    return False
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+# A NUL in any string of the input, key or value, is written as the escape \u0000 in its
+# canonical form, and nothing else is: canonical JSON has backslashes only inside
+# strings, where \\ is an escaped backslash, so a \u0000 is a NUL's escape exactly when
+# an even number of backslashes (none included) stands before it.
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _canonical_holds_nul(canonical: bytes) -> bool:
+    # The substring test is C speed and almost always false; the pattern settles the rest.
+    return b"\\u0000" in canonical and _NUL_ESCAPE.search(canonical) is not None
 
 
 # Error types whose pydantic message can quote the input (a union tag, a custom

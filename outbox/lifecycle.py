@@ -68,6 +68,10 @@ def write_all(lines: list[Line]) -> None:
 
 
 def write(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        # logging would drop the line anyway: not building its fields saves most of
+        # what an unlogged line costs, on every decision recorded.
+        return
     fields: dict[str, Scalar] = {
         "id": display_operation_id(operation.id),
         "tool": operation.tool_name,
