@@ -15,6 +15,7 @@ event exist, together or not at all.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,12 @@ from sqlalchemy.orm import Session as SASession
 
 from outbox import lifecycle
 from outbox.errors import ConfigurationError, wrap_database_errors
+from outbox.logs import log_fields
 from outbox.sql import QUERIES
+
+# At DEBUG, one line per statement sent: its name, the database user that sent it and
+# how many rows came back; never its parameters.
+statements = logging.getLogger("outbox.store")
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -152,6 +158,12 @@ class _SQLAlchemyExecutor:
         assert isinstance(driver, psycopg.Connection)
         return _database_of(driver)
 
+    @property
+    def user(self) -> str:
+        driver = self._connection.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        return driver.info.user
+
     def fetch(self, step: Step) -> list[Row]:
         result = self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
         return [dict(row) for row in result.mappings()] if result.returns_rows else []
@@ -165,6 +177,10 @@ class _PsycopgExecutor:
     @property
     def database(self) -> str:
         return _database_of(self._connection)
+
+    @property
+    def user(self) -> str:
+        return self._connection.info.user
 
     def fetch(self, step: Step) -> list[Row]:
         with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
@@ -189,6 +205,13 @@ class _SQLAlchemyAsyncExecutor:
         assert isinstance(driver, psycopg.AsyncConnection)
         return _database_of(driver)
 
+    @property
+    def user(self) -> str:
+        sync = self._connection.sync_connection
+        driver = sync.connection.driver_connection if sync is not None else None
+        assert isinstance(driver, psycopg.AsyncConnection)
+        return driver.info.user
+
     async def fetch(self, step: Step) -> list[Row]:
         if not self._checked:
             raw = await self._connection.get_raw_connection()
@@ -206,6 +229,10 @@ class _PsycopgAsyncExecutor:
     @property
     def database(self) -> str:
         return _database_of(self._connection)
+
+    @property
+    def user(self) -> str:
+        return self._connection.info.user
 
     async def fetch(self, step: Step) -> list[Row]:
         async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
@@ -271,6 +298,8 @@ class Store:
                     continue
                 with wrap_database_errors(step.query):
                     rows = self._executor.fetch(step)
+                if statements.isEnabledFor(logging.DEBUG):
+                    _log_statement(self._executor, step, rows)
                 _remember(self._executor, step, rows)
         except StopIteration as finished:
             return finished.value  # type: ignore[no-any-return]
@@ -308,9 +337,23 @@ class AsyncStore:
                     continue
                 with wrap_database_errors(step.query):
                     rows = await self._executor.fetch(step)
+                if statements.isEnabledFor(logging.DEBUG):
+                    _log_statement(self._executor, step, rows)
                 _remember(self._executor, step, rows)
         except StopIteration as finished:
             return finished.value  # type: ignore[no-any-return]
+
+
+def _log_statement(executor: object, step: Step, rows: list[Row]) -> None:
+    log_fields(
+        statements,
+        logging.DEBUG,
+        "store.statement",
+        "ran a named statement",
+        query=step.query,
+        user=getattr(executor, "user", None),
+        rows=len(rows),
+    )
 
 
 def _remembered_rows(executor: object, step: Step) -> list[Row] | None:

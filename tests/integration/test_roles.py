@@ -10,6 +10,7 @@ there.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -50,7 +51,6 @@ from outbox.models import ApprovalDecision, ApprovalStatus
 from outbox.sql import QUERIES, roles_sql
 from outbox.states import EventName
 from outbox.store import Plan, Store
-from outbox.store import runner as store_runner
 
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
@@ -273,36 +273,41 @@ def login(postgres_server_url: str, roles_database: str) -> Iterator[Login]:
                 admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(user)))
 
 
-Ran = list[tuple[str, str]]
+class Ran(logging.Handler):
+    """Every statement the store ran in this test, from its DEBUG line per statement
+    (logger ``outbox.store``: query name and database user, never parameters). The
+    runner is the one place SQL runs, so its lines see every statement a component
+    sends, and which user sent it. A handler of its own on that logger: the CLI
+    replaces the root logger's handlers, caplog's among them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if vars(record).get("action") == "store.statement":
+            self.records.append(record)
+
+    def by(self, user: str | None) -> set[str]:
+        return {str(vars(r)["query"]) for r in self.records if vars(r)["user"] == user}
 
 
 @pytest.fixture
-def ran(monkeypatch: pytest.MonkeyPatch) -> Ran:
-    """(database user, query name) of every statement the store runs in this test.
-
-    The executors are the one place SQL runs, so watching them sees every statement a
-    component sends, and which user sent it.
-    """
-    seen: Ran = []
-    sync_fetch = store_runner._PsycopgExecutor.fetch
-    async_fetch = store_runner._PsycopgAsyncExecutor.fetch
-
-    def fetch(self: Any, step: outbox_store.Step) -> list[dict[str, Any]]:
-        seen.append((self._connection.info.user, step.query))
-        return sync_fetch(self, step)
-
-    async def fetch_async(self: Any, step: outbox_store.Step) -> list[dict[str, Any]]:
-        seen.append((self._connection.info.user, step.query))
-        return await async_fetch(self, step)
-
-    monkeypatch.setattr(store_runner._PsycopgExecutor, "fetch", fetch)
-    monkeypatch.setattr(store_runner._PsycopgAsyncExecutor, "fetch", fetch_async)
-    return seen
+def ran() -> Iterator[Ran]:
+    seen = Ran()
+    statements = logging.getLogger("outbox.store")
+    level = statements.level
+    statements.setLevel(logging.DEBUG)
+    statements.addHandler(seen)
+    try:
+        yield seen
+    finally:
+        statements.removeHandler(seen)
+        statements.setLevel(level)
 
 
 def queries_run_by(ran: Ran, url: str) -> set[str]:
-    user = urlsplit(url).username
-    return {query for who, query in ran if who == user}
+    return ran.by(urlsplit(url).username)
 
 
 def run(url: str, plan: Plan[Any]) -> Any:
