@@ -89,6 +89,23 @@ def _database_of(driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any])
     return database
 
 
+class _ConnectionFacts:
+    """What the runner reads off an executor's psycopg connection: the database key of
+    remembered answers, and the user its DEBUG statement lines name."""
+
+    @property
+    def driver(self) -> psycopg.Connection[Any] | psycopg.AsyncConnection[Any]:
+        raise NotImplementedError
+
+    @property
+    def database(self) -> str:
+        return _database_of(self.driver)
+
+    @property
+    def user(self) -> str:
+        return self.driver.info.user
+
+
 def _has_rows(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
     """Whether the statement returned columns to fetch: what ``cursor.description`` says,
     without building a Column object per column: for the 23 columns of an operations
@@ -143,7 +160,7 @@ def _drop_held_lines(connection: SAConnection) -> None:
     connection.info.pop(_HELD_LINES, None)
 
 
-class _SQLAlchemyExecutor:
+class _SQLAlchemyExecutor(_ConnectionFacts):
     def __init__(self, connection: SAConnection, require_transaction: bool) -> None:
         _check_driver_connection(connection.connection.driver_connection, require_transaction)
         self._connection = connection
@@ -153,34 +170,24 @@ class _SQLAlchemyExecutor:
         return self._connection
 
     @property
-    def database(self) -> str:
+    def driver(self) -> psycopg.Connection[Any]:
         driver = self._connection.connection.driver_connection
         assert isinstance(driver, psycopg.Connection)
-        return _database_of(driver)
-
-    @property
-    def user(self) -> str:
-        driver = self._connection.connection.driver_connection
-        assert isinstance(driver, psycopg.Connection)
-        return driver.info.user
+        return driver
 
     def fetch(self, step: Step) -> list[Row]:
         result = self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
         return [dict(row) for row in result.mappings()] if result.returns_rows else []
 
 
-class _PsycopgExecutor:
+class _PsycopgExecutor(_ConnectionFacts):
     def __init__(self, connection: psycopg.Connection[Any], require_transaction: bool) -> None:
         _check_driver_connection(connection, require_transaction)
         self._connection = connection
 
     @property
-    def database(self) -> str:
-        return _database_of(self._connection)
-
-    @property
-    def user(self) -> str:
-        return self._connection.info.user
+    def driver(self) -> psycopg.Connection[Any]:
+        return self._connection
 
     def fetch(self, step: Step) -> list[Row]:
         with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
@@ -188,7 +195,7 @@ class _PsycopgExecutor:
             return cursor.fetchall() if _has_rows(cursor) else []
 
 
-class _SQLAlchemyAsyncExecutor:
+class _SQLAlchemyAsyncExecutor(_ConnectionFacts):
     def __init__(self, connection: SAAsyncConnection, require_transaction: bool) -> None:
         self._connection = connection
         self._require_transaction = require_transaction
@@ -199,18 +206,11 @@ class _SQLAlchemyAsyncExecutor:
         return self._connection.sync_connection
 
     @property
-    def database(self) -> str:
+    def driver(self) -> psycopg.AsyncConnection[Any]:
         sync = self._connection.sync_connection
         driver = sync.connection.driver_connection if sync is not None else None
         assert isinstance(driver, psycopg.AsyncConnection)
-        return _database_of(driver)
-
-    @property
-    def user(self) -> str:
-        sync = self._connection.sync_connection
-        driver = sync.connection.driver_connection if sync is not None else None
-        assert isinstance(driver, psycopg.AsyncConnection)
-        return driver.info.user
+        return driver
 
     async def fetch(self, step: Step) -> list[Row]:
         if not self._checked:
@@ -221,18 +221,14 @@ class _SQLAlchemyAsyncExecutor:
         return [dict(row) for row in result.mappings()] if result.returns_rows else []
 
 
-class _PsycopgAsyncExecutor:
+class _PsycopgAsyncExecutor(_ConnectionFacts):
     def __init__(self, connection: psycopg.AsyncConnection[Any], require_transaction: bool) -> None:
         _check_driver_connection(connection, require_transaction)
         self._connection = connection
 
     @property
-    def database(self) -> str:
-        return _database_of(self._connection)
-
-    @property
-    def user(self) -> str:
-        return self._connection.info.user
+    def driver(self) -> psycopg.AsyncConnection[Any]:
+        return self._connection
 
     async def fetch(self, step: Step) -> list[Row]:
         async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
