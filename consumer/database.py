@@ -4,14 +4,14 @@ policy's decisions as store plans."""
 from __future__ import annotations
 
 import contextlib
-from typing import TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import psycopg
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from consumer.policy import Transition
-from outbox import store
-from outbox.connections import DatabaseBounds, bounded_transaction
+from outbox import lifecycle, store
+from outbox.connections import DatabaseBounds, SessionPool
 from outbox.models import Operation
 from outbox.settings import Settings
 from outbox.store import AsyncStore, Plan
@@ -31,29 +31,32 @@ class Database:
         self.fingerprint_key: str | None = None
         """Read with the first transaction that needs it: spans show keyed short
         fingerprints."""
-        self._engine: AsyncEngine | None = None
+        self.sessions = SessionPool(
+            self._connect,
+            transaction_seconds=self.bounds.transaction,
+            # A burst's claim and its outcomes each take one transaction, and the
+            # reconciler one more: a few connections stay open, more open on demand.
+            idle=4,
+            most=settings.prefetch + 6,
+        )
 
-    @property
-    def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            # No pre-ping: it is a round trip per checkout with no deadline of its own. A
-            # dead pooled connection fails its transaction's first statement instead (a
-            # transient error: the delivery comes back), and SQLAlchemy discards the pool.
-            self._engine = create_async_engine(
-                self.settings.sqlalchemy_url,
-                pool_size=self.settings.prefetch + 2,
-                max_overflow=4,
-                connect_args={
-                    "application_name": APPLICATION_NAME,
-                    **self.bounds.libpq_parameters(),
-                },
-            )
-        return self._engine
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        return await psycopg.AsyncConnection.connect(
+            self.settings.libpq_url,
+            application_name=APPLICATION_NAME,
+            **self.bounds.libpq_parameters(),
+        )
 
-    def transaction(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A transaction whose connection is cut past its deadline, so a silent link
-        never holds an operation's row beyond the lease."""
-        return bounded_transaction(self.engine, self.bounds.transaction)
+        never holds an operation's row beyond the lease. The lifecycle lines its plans
+        emit are written once it commits, and dropped if it rolls back: a line never
+        reports a move the database did not keep."""
+        with lifecycle.held() as lines:
+            async with self.sessions.transaction() as connection:
+                yield connection
+        lifecycle.write_all(lines)
 
     async def run(self, plan: Plan[T]) -> T:
         """``plan`` in a transaction of its own."""
@@ -76,9 +79,7 @@ class Database:
             return store.schema_is_current(connection)
 
     async def close(self) -> None:
-        if self._engine is not None:
-            await self._engine.dispose()
-            self._engine = None
+        await self.sessions.close()
 
 
 def transition_plan(operation: Operation, move: Transition) -> Plan[Operation]:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,3 +188,65 @@ async def bounded_transaction(
         assert isinstance(driver, psycopg.AsyncConnection)
         async with deadline(driver, seconds), connection.begin():
             yield connection
+
+
+class SessionPool:
+    """A daemon's own psycopg connections, each transaction under a deadline.
+
+    Native psycopg rather than SQLAlchemy's async engine: a daemon runs only named
+    statements, and the engine's greenlet bridge and result wrapping cost more client CPU
+    per transaction than the statements themselves. Connections open on demand (a
+    connect is bounded by ``connect_timeout``), so a database outage fails the checkout
+    at once instead of queueing behind a background reconnect. There is no pre-ping: a
+    dead idle connection fails its transaction's first statement (a transient error), and
+    then every idle connection is dropped, since a link that died took its siblings'
+    server with it more often than not.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
+        *,
+        transaction_seconds: float,
+        idle: int,
+        most: int,
+    ) -> None:
+        self._connect = connect
+        self._transaction_seconds = transaction_seconds
+        self._keep_idle = max(1, idle)
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._slots = asyncio.Semaphore(max(self._keep_idle, most))
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A connection in a transaction that commits when the block ends, and whose
+        link is cut if the transaction, commit included, outlives its deadline."""
+        async with self._slots:
+            connection = self._idle.pop() if self._idle else await self._connect()
+            try:
+                async with (
+                    deadline(connection, self._transaction_seconds),
+                    connection.transaction(),
+                ):
+                    yield connection
+            finally:
+                await self._release(connection)
+
+    async def _release(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        if connection.broken or connection.closed:
+            await self._drop_idle()
+        elif (
+            connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and len(self._idle) < self._keep_idle
+        ):
+            self._idle.append(connection)
+            return
+        await connection.close()
+
+    async def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await connection.close()
+
+    async def close(self) -> None:
+        await self._drop_idle()
