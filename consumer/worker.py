@@ -26,6 +26,7 @@ import aiormq.exceptions
 import pydantic
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, ConsumerTag
 
+from consumer.acks import Settlement, Settlements
 from consumer.claims import Claimed, Claims, Skip
 from consumer.database import APPLICATION_NAME, Database
 from consumer.effects import Effects
@@ -209,22 +210,27 @@ class Consumer(Daemon):
             closed.set()
 
         underlay.on_consumer_cancel_callbacks.add(cancelled_by_broker)
-        return declared, await declared.queue.consume(self._on_message)
+        settlements = Settlements()  # delivery tags are the channel's own
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            await self._on_message(message, settlements)
+
+        return declared, await declared.queue.consume(on_message)
+
+    async def _on_message(self, message: AbstractIncomingMessage, settlements: Settlements) -> None:
         # aiormq runs this as a task of the channel and cancels it when the channel
         # closes. The effect in hand must not be cut off with it: its operation would
         # sit in flight until its lease ran out and then be looked up and called again.
         # The handling runs in a task this consumer owns, so a lost connection costs
         # only the ack (the redelivery is a duplicate the claim suppresses).
-        handling = asyncio.create_task(self._deliver(message))
+        handling = asyncio.create_task(self._deliver(message, settlements))
         self._handlers.add(handling)
         handling.add_done_callback(self._handlers.discard)
         await asyncio.shield(handling)
 
-    async def _deliver(self, message: AbstractIncomingMessage) -> None:
+    async def _deliver(self, message: AbstractIncomingMessage, settlements: Settlements) -> None:
         try:
-            await self.handle(message)
+            await self.handle(message, settlements)
         except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError) as error:
             # The outcome is already recorded; the broker will redeliver the unacked
             # message and the claim will see it as a duplicate.
@@ -245,27 +251,28 @@ class Consumer(Daemon):
             )
             await self._sleep(1.0)  # no hot loop of redeliveries while it persists
             with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+                await settlements.settle(message, Settlement.REQUEUE)
 
-    async def handle(self, message: AbstractIncomingMessage) -> str:
-        """Handle one delivery; returns its result label (for metrics and tests)."""
+    async def handle(self, message: AbstractIncomingMessage, settlements: Settlements) -> str:
+        """Handle one delivery and settle it; returns its result label (for metrics and
+        tests)."""
         if len(message.body) > MAX_BODY_BYTES:
-            return await self._dead_letter(message, "oversized")
+            return await self._dead_letter(message, settlements, "oversized")
         try:
             envelope = OperationMessage.model_validate_json(message.body)
         except pydantic.ValidationError:
-            return await self._dead_letter(message, "malformed")
+            return await self._dead_letter(message, settlements, "malformed")
         try:
             claimed = await self.claim(envelope)
         except Exception as error:
             if not is_transient_database_error(error):
                 raise
-            return await self._later(message, error)
+            return await self._later(message, settlements, error)
         if isinstance(claimed, Skip):
             if claimed.dead_letter_reason is not None:
-                return await self._dead_letter(message, claimed.dead_letter_reason)
+                return await self._dead_letter(message, settlements, claimed.dead_letter_reason)
             self.metrics.deliveries.labels(claimed.result).inc()
-            await message.ack()
+            await settlements.settle(message, Settlement.ACK)
             return claimed.result
         # Only a well-formed W3C traceparent may parent the span; any other header is ignored.
         headers = message.headers or {}
@@ -277,9 +284,9 @@ class Consumer(Daemon):
                 raise
             # The lease will expire and the reconciler will find out what happened; a
             # redelivery meanwhile is a duplicate (the operation is in flight).
-            return await self._later(message, error)
+            return await self._later(message, settlements, error)
         self.metrics.deliveries.labels("processed").inc()
-        await message.ack()
+        await settlements.settle(message, Settlement.ACK)
         return "processed"
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
@@ -295,10 +302,7 @@ class Consumer(Daemon):
         await self.effects.record(claimed, attempt)
 
     async def _dead_letter(
-        self,
-        message: AbstractIncomingMessage,
-        reason: str,
-        envelope: OperationMessage | None = None,
+        self, message: AbstractIncomingMessage, settlements: Settlements, reason: str
     ) -> str:
         self.metrics.deliveries.labels("invalid").inc()
         self.metrics.dead_lettered.labels(reason).inc()
@@ -309,10 +313,12 @@ class Consumer(Daemon):
             reason=reason,
             message_id=_safe_id(message.message_id),
         )
-        await message.reject(requeue=False)
+        await settlements.settle(message, Settlement.REJECT)
         return "invalid"
 
-    async def _later(self, message: AbstractIncomingMessage, error: BaseException) -> str:
+    async def _later(
+        self, message: AbstractIncomingMessage, settlements: Settlements, error: BaseException
+    ) -> str:
         self.metrics.deliveries.labels("retry_later").inc()
         log(
             logging.WARNING,
@@ -321,7 +327,7 @@ class Consumer(Daemon):
             error=type(error).__name__,
         )
         await self._sleep(1.0)
-        await message.nack(requeue=True)
+        await settlements.settle(message, Settlement.REQUEUE)
         return "retry_later"
 
 
