@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+from consumer.processes import supervise
 from consumer.worker import DEFAULT_METRICS_PORT, Consumer
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
@@ -16,6 +17,10 @@ from outbox.settings import Settings
 from outbox.signals import run_until_signalled
 
 logger = logging.getLogger(__name__)
+
+# More processes than this on one host is a typo, not a plan (a host with more cores
+# than that runs several deployments, or is a database).
+MAX_PROCESSES = 64
 
 SETTINGS = (
     "database_url",
@@ -51,12 +56,32 @@ def register(commands: Any) -> None:
         "at once.",
     )
     add_setting_flags(parser, *SETTINGS)
+    parser.add_argument(
+        "--processes",
+        type=_process_count,
+        default=1,
+        help="run this many consumer processes and supervise them, so that one host uses "
+        "its cores; each serves metrics on --metrics-port plus its index [default 1]",
+    )
     add_tools_flag(parser)
     add_declare_topology_flag(parser)
     parser.set_defaults(handler=run)
 
 
+def _process_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= count <= MAX_PROCESSES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_PROCESSES}")
+    return count
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.processes > 1:
+        port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
+        return supervise(settings, args.processes, port)
     consumer = Consumer(settings, load_registry(module_list([settings.tools])))
     run_async(
         run_until_signalled(
