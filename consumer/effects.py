@@ -38,7 +38,11 @@ class Effects:
         with tracing.span(
             f"outbox.attempt {contract.name}",
             parent_traceparent=traceparent,
-            attributes=span_attributes(operation, contract, self.database.fingerprint_key),
+            attributes=(
+                span_attributes(operation, contract, self.database.fingerprint_key)
+                if tracing.active()
+                else {}
+            ),
             kind="consumer",
         ) as traced:
             attempt = await self._execute(claimed)

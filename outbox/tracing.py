@@ -64,6 +64,16 @@ def valid_traceparent(value: object) -> str | None:
     return None
 
 
+def active() -> bool:
+    """Whether spans can be recorded: OpenTelemetry is installed and an SDK tracer
+    provider is set. Without one every span is a no-op, yet building it (its parent's
+    context, its attributes, the keyed fingerprint) cost about 20 us an attempt."""
+    if not AVAILABLE:
+        return False
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def current_traceparent() -> str | None:
     """The W3C traceparent of the active span, or None (no span, or no OpenTelemetry)."""
     if not AVAILABLE:
@@ -122,7 +132,7 @@ def span(
     """A span named ``name``, the child of ``parent_traceparent`` (a new trace when it
     is None or not a valid traceparent), current for the duration of the block."""
     checked = _checked(attributes)
-    if not AVAILABLE:
+    if not active():
         yield SpanHandle()
         return
     parent = valid_traceparent(parent_traceparent)

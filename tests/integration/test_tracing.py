@@ -6,6 +6,8 @@ in process; the in-memory exporter shows what a tracing backend would receive.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,3 +215,29 @@ def test_without_the_api_tracing_is_a_no_op(
 def deployment_key(database_url: str) -> str:
     key: str = execute_admin(database_url, "SELECT fingerprint_key FROM outbox_deployment")[0][0]
     return key
+
+
+NO_SDK_PROBE = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from outbox import tracing
+
+states = [tracing.active()]
+with tracing.span("outbox.attempt send_refund", parent_traceparent=None,
+                  attributes={"outbox.tool": "send_refund"}, kind="consumer") as handle:
+    states.append(handle.recording)
+trace.set_tracer_provider(TracerProvider())
+states.append(tracing.active())
+with tracing.span("outbox.attempt send_refund", parent_traceparent=None,
+                  attributes={"outbox.tool": "send_refund"}, kind="consumer") as handle:
+    states.append(handle.recording)
+print(states)
+"""
+
+
+def test_spans_are_skipped_until_an_sdk_provider_is_set() -> None:
+    # In a fresh interpreter: a provider, once set, is global for the whole process.
+    result = subprocess.run(
+        [sys.executable, "-c", NO_SDK_PROBE], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[False, False, True, True]"
