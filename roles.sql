@@ -32,6 +32,8 @@
 --   pg_notify() is executable by PUBLIC.
 -- - UPDATE or DELETE on operation_events, to anyone: it is append-only evidence (its
 --   trigger refuses too; the grants say it first).
+-- - Any write on operation_event_heads, to anyone: the chain trigger keeps it, as the
+--   owner (SECURITY DEFINER), so appending an event needs nothing more than today.
 --
 -- The consumer needs UPDATE on operations to move operations through execution, so a
 -- grant cannot stop it from touching an escalated one; the transition trigger in
@@ -79,7 +81,7 @@ $$;
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
-    outbox_deployment
+    outbox_deployment, operation_event_heads
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
 -- Column grants survive a table-level REVOKE only if named: drop the dispatcher's.
 REVOKE SELECT (id, state, tool_name, tool_version, input_fingerprint) ON operations
@@ -134,3 +136,5 @@ GRANT SELECT, INSERT ON outbox TO outbox_operator;
 GRANT SELECT, INSERT ON operation_events TO outbox_operator;
 GRANT SELECT, INSERT ON approvals TO outbox_operator;
 GRANT SELECT ON outbox_schema_version TO outbox_operator;
+-- `outbox ops verify` compares each chain with its head: reading only.
+GRANT SELECT ON operation_event_heads TO outbox_operator;

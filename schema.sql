@@ -250,6 +250,200 @@ CREATE TRIGGER operation_events_append_only
     BEFORE UPDATE OR DELETE ON operation_events
     FOR EACH ROW EXECUTE FUNCTION outbox_events_append_only();
 
+-- Version 5: tamper-evident evidence. The roles already forbid UPDATE and DELETE on
+-- operation_events to everyone but the tables' owner and superusers, who can switch the
+-- append-only trigger off; the chain makes what they do then visible to `outbox ops
+-- verify` (docs/operating.md, "The evidence chain"). Each event carries its position in
+-- its operation's chain (seq), the hash of the event before it (prev_hash, NULL for the
+-- first) and its own hash over a canonical form of itself and prev_hash. seq, not id,
+-- orders the chain: an id is drawn before the trigger waits for the operation's head, so
+-- two appends racing on one operation may take the head in the other order.
+ALTER TABLE operation_events ADD COLUMN IF NOT EXISTS seq integer;
+ALTER TABLE operation_events ADD COLUMN IF NOT EXISTS prev_hash bytea;
+ALTER TABLE operation_events ADD COLUMN IF NOT EXISTS hash bytea;
+
+-- The head of each operation's chain: how many events it has and the hash of the last.
+-- A chain alone cannot show that its newest events were deleted (what is left is still a
+-- valid chain); its head can. The row is also what serializes appends to one operation:
+-- the trigger's UPDATE locks it until the transaction ends, so a second append waits and
+-- then chains after the first instead of forking. That is one lock per append and no
+-- other: the row is read and written in one statement, and no extra lock is taken on
+-- operations. Every row is rewritten a few times soon after its insert; room left on its
+-- page (fillfactor) keeps those updates HOT, with no new index entry. No foreign key to
+-- operations: only the trigger writes a head, for an event that has just passed
+-- operation_events' own, and the check would cost every operation's first event.
+CREATE TABLE IF NOT EXISTS operation_event_heads (
+    operation_id  uuid PRIMARY KEY,
+    events        integer NOT NULL CHECK (events >= 1),
+    -- The hash before last_hash: the trigger's one UPDATE returns it as the new event's
+    -- prev_hash (RETURNING sees only the new row).
+    prev_hash     bytea,
+    last_hash     bytea NOT NULL
+) WITH (fillfactor = 50);
+
+-- The canonical form of an event, and its hash: the one definition the trigger, the
+-- migration below and verify_event_chains (queries.sql) all use. SHA-256 over the tag
+-- "outbox.event.v1", then the fixed-width binary forms of operation_id (16 bytes), id
+-- (8), seq (4) and created_at (8: microseconds since 2000-01-01 UTC, whatever the
+-- session's TimeZone), then prev_hash and name each behind its length in bytes (a
+-- 4-byte signed integer, -1 for no prev_hash), then attributes, the rest; text as UTF-8
+-- whatever the client encoding, integers big-endian. jsonb's text form is canonical:
+-- keys sorted and deduplicated, fixed spacing. Fixed widths and lengths make the form
+-- unambiguous: no two different events share one. A NULL anywhere (a column a superuser
+-- nulled) gives NULL, which matches no stored hash. A SQL-standard body (RETURN) is
+-- parsed once, here, so what its operators mean cannot depend on a caller's
+-- search_path, and it is still inlined into the statements that call it. STABLE rather
+-- than IMMUTABLE only because convert_to is.
+CREATE OR REPLACE FUNCTION outbox_event_hash(
+    p_operation_id uuid, p_id bigint, p_seq integer, p_name text, p_attributes jsonb,
+    p_created_at timestamptz, p_prev_hash bytea
+) RETURNS bytea
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN sha256(
+    'outbox.event.v1'::bytea
+    || uuid_send(p_operation_id) || int8send(p_id) || int4send(p_seq)
+    || timestamptz_send(p_created_at)
+    || int4send(coalesce(octet_length(p_prev_hash), -1)) || coalesce(p_prev_hash, ''::bytea)
+    || int4send(octet_length(convert_to(p_name, 'UTF8'))) || convert_to(p_name, 'UTF8')
+    || convert_to(p_attributes::text, 'UTF8')
+);
+
+-- Chain every new event, whoever inserts it and whatever its INSERT said about seq,
+-- prev_hash and hash: the trigger overwrites them, in the statement that writes the
+-- event. SECURITY DEFINER: the heads table is granted to no component (so none can
+-- rewind its own chain), and the agent, which may only insert events, needs no grant to
+-- append one. No SET search_path, unlike outbox_record_decision: on this path, run for
+-- every event, it measured about 13 µs more per event on top of the trigger's own 25
+-- (docs/operating.md). Instead
+-- every name the body resolves is pinned: the table and the function by schema,
+-- operators as OPERATOR(pg_catalog.x), and the hash function's body was bound when it
+-- was created; a caller's search_path has nothing left to substitute. BEFORE triggers
+-- fire in name order: this one must stay the last, since it hashes NEW as it will be
+-- stored (operation_events_by_role, before it, only refuses).
+--
+-- Appends that move an operation lock its operations row first (their UPDATE) and its
+-- head next; appends that move nothing (insert_event, insert_approval, agent.completed)
+-- lock only the head. Two transactions appending to the same two operations in opposite
+-- orders can therefore deadlock where they used not to; Postgres ends one (SQLSTATE
+-- 40P01), which the store reports as transient and the daemons retry.
+DO $$
+BEGIN
+    EXECUTE format($definition$
+        CREATE OR REPLACE FUNCTION outbox_chain_event() RETURNS trigger
+        LANGUAGE plpgsql SECURITY DEFINER AS $body$
+        BEGIN
+            -- In READ COMMITTED, an UPDATE that waited for another transaction's lock
+            -- on the row rereads its committed version: the chain continues from the
+            -- head that transaction left.
+            UPDATE %1$I.operation_event_heads
+            SET events = events OPERATOR(pg_catalog.+) 1,
+                prev_hash = last_hash,
+                last_hash = %1$I.outbox_event_hash(
+                    NEW.operation_id, NEW.id, events OPERATOR(pg_catalog.+) 1, NEW.name,
+                    NEW.attributes, NEW.created_at, last_hash)
+            WHERE operation_id OPERATOR(pg_catalog.=) NEW.operation_id
+            RETURNING events, prev_hash, last_hash INTO NEW.seq, NEW.prev_hash, NEW.hash;
+            IF NOT FOUND THEN
+                -- The operation's first event (its operation.prepared, in the statement
+                -- that records it), or one that raced another first event: ON CONFLICT
+                -- waits for that one and chains after it.
+                INSERT INTO %1$I.operation_event_heads AS h
+                    (operation_id, events, prev_hash, last_hash)
+                VALUES (NEW.operation_id, 1, NULL,
+                        %1$I.outbox_event_hash(NEW.operation_id, NEW.id, 1, NEW.name,
+                                               NEW.attributes, NEW.created_at, NULL))
+                ON CONFLICT (operation_id) DO UPDATE
+                SET events = h.events OPERATOR(pg_catalog.+) 1,
+                    prev_hash = h.last_hash,
+                    last_hash = %1$I.outbox_event_hash(
+                        NEW.operation_id, NEW.id, h.events OPERATOR(pg_catalog.+) 1,
+                        NEW.name, NEW.attributes, NEW.created_at, h.last_hash)
+                RETURNING h.events, h.prev_hash, h.last_hash
+                INTO NEW.seq, NEW.prev_hash, NEW.hash;
+            END IF;
+            RETURN NEW;
+        END;
+        $body$
+    $definition$, current_schema());
+END;
+$$;
+-- A trigger fires without an EXECUTE check, but creating one needs EXECUTE: without
+-- this, any role could hang the function on a temporary table of its own and move the
+-- heads as the owner.
+REVOKE ALL ON FUNCTION outbox_chain_event() FROM PUBLIC;
+
+DROP TRIGGER IF EXISTS operation_events_chain ON operation_events;
+CREATE TRIGGER operation_events_chain
+    BEFORE INSERT ON operation_events
+    FOR EACH ROW EXECUTE FUNCTION outbox_chain_event();
+
+-- Only the chain trigger moves a head. pg_trigger_depth() is 0 for a statement someone
+-- typed and 1 inside outbox_chain_event, and the WHEN clause is evaluated without calling
+-- a function, so appends pay nearly nothing for this. Like the append-only trigger, it
+-- stops everyone but those who may switch triggers off (the owner, superusers).
+CREATE OR REPLACE FUNCTION outbox_event_heads_guard() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'operation_event_heads is written only by the operation_events chain trigger'
+        USING ERRCODE = 'insufficient_privilege';
+END;
+$$;
+
+DROP TRIGGER IF EXISTS operation_event_heads_guard ON operation_event_heads;
+CREATE TRIGGER operation_event_heads_guard
+    BEFORE UPDATE OR DELETE ON operation_event_heads
+    FOR EACH ROW WHEN (pg_trigger_depth() = 0)
+    EXECUTE FUNCTION outbox_event_heads_guard();
+
+-- Chain the events a database had before version 5, in id order per operation (before
+-- version 5 ids were the only order there was), and anchor their heads. Once: version 5
+-- is recorded in this same transaction. The append-only trigger is switched off for
+-- these UPDATEs only, inside the migration's transaction: no other session ever sees it
+-- off, and the ADD COLUMNs above hold the table's ACCESS EXCLUSIVE lock until commit, so
+-- no event is appended meanwhile. One pass in (operation_id, id) order: each hash needs
+-- the one before it.
+DO $$
+DECLARE
+    event record;
+    chained_operation uuid;
+    chain_seq integer;
+    previous bytea;
+    link_hash bytea;
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox_schema_version WHERE version = 5) THEN
+        RETURN;
+    END IF;
+    ALTER TABLE operation_events DISABLE TRIGGER operation_events_append_only;
+    FOR event IN
+        SELECT id, operation_id, name, attributes, created_at
+        FROM operation_events
+        ORDER BY operation_id, id
+    LOOP
+        IF event.operation_id IS DISTINCT FROM chained_operation THEN
+            chained_operation := event.operation_id;
+            chain_seq := 0;
+            previous := NULL;
+        END IF;
+        chain_seq := chain_seq + 1;
+        link_hash := outbox_event_hash(event.operation_id, event.id, chain_seq, event.name,
+                                       event.attributes, event.created_at, previous);
+        UPDATE operation_events SET seq = chain_seq, prev_hash = previous, hash = link_hash
+        WHERE id = event.id;
+        previous := link_hash;
+    END LOOP;
+    ALTER TABLE operation_events ENABLE TRIGGER operation_events_append_only;
+    INSERT INTO operation_event_heads (operation_id, events, prev_hash, last_hash)
+    SELECT DISTINCT ON (operation_id) operation_id, seq, prev_hash, hash
+    FROM operation_events
+    ORDER BY operation_id, seq DESC
+    ON CONFLICT (operation_id) DO NOTHING;
+END;
+$$;
+
+-- A no-op once set (Postgres does not scan again for a column already NOT NULL).
+ALTER TABLE operation_events ALTER COLUMN seq SET NOT NULL;
+ALTER TABLE operation_events ALTER COLUMN hash SET NOT NULL;
+
 -- Wake the dispatchers. A notification sent while nobody listens is lost, which is
 -- why dispatchers LISTEN before their first scan and keep a polling fallback.
 CREATE OR REPLACE FUNCTION outbox_notify_pending() RETURNS trigger
@@ -340,3 +534,4 @@ INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (4) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (5) ON CONFLICT (version) DO NOTHING;

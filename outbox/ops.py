@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -47,7 +48,8 @@ from outbox.models import (
 )
 from outbox.settings import Settings, redact_url
 from outbox.states import OperationState, legal_targets
-from outbox.store import OperationStats, OperationSummary, Store
+from outbox.store import ChainReport, OperationStats, OperationSummary, Store
+from outbox.store.evidence import REASONS
 from outbox.text import logfmt_value, printable
 
 S = OperationState
@@ -109,6 +111,16 @@ def _operation_id(text: str) -> UUID:
     except ValueError:
         raise OperationNotFound(
             f"{text!r} is not an operation id: expected op_<uuid> or a bare uuid"
+        ) from None
+
+
+def operation_id_argument(text: str) -> UUID:
+    """argparse type for an operation id: a malformed one is a usage error (exit 2)."""
+    try:
+        return parse_operation_id(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an operation id: {text!r} (expected op_<uuid> or a bare uuid)"
         ) from None
 
 
@@ -223,6 +235,45 @@ def show_text(operation: Operation, events: Sequence[OperationEvent], approval: 
     return "\n".join(lines)
 
 
+def chain_json(report: ChainReport) -> dict[str, Any]:
+    return {
+        "intact": report.intact,
+        "operations_checked": report.operations_checked,
+        "events_checked": report.events_checked,
+        "broken": [
+            {
+                "operation_id": display_operation_id(link.operation_id),
+                "event_id": link.event_id,
+                "reason": link.reason,
+            }
+            for link in report.broken
+        ],
+    }
+
+
+def chain_text(report: ChainReport, operation_id: UUID | None) -> str:
+    """One line with the verdict, then a row per broken link with what it means."""
+    if operation_id is not None:
+        head = f"{display_operation_id(operation_id)} ({report.events_checked} events)"
+    else:
+        head = f"{report.operations_checked} operations, {report.events_checked} events"
+    if report.intact:
+        return f"{head}: {'evidence chain' if operation_id else 'every evidence chain'} intact"
+    operations = len({link.operation_id for link in report.broken})
+    verdict = f"{head}: BROKEN, {len(report.broken)} broken link(s) in {operations} operation(s)"
+    rows = [
+        [
+            display_operation_id(link.operation_id),
+            f"event {link.event_id}" if link.event_id is not None else "-",
+            link.reason,
+            REASONS.get(link.reason, ""),
+        ]
+        for link in report.broken
+    ]
+    table_lines = table(["OPERATION", "EVENT", "REASON", "MEANING"], rows).splitlines()
+    return "\n".join([verdict, *("  " + line for line in table_lines)])
+
+
 def approval_text(check: ApprovalCheck) -> str:
     return f"{check.status}: {check.reason}"
 
@@ -280,6 +331,25 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
         )
     print(show_text(operation, events, approval))
     return 0
+
+
+def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 when every chain checked is intact, 1 when a link is broken, 2 when the
+    operation named does not exist (nothing was checked)."""
+    operation_id: UUID | None = args.operation_id
+    with _connect(settings) as connection:
+        report = Store(connection).run(store.verify_chain(operation_id))
+    if operation_id is not None and report.operations_checked == 0:
+        print(
+            f"outbox ops verify: {display_operation_id(operation_id)} is not an operation of "
+            "this database; nothing was checked",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        json.dumps(chain_json(report), indent=2) if args.json else chain_text(report, operation_id)
+    )
+    return 0 if report.intact else 1
 
 
 def _resolvable(operation: Operation, force: bool) -> None:
@@ -587,6 +657,33 @@ def add_commands(
         "lifecycle event with its time and attributes.",
     )
     show.add_argument("operation_id", metavar="OP_ID", help="op_<uuid> or a bare uuid")
+
+    verify = leaf(
+        ops,
+        "verify",
+        cmd_ops_verify,
+        "check that lifecycle events are the ones written (one operation, or --all)",
+        "Recompute the hash chain of an operation's lifecycle events and compare it with "
+        "the chain's head: reports every event changed, deleted or added around the "
+        'database\'s chain trigger (docs/operating.md, "The evidence chain"). Exit '
+        "status 0 when intact, 1 when a link is broken, 2 for an operation id that is "
+        "malformed or unknown.",
+    )
+    target = verify.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "operation_id",
+        metavar="OP_ID",
+        nargs="?",
+        type=operation_id_argument,
+        help="op_<uuid> or a bare uuid",
+    )
+    target.add_argument(
+        "--all",
+        dest="all_operations",
+        action="store_true",
+        help="every operation, page by page",
+    )
+    verify.add_argument("--json", action="store_true", help="one JSON document instead of text")
 
     resolve = leaf(
         ops,

@@ -454,6 +454,67 @@ FROM operations
 GROUP BY tool_name, state
 ORDER BY tool_name, state
 
+-- ==== outbox.store.evidence: `outbox ops verify` and the console's check of an operation's evidence chain
+
+-- name: verify_event_chains
+-- Recompute the evidence chain of the operations whose ids lie in [first, last] (at most `limit` of them, in id order): per operation its event count and every broken link (event id or null, reason), hashed by outbox_event_hash as the insert trigger hashes.
+WITH page AS (
+    -- Inclusive bounds are index conditions in any plan, also a generic one: one
+    -- operation is [id, id], the next page of all of them starts past the last id seen.
+    SELECT o.id
+    FROM operations o
+    WHERE o.id >= %(first)s::uuid AND o.id <= %(last)s::uuid
+    ORDER BY o.id
+    LIMIT %(limit)s
+), chain AS (
+    SELECT e.operation_id, e.id, e.seq, e.hash,
+           row_number() OVER w AS position,
+           e.hash IS DISTINCT FROM outbox_event_hash(e.operation_id, e.id, e.seq, e.name,
+                                                     e.attributes, e.created_at, e.prev_hash)
+               AS altered,
+           CASE WHEN lag(e.id) OVER w IS NULL
+                THEN e.prev_hash IS NOT NULL OR e.seq IS DISTINCT FROM 1
+                ELSE e.prev_hash IS DISTINCT FROM lag(e.hash) OVER w
+                     OR e.seq IS DISTINCT FROM lag(e.seq) OVER w + 1
+           END AS unlinked,
+           lead(e.id) OVER w IS NULL AS newest
+    FROM page p
+    JOIN operation_events e ON e.operation_id = p.id
+    WINDOW w AS (PARTITION BY e.operation_id ORDER BY e.seq, e.id)
+), links AS (
+    SELECT operation_id, position, id AS event_id, 'hash_mismatch' AS reason
+    FROM chain WHERE altered
+    UNION ALL
+    SELECT operation_id, position, id, 'prev_mismatch'
+    FROM chain WHERE unlinked
+    UNION ALL
+    -- The head: more events counted than are left is a deleted tail; a head that
+    -- names another last event, or none, was written around the chain trigger.
+    SELECT p.id, NULL, CASE WHEN h.events > t.seq OR t.id IS NULL THEN NULL ELSE t.id END,
+           CASE WHEN h.events > t.seq OR t.id IS NULL THEN 'missing_tail'
+                ELSE 'anchor_mismatch' END
+    FROM page p
+    LEFT JOIN operation_event_heads h ON h.operation_id = p.id
+    LEFT JOIN chain t ON t.operation_id = p.id AND t.newest
+    WHERE (h.operation_id IS NOT NULL OR t.id IS NOT NULL)
+      AND (h.operation_id IS NULL OR t.id IS NULL
+           OR h.events IS DISTINCT FROM t.seq OR h.last_hash IS DISTINCT FROM t.hash)
+), counted AS (
+    SELECT operation_id, count(*) AS events FROM chain GROUP BY operation_id
+), found AS (
+    SELECT operation_id,
+           jsonb_agg(jsonb_build_object('event_id', event_id, 'reason', reason)
+                     ORDER BY position NULLS LAST, reason) AS broken
+    FROM links
+    GROUP BY operation_id
+)
+SELECT p.id AS operation_id, coalesce(c.events, 0) AS events,
+       coalesce(f.broken, '[]'::jsonb) AS broken
+FROM page p
+LEFT JOIN counted c ON c.operation_id = p.id
+LEFT JOIN found f ON f.operation_id = p.id
+ORDER BY p.id
+
 -- ==== outbox.schema: migrations and database administration (the DDL itself is schema.sql and roles.sql)
 
 -- name: take_migration_lock
@@ -469,9 +530,9 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest table, function and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
-SELECT to_regclass('outbox_deployment') IS NOT NULL
-       AND to_regproc('outbox_notify_operation_changed') IS NOT NULL
+-- Whether this library's schema is applied: the newest table and function (version 5's evidence chain) and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+SELECT to_regclass('operation_event_heads') IS NOT NULL
+       AND to_regproc('outbox_chain_event') IS NOT NULL
        AND EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
                    WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
                      AND a.attname = 'effect_possible' AND NOT a.attisdropped) AS is_current

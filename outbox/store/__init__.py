@@ -8,6 +8,7 @@
 - :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
+- :mod:`~outbox.store.evidence`: checking the lifecycle events' hash chain;
 - :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions.
 
 Every statement they run is named in ``outbox/sql/queries.sql``, as are the two that
@@ -53,6 +54,7 @@ from outbox.store.dispatch import (
     operations_by_state,
     outbox_backlog,
 )
+from outbox.store.evidence import BrokenLink, ChainReport, verify_chain
 from outbox.store.operations import (
     ConfirmedEffect,
     NewDecision,
@@ -104,6 +106,8 @@ __all__ = [
     "AsyncConnection",
     "AsyncStore",
     "Backlog",
+    "BrokenLink",
+    "ChainReport",
     "ClaimedRow",
     "ConfirmedEffect",
     "FailedPublish",
@@ -157,4 +161,5 @@ __all__ = [
     "schema_is_current",
     "schema_version",
     "transition",
+    "verify_chain",
 ]

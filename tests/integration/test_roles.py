@@ -68,6 +68,7 @@ TABLES = (
     "approvals",
     "outbox_schema_version",
     "outbox_deployment",
+    "operation_event_heads",
 )
 
 # Not group roles: `outbox migrate` runs as the schema's owner, and the chaos harness
@@ -125,6 +126,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "insert_approval",
         "count_operations_by_tool_and_state",
         "outbox_backlog",
+        "verify_event_chains",
     },
     MIGRATE: {
         "database_exists",
@@ -162,6 +164,8 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "approvals": {"SELECT", "INSERT"},
         "outbox_schema_version": {"SELECT"},
         "outbox_deployment": {"SELECT"},
+        # `outbox ops verify` compares each chain with its head.
+        "operation_event_heads": {"SELECT"},
     },
 }
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
@@ -198,6 +202,10 @@ EVERYONE_REFUSED = [
     "UPDATE approvals SET expires_at = now() + interval '1 year'",
     "DELETE FROM approvals",
     "DELETE FROM outbox_schema_version",
+    # The evidence chain's heads: only the chain trigger (as the owner) writes them.
+    "UPDATE operation_event_heads SET events = events + 1",
+    "DELETE FROM operation_event_heads",
+    "INSERT INTO operation_event_heads SELECT gen_random_uuid(), 1, NULL, '\\x00'",
 ]
 REFUSED: dict[str, list[str]] = {
     AGENT: [
@@ -461,7 +469,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 4 is applied" in result.stdout
+        assert "schema version 5 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
             in result.stdout
@@ -473,7 +481,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 4
+            assert outbox_store.apply_schema(connection) == 5
             outbox_store.apply_roles(connection)
 
 
@@ -701,6 +709,8 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
     codes = [
         run_command(["ops", "list"]),
         run_command(["ops", "show", stuck.display_id]),
+        run_command(["ops", "verify", stuck.display_id]),
+        run_command(["ops", "verify", "--all"]),
         run_command(["stats"]),
         run_command(["approvals", "pending"]),
         run_command(
@@ -933,6 +943,52 @@ def test_the_agent_may_append_agent_completed(
 
     names = [e.name for e in run(roles_database, outbox_store.events(seeded["waiting"].id))]
     assert names[-1] == "agent.completed"
+
+
+def test_the_agent_appends_to_the_evidence_chain_without_choosing_its_link(
+    login: Login, roles_database: str, seeded: dict[str, Operation]
+) -> None:
+    """The chain trigger runs as the owner: the agent needs no grant on the heads, and
+    whatever its INSERT says about the link, the trigger writes the real one."""
+    agent = login(AGENT)
+
+    with psycopg.connect(agent) as connection:
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name, seq, prev_hash, hash) "
+            "VALUES (%s, 'agent.completed', 1, NULL, '\\x00')",
+            (seeded["waiting"].id,),
+        )
+
+    report = run(roles_database, outbox_store.verify_chain(seeded["waiting"].id))
+    assert report.intact
+    events = run(roles_database, outbox_store.events(seeded["waiting"].id))
+    assert report.events_checked == len(events)
+
+
+@pytest.mark.parametrize("group", outbox_store.ROLES)
+def test_no_role_hangs_the_chain_trigger_on_a_table_of_its_own(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str
+) -> None:
+    """outbox_chain_event runs as the owner; a trigger of a role's own (on a temporary
+    table) could move any operation's head with it. Creating one needs EXECUTE, which
+    nobody holds."""
+    user = login(group)
+    before = snapshot(roles_database)
+
+    with psycopg.connect(user) as connection:
+        connection.execute(
+            "CREATE TEMP TABLE forged (operation_id uuid, id bigint, name text, "
+            "attributes jsonb, created_at timestamptz, seq integer, prev_hash bytea, hash bytea)"
+        )
+        with pytest.raises(
+            psycopg.errors.InsufficientPrivilege, match="permission denied for function"
+        ):
+            connection.execute(
+                "CREATE TRIGGER forge BEFORE INSERT ON forged "
+                "FOR EACH ROW EXECUTE FUNCTION outbox_chain_event()"
+            )
+
+    assert snapshot(roles_database) == before
 
 
 @pytest.mark.parametrize("name", ["operation.resolved", "operation.prepared"])
