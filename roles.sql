@@ -21,8 +21,11 @@
 --                      claim_reconciliation_batch, lease_for_reconciliation,
 --                      defer_reconciliation, escalate_undeliverable,
 --                      reject_denied_operations, fingerprint_key
---   outbox_operator    the `outbox ops` and `outbox approvals` commands: reads, plus
---                      transition_operation (resolve) and insert_approval
+--   outbox_operator    the `outbox ops` and `outbox approvals` commands and `outbox
+--                      console` (console_operations_page, console_operation_approvals,
+--                      console_login): reads, plus transition_operation (resolve) and
+--                      insert_approval;
+--                      verify_event_chains (`outbox ops verify`) reads the chain heads
 --
 -- Not granted, because nothing needs it:
 -- - USAGE on the identity sequences of outbox and operation_events: an identity

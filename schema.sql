@@ -58,6 +58,10 @@ CREATE INDEX IF NOT EXISTS operations_state_next_attempt
     ON operations (state, next_attempt_at)
     WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated');
 CREATE INDEX IF NOT EXISTS operations_run ON operations (run_id);
+-- The console's keyset pages (console_operations_page): newest change first, strictly
+-- after a (updated_at, id) cursor, read from this index instead of sorting the table
+-- for every page. Only an index: no version row, a database without it is as correct.
+CREATE INDEX IF NOT EXISTS operations_updated ON operations (updated_at, id);
 
 -- One row per message to publish. Claimed by state (published_at IS NULL), never by
 -- a high-water mark on id: ids are assigned before commit, not in commit order.

@@ -126,7 +126,8 @@ REQUIRE_RABBITMQCTL = "OUTBOX_TEST_REQUIRE_RABBITMQCTL"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Broker-fault tests drive the local broker with rabbitmqctl; the cluster test starts
-    nodes of its own with rabbitmq-server. Where those are absent the tests are skipped,
+    nodes of its own with rabbitmq-server; the console's browser tests drive Debian's
+    chromium through chromedriver. Where those are absent the tests are skipped,
     unless the run demands them (.ci/run sets OUTBOX_TEST_REQUIRE_RABBITMQCTL): then
     they run and fail, rather than pass by not running."""
     if os.environ.get(REQUIRE_RABBITMQCTL):
@@ -134,6 +135,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     missing = {
         "rabbitmqctl": None if shutil.which("rabbitmqctl") else "rabbitmqctl",
         "rabbit_cluster": None if rabbit_cluster.installed() else "rabbitmq-server",
+        "browser": None
+        if all(os.access(p, os.X_OK) for p in ("/usr/bin/chromium", "/usr/bin/chromedriver"))
+        else "chromium or chromium-driver (apt-get install chromium chromium-driver)",
     }
     for item in items:
         for marker, absent in missing.items():

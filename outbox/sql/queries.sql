@@ -454,6 +454,31 @@ FROM operations
 GROUP BY tool_name, state
 ORDER BY tool_name, state
 
+-- ==== outbox.store.console: `outbox console`, the operator's web pages
+
+-- name: console_operations_page
+-- One page of operations, newest change first, strictly after a (updated_at, id) keyset cursor; filtered by state, tool, run and change time; never the input.
+SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
+       state, attempts, reconcile_attempts, provider_reference, last_error_class,
+       created_at, updated_at
+FROM operations
+WHERE (%(states)s::text[] IS NULL OR state = ANY(%(states)s::text[]))
+  AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
+  AND (%(run_id)s::text IS NULL OR run_id = %(run_id)s::text)
+  AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR updated_at < %(until)s::timestamptz)
+  AND (%(after_updated_at)s::timestamptz IS NULL
+       OR (updated_at, id) < (%(after_updated_at)s::timestamptz, %(after_id)s::uuid))
+ORDER BY updated_at DESC, id DESC
+LIMIT %(limit)s
+
+-- name: console_operation_approvals
+-- Every grant and denial of one operation, newest first: who, when, until when, for which intent.
+SELECT id, operation_id, intent_hash, decision, approved_by, expires_at, created_at
+FROM approvals
+WHERE operation_id = %(operation_id)s
+ORDER BY created_at DESC, id
+
 -- ==== outbox.store.evidence: `outbox ops verify` and the console's check of an operation's evidence chain
 
 -- name: verify_event_chains
@@ -514,6 +539,15 @@ FROM page p
 LEFT JOIN counted c ON c.operation_id = p.id
 LEFT JOIN found f ON f.operation_id = p.id
 ORDER BY p.id
+
+-- name: console_login
+-- Who the console connects as: is that login a member of outbox_operator, and is it a superuser (which needs no grant at all)?
+SELECT current_user AS login,
+       (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) AS superuser,
+       -- pg_has_role() raises for a role that does not exist: roles.sql may not be applied.
+       CASE WHEN EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_operator')
+            THEN pg_has_role(current_user, 'outbox_operator', 'MEMBER')
+            ELSE false END AS operator
 
 -- ==== outbox.schema: migrations and database administration (the DDL itself is schema.sql and roles.sql)
 

@@ -9,7 +9,8 @@
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
 - :mod:`~outbox.store.evidence`: checking the lifecycle events' hash chain;
-- :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions.
+- :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions;
+- :mod:`~outbox.store.console`: the operator console's keyset pages and approval history.
 
 Every statement they run is named in ``outbox/sql/queries.sql``, as are the two that
 only the chaos harness runs (``harness/diagnostics.py``, which the wheel leaves out).
@@ -40,6 +41,15 @@ from outbox.store.awaiting import (
     listen_operation_changes,
     operation_outcomes,
     operation_outcomes_changed,
+)
+from outbox.store.console import (
+    ConsoleLogin,
+    Cursor,
+    OperationFilter,
+    OperationPage,
+    console_login,
+    operation_approvals,
+    operations_page,
 )
 from outbox.store.dispatch import (
     NOTIFY_CHANNEL,
@@ -110,8 +120,12 @@ __all__ = [
     "ChainReport",
     "ClaimedRow",
     "ConfirmedEffect",
+    "ConsoleLogin",
+    "Cursor",
     "FailedPublish",
     "NewDecision",
+    "OperationFilter",
+    "OperationPage",
     "OperationStats",
     "OperationSummary",
     "PendingApproval",
@@ -129,6 +143,7 @@ __all__ = [
     "claim_outbox_batch",
     "claim_reconciliation_batch",
     "commit_many",
+    "console_login",
     "create_database",
     "database_exists",
     "decide_approval",
@@ -147,10 +162,12 @@ __all__ = [
     "listen_outbox_pending",
     "mark_outbox_failed",
     "mark_outbox_published",
+    "operation_approvals",
     "operation_outcomes",
     "operation_outcomes_changed",
     "operation_stats",
     "operations_by_state",
+    "operations_page",
     "outbox_backlog",
     "outbox_rows",
     "pending_approvals",

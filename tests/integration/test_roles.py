@@ -75,6 +75,10 @@ TABLES = (
 # (harness/diagnostics.py, not in the wheel) as an administrator of its own database;
 # roles.sql grants them nothing.
 MIGRATE, CHAOS = "outbox migrate", "python -m harness.chaos"
+# `outbox console` runs as outbox_operator too: its reads besides those of `outbox ops`.
+# tests/integration/test_console.py runs every page and action as a login that holds
+# only that role, which proves the grants cover them.
+CONSOLE = "outbox console"
 
 # Which statements of queries.sql each component runs. A query nobody claims fails
 # test_every_query_belongs_to_a_component: whoever adds one decides who needs it,
@@ -135,6 +139,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "schema_version",
     },
     CHAOS: {"terminate_backends", "session_snapshot"},
+    CONSOLE: {"console_login", "console_operations_page", "console_operation_approvals"},
 }
 
 # What each group holds, table by table; everything else is refused.

@@ -67,3 +67,11 @@ def test_no_outbox_command_runs_chaos(wheel: zipfile.ZipFile) -> None:
     assert {"demo", "provider"} <= set(commands)
     everything = [target for section in parser.sections() for target in parser[section].values()]
     assert [target for target in everything if "chaos" in target or "harness" in target] == []
+
+
+def test_the_console_ships_its_templates_and_stylesheet(wheel: zipfile.ZipFile) -> None:
+    files = set(names(wheel))
+    pages = ["overview", "operations", "operation", "escalations", "approvals", "dead_letters"]
+
+    assert {f"outbox/console/templates/{page}.html" for page in pages} <= files
+    assert "outbox/console/static/console.css" in files

@@ -1,0 +1,139 @@
+"""``outbox console``: the subcommand. Imports nothing of the web stack until it runs, so
+without the ``console`` extra every other command keeps working and this one says what
+to install."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import psycopg
+
+from outbox import store
+from outbox.cli import add_setting_flags
+from outbox.console.config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    LOOPBACK_HOSTS,
+    OPERATORS_ENV,
+    PROXY_HEADER_ENV,
+    TRUSTED_PROXIES_ENV,
+    auth_from_environment,
+    is_loopback,
+    served_hosts,
+)
+from outbox.contracts import Registry
+from outbox.errors import ConfigurationError
+from outbox.loading import TOOLS_ENV, load_registry, module_list
+from outbox.ops import _connect
+from outbox.settings import Settings, redact_url
+from outbox.store import Store
+
+
+def register(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "console",
+        help="the operator console: a web UI for operations, escalations, approvals, dead letters",
+        description="Serve the operator console: an overview, operations with their "
+        "timelines and contract cards, escalations to resolve, approvals to grant or deny, "
+        "and dead letters to requeue, with the same guards as `outbox ops`. Connect as a "
+        "login that is a member of outbox_operator. Operators authenticate with a token "
+        f"from {OPERATORS_ENV} (name:token[,name:token...]) or through a reverse proxy "
+        f"named by {PROXY_HEADER_ENV} and {TRUSTED_PROXIES_ENV}; credentials are read from "
+        "the environment only. Needs the console extra (pip install 'effect-outbox[console]').",
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind [{DEFAULT_HOST}]")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to bind, 0 for any [{DEFAULT_PORT}]"
+    )
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a --host that is not loopback (put TLS in front: tokens and session "
+        "cookies cross the network)",
+    )
+    parser.add_argument(
+        "--secure-cookie",
+        action="store_true",
+        help="mark the session cookie Secure (on by default with --allow-remote)",
+    )
+    parser.add_argument(
+        "--tools",
+        dest="tool_modules",
+        action="append",
+        metavar="MODULE",
+        help="tools modules whose contract cards the operation pages show, and which say "
+        f"whether a retry is allowed; repeatable or comma-separated [env {TOOLS_ENV}]",
+    )
+    add_setting_flags(parser, "database_url", "amqp_url", "exchange", "dead_letter_queue")
+    parser.set_defaults(handler=run)
+
+
+def check_bind(host: str, allow_remote: bool) -> None:
+    if not is_loopback(host) and not allow_remote:
+        raise ConfigurationError(
+            f"--host {host} is not a loopback address: the console settles escalations and "
+            "grants approvals, so it serves beyond this machine only with --allow-remote "
+            "(and TLS in front of it)"
+        )
+
+
+def check_login(settings: Settings) -> store.ConsoleLogin:
+    """Refuse a database login that is not an operator: the console must not be able to
+    do more than `outbox ops` can."""
+    try:
+        with _connect(settings) as connection:
+            login = Store(connection).run(store.console_login())
+    except psycopg.Error as error:
+        raise ConfigurationError(
+            f"could not ask {redact_url(settings.libpq_url)} who the console's login is "
+            f"(SQLSTATE {error.sqlstate or 'unknown'})"
+        ) from None
+    if not login.operator:
+        raise ConfigurationError(
+            f"database login {login.login!r} is not a member of outbox_operator: run "
+            "`outbox migrate --roles`, then GRANT outbox_operator TO the console's login"
+        )
+    return login
+
+
+def tools(args: argparse.Namespace) -> Registry | None:
+    modules = module_list(args.tool_modules or [os.environ.get(TOOLS_ENV, "")])
+    return load_registry(modules) if modules else None
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    # Checked before anything is loaded or bound: an open door must never start serving.
+    auth = auth_from_environment()
+    check_bind(args.host, args.allow_remote)
+    hosts = served_hosts(args.host, LOOPBACK_HOSTS)
+    if not 0 <= args.port <= 65535:
+        raise ConfigurationError("--port must be between 0 and 65535")
+    registry = tools(args)
+    try:
+        from outbox.console.app import Console, create_app
+        from outbox.console.server import ConsoleServer
+    except ImportError as missing:
+        raise ConfigurationError(
+            f"`outbox console` needs its web stack ({getattr(missing, 'name', None) or '?'} "
+            "is not installed): pip install 'effect-outbox[console]'"
+        ) from None
+    login = check_login(settings)
+    console = Console(
+        settings=settings,
+        auth=auth,
+        registry=registry,
+        secure_cookie=args.secure_cookie or args.allow_remote,
+        allowed_hosts=hosts,
+    )
+    server = ConsoleServer(create_app(console), host=args.host, port=args.port)
+    superuser = (
+        " (a superuser: give it a login that is only an operator)" if login.superuser else ""
+    )
+    print(
+        f"outbox console: serving on {server.url} as database login {login.login}{superuser}",
+        flush=True,
+    )
+    server.serve()
+    return 0

@@ -1,0 +1,346 @@
+"""The console's pages: overview, operations, one operation, escalations, approvals and
+dead letters. Reads only; every write is in :mod:`outbox.console.actions`.
+
+Database work runs in a worker thread on a connection of its own, one transaction per
+request, as ``outbox ops`` runs one per command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from uuid import UUID
+
+import psycopg
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import QueryParams
+from starlette.requests import Request
+from starlette.responses import Response
+
+from outbox import dlq, store
+from outbox.console.app import HTTPProblem, console_of, page, render
+from outbox.console.rules import (
+    APPROVAL_TTLS,
+    DEFAULT_APPROVAL_TTL,
+    RESOLUTIONS,
+    has_controls,
+    operation_id_from,
+    resolution_choices,
+)
+from outbox.contracts import Registry
+from outbox.errors import OperationNotFound, OutboxError
+from outbox.models import Approval, ApprovalCheck, Operation, OperationEvent
+from outbox.ops import _connect, stamp, stats_json
+from outbox.settings import Settings
+from outbox.states import OperationState
+from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
+from outbox.text import printable
+
+S = OperationState
+T = TypeVar("T")
+PAGE_SIZE = 50
+# Longer than any tool name or run id the runtime accepts; a filter is never a payload.
+MAX_FILTER_TEXT = 200
+# How long the overview waits for the broker's dead-letter count before showing none.
+BROKER_SECONDS = 5.0
+
+
+def _db(settings: Settings, work: Callable[[Store], T]) -> T:
+    with _connect(settings) as connection:
+        # A page only reads: a read-only transaction makes that Postgres's rule too, so
+        # no GET (which a link, a prefetch or a refresh can send) can ever write.
+        connection.read_only = True
+        return work(Store(connection))
+
+
+async def read(request: Request, work: Callable[[Store], T]) -> T:
+    """Run ``work(store)`` in one transaction on a worker thread."""
+    return await run_in_threadpool(_db, console_of(request).settings, work)
+
+
+async def _dead_letter_count(settings: Settings) -> tuple[int | None, str | None]:
+    try:
+        listing = await asyncio.wait_for(
+            dlq.list_dead_letters(settings, limit=0), timeout=BROKER_SECONDS
+        )
+    except TimeoutError:
+        return None, "the broker did not answer in time"
+    except OutboxError as error:
+        return None, str(error)
+    return listing.count, None
+
+
+@page
+async def overview(request: Request) -> Response:
+    def work(runner: Store) -> tuple[dict[str, Any], OperationPage]:
+        stats = runner.run(store.operation_stats())
+        escalated = runner.run(
+            store.operations_page(OperationFilter(states=(S.ESCALATED,)), limit=10)
+        )
+        return stats_json(stats), escalated
+
+    numbers, escalated = await read(request, work)
+    dead, dead_error = await _dead_letter_count(console_of(request).settings)
+    return render(
+        request,
+        "overview.html",
+        refresh=True,
+        numbers=numbers,
+        states=[str(s) for s in S],
+        escalated=escalated.rows,
+        dead_letters=dead,
+        dead_letters_error=dead_error,
+        stamp=stamp,
+    )
+
+
+@dataclass(frozen=True)
+class Listing:
+    where: OperationFilter
+    after: Cursor | None
+
+
+def _instant(name: str, text: str) -> datetime:
+    try:
+        instant = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise HTTPProblem(
+            400, f"{name}: not a time like 2026-01-31T09:30 or 2026-01-31T09:30:00+01:00"
+        ) from None
+    return instant if instant.tzinfo else instant.replace(tzinfo=UTC)
+
+
+def parse_listing(query: QueryParams) -> Listing:
+    """The filters and cursor of an operations URL; a bad value is a 400, never ignored."""
+    states = []
+    for value in query.getlist("state"):
+        if not value:
+            continue
+        try:
+            states.append(OperationState(value))
+        except ValueError:
+            raise HTTPProblem(
+                400, f"state: {value!r} is not one of {', '.join(str(s) for s in S)}"
+            ) from None
+    text = {name: (query.get(name) or "").strip() for name in ("tool", "run_id", "since", "until")}
+    for name in ("tool", "run_id"):
+        if len(text[name]) > MAX_FILTER_TEXT or has_controls(text[name]):
+            raise HTTPProblem(
+                400, f"{name}: at most {MAX_FILTER_TEXT} characters, and no control characters"
+            )
+    since = _instant("since", text["since"]) if text["since"] else None
+    until = _instant("until", text["until"]) if text["until"] else None
+    after = None
+    after_ts, after_id = query.get("after_ts"), query.get("after_id")
+    if after_ts or after_id:
+        if not (after_ts and after_id):
+            raise HTTPProblem(400, "a page cursor needs both after_ts and after_id")
+        try:
+            after = Cursor(updated_at=_instant("after_ts", after_ts), id=UUID(after_id))
+        except ValueError:
+            raise HTTPProblem(400, "after_id: not an operation id") from None
+    where = OperationFilter(
+        states=tuple(states),
+        tool=text["tool"] or None,
+        run_id=text["run_id"] or None,
+        since=since,
+        until=until,
+    )
+    return Listing(where=where, after=after)
+
+
+def next_page_query(query: QueryParams, cursor: Cursor) -> str:
+    kept = [(k, v) for k, v in query.multi_items() if k not in ("after_ts", "after_id")]
+    kept += [("after_ts", cursor.updated_at.isoformat()), ("after_id", str(cursor.id))]
+    return str(QueryParams(kept))
+
+
+async def _operation_list(
+    request: Request, template: str, listing: Listing, **context: Any
+) -> Response:
+    result: OperationPage = await read(
+        request,
+        lambda runner: runner.run(
+            store.operations_page(listing.where, after=listing.after, limit=PAGE_SIZE)
+        ),
+    )
+    return render(
+        request,
+        template,
+        rows=result.rows,
+        next_query=next_page_query(request.query_params, result.next) if result.next else None,
+        first_page=listing.after is None,
+        where=listing.where,
+        query=request.query_params,
+        states=[str(s) for s in S],
+        stamp=stamp,
+        **context,
+    )
+
+
+@page
+async def operations(request: Request) -> Response:
+    return await _operation_list(request, "operations.html", parse_listing(request.query_params))
+
+
+@page
+async def escalations(request: Request) -> Response:
+    listing = parse_listing(request.query_params)
+    only_escalated = Listing(
+        where=OperationFilter(
+            states=(S.ESCALATED,),
+            tool=listing.where.tool,
+            run_id=listing.where.run_id,
+            since=listing.where.since,
+            until=listing.where.until,
+        ),
+        after=listing.after,
+    )
+    return await _operation_list(request, "escalations.html", only_escalated)
+
+
+@dataclass(frozen=True)
+class OperationView:
+    operation: Operation
+    events: list[OperationEvent]
+    approval: ApprovalCheck | None
+    approvals: list[Approval]
+
+
+def contract_card(registry: Registry | None, operation: Operation) -> str:
+    if registry is None:
+        return (
+            "no tools modules are loaded in this console: start it with --tools MODULE "
+            "(or OUTBOX_TOOLS) to see the contract card"
+        )
+    try:
+        return registry.get(operation.tool_name, operation.tool_version).card()
+    except OutboxError:
+        return (
+            f"{operation.tool_name} v{operation.tool_version} is not registered in the tools "
+            "modules this console loaded"
+        )
+
+
+def intent_json(tool_input: dict[str, Any]) -> str:
+    """The input as indented JSON. Its line breaks are JSON's own (a newline inside a
+    string is escaped by JSON), so each line can go through ``printable`` on its own."""
+    text = json.dumps(tool_input, indent=2, ensure_ascii=False, sort_keys=True)
+    return "\n".join(printable(line) for line in text.splitlines())
+
+
+def attributes_text(attributes: dict[str, Any]) -> list[tuple[str, str]]:
+    keys: list[str] = [k for k in ("from", "to") if k in attributes]
+    keys += sorted(k for k in attributes if k not in ("from", "to"))
+    return [
+        (key, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+        for key in keys
+        for value in [attributes[key]]
+    ]
+
+
+def load_operation(runner: Store, operation_id: UUID) -> OperationView:
+    operation = runner.run(store.get_operation(operation_id))
+    return OperationView(
+        operation=operation,
+        events=runner.run(store.events(operation_id)),
+        approval=(
+            runner.run(store.check_approval(operation_id)) if operation.requires_approval else None
+        ),
+        approvals=runner.run(store.operation_approvals(operation_id)),
+    )
+
+
+def approval_pending(view: OperationView) -> bool:
+    check = view.approval
+    return view.operation.state is S.PREPARED and check is not None and not check.is_valid
+
+
+async def _evidence_chain(
+    request: Request, operation_id: UUID
+) -> tuple[ChainReport | None, str | None]:
+    """The operation's evidence chain, checked in a transaction of its own: a check that
+    cannot run (a database without the chain, a login without the grant) leaves the
+    rest of the page as it is and says why."""
+    try:
+        report: ChainReport = await read(
+            request, lambda runner: runner.run(store.verify_chain(operation_id))
+        )
+    except (OutboxError, psycopg.Error) as error:
+        return None, f"could not be checked ({type(error).__name__})"
+    return report, None
+
+
+@page
+async def operation(request: Request) -> Response:
+    operation_id = operation_id_from(request.path_params["operation_id"])
+    try:
+        view: OperationView = await read(request, lambda r: load_operation(r, operation_id))
+    except OperationNotFound:
+        raise HTTPProblem(404, "no operation with this id") from None
+    chain, chain_error = await _evidence_chain(request, operation_id)
+    console = console_of(request)
+    return render(
+        request,
+        "operation.html",
+        view=view,
+        op=view.operation,
+        intent=intent_json(view.operation.input),
+        card=contract_card(console.registry, view.operation),
+        attributes_text=attributes_text,
+        resolutions=resolution_choices(console.registry, view.operation),
+        resolution_labels=RESOLUTIONS,
+        approval_pending=approval_pending(view),
+        ttls=APPROVAL_TTLS,
+        default_ttl=DEFAULT_APPROVAL_TTL,
+        chain=chain,
+        chain_error=chain_error,
+        stamp=stamp,
+    )
+
+
+@dataclass(frozen=True)
+class PendingView:
+    operation: Operation
+    check: ApprovalCheck
+
+
+@page
+async def approvals(request: Request) -> Response:
+    def work(runner: Store) -> list[PendingView]:
+        pending = runner.run(store.pending_approvals())
+        # The approver judges the intent itself: read per operation, in this transaction.
+        return [
+            PendingView(operation=runner.run(store.get_operation(p.operation.id)), check=p.check)
+            for p in pending
+        ]
+
+    pending: list[PendingView] = await read(request, work)
+    return render(
+        request,
+        "approvals.html",
+        pending=pending,
+        intent_json=intent_json,
+        ttls=APPROVAL_TTLS,
+        default_ttl=DEFAULT_APPROVAL_TTL,
+        stamp=stamp,
+    )
+
+
+@page
+async def dead_letters(request: Request) -> Response:
+    settings = console_of(request).settings
+    try:
+        listing = await asyncio.wait_for(
+            dlq.list_dead_letters(settings, limit=dlq.DEFAULT_LIST_LIMIT),
+            timeout=BROKER_SECONDS * 2,
+        )
+    except TimeoutError:
+        raise HTTPProblem(503, "the broker did not answer in time") from None
+    except OutboxError as error:
+        raise HTTPProblem(503, f"the dead-letter queue cannot be read: {error}") from None
+    return render(request, "dead_letters.html", listing=listing)

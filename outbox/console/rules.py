@@ -1,0 +1,143 @@
+"""What the console's forms may ask for, decided without I/O: which resolutions an
+operation's contract allows, and whether a submitted value is acceptable. Each refusal
+is a sentence a person can act on."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from uuid import UUID
+
+from outbox.contracts import Registry, SideEffect
+from outbox.errors import OperationNotFound, ToolNotRegistered
+from outbox.models import Operation, parse_operation_id
+from outbox.states import OperationState
+from outbox.store import RESOLUTION_EVIDENCE_LIMIT
+
+S = OperationState
+
+# Form value -> (decision recorded in the event, the state it moves the operation to,
+# what the button says). "retry" is `outbox ops resolve --not-committed`.
+RESOLUTIONS: dict[str, tuple[str, OperationState, str]] = {
+    "committed": ("committed", S.COMMITTED, "It happened: committed"),
+    "rejected": ("rejected", S.REJECTED, "It must not happen: rejected"),
+    "retry": ("not_committed", S.PREPARED, "It provably did not happen: retry once more"),
+}
+
+APPROVAL_TTLS: dict[str, timedelta] = {
+    "15m": timedelta(minutes=15),
+    "1h": timedelta(hours=1),
+    "4h": timedelta(hours=4),
+    "1d": timedelta(days=1),
+}
+DEFAULT_APPROVAL_TTL = "15m"
+MAX_PROVIDER_REFERENCE = 200
+_FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FormRefused(ValueError):
+    """A submitted value the console will not act on; its message says why."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: str
+    label: str
+    refused: str | None
+    """Why this resolution is not offered, or None when it is."""
+
+
+def operation_id_from(text: str) -> UUID:
+    try:
+        return parse_operation_id(text.strip())
+    except ValueError:
+        raise OperationNotFound("not an operation id: expected op_<uuid>") from None
+
+
+def retry_refusal(
+    registry: Registry | None, operation: Operation, now: datetime | None = None
+) -> str | None:
+    """Why a retry is not the contract's to allow, or None when it is.
+
+    A retry replays the call under the same idempotency key. Only the contract says
+    whether that is safe: unknown contract, no retry; a deduplicated write only while
+    the provider still deduplicates (its window since the first attempt).
+    """
+    if registry is None:
+        return "the console has no tools loaded, so it cannot tell whether a retry is safe"
+    try:
+        contract = registry.get(operation.tool_name, operation.tool_version)
+    except ToolNotRegistered:
+        return f"{operation.tool_name} v{operation.tool_version} is not in the loaded tools"
+    if contract.side_effect is SideEffect.DEDUPLICATED_WRITE and contract.dedupe_window:
+        started = operation.first_attempt_at or operation.created_at
+        if (now or datetime.now(UTC)) >= started + contract.dedupe_window:
+            return (
+                "the provider's deduplication window has passed: a retry could be a second effect"
+            )
+    return None
+
+
+def resolution_choices(registry: Registry | None, operation: Operation) -> list[Choice]:
+    retry = retry_refusal(registry, operation)
+    return [
+        Choice(value=value, label=label, refused=retry if value == "retry" else None)
+        for value, (_, _, label) in RESOLUTIONS.items()
+    ]
+
+
+def resolution(value: object) -> tuple[str, OperationState]:
+    if not isinstance(value, str) or value not in RESOLUTIONS:
+        raise FormRefused("choose committed, rejected or retry")
+    decision, target, _ = RESOLUTIONS[value]
+    return decision, target
+
+
+def has_controls(text: str, allowed: str = "") -> bool:
+    """Whether ``text`` holds a control character (NUL, escapes, C1) other than ``allowed``."""
+    return any(unicodedata.category(c) == "Cc" and c not in allowed for c in text)
+
+
+def reason(value: object) -> str:
+    text = value.strip() if isinstance(value, str) else ""
+    if not text:
+        raise FormRefused("a reason is required: say what the decision rests on")
+    if has_controls(text, allowed="\t\n\r"):
+        # Lines and tabs are a person's writing; other control characters (NUL, which
+        # Postgres cannot store, terminal escapes) are not.
+        raise FormRefused("the reason holds control characters: write it as plain text")
+    if len(text) > RESOLUTION_EVIDENCE_LIMIT:
+        raise FormRefused(
+            f"the reason is {len(text)} characters; at most {RESOLUTION_EVIDENCE_LIMIT} are "
+            "kept, so shorten it rather than lose its end"
+        )
+    return text
+
+
+def provider_reference(value: object, target: OperationState) -> str | None:
+    text = value.strip() if isinstance(value, str) else ""
+    if target is S.COMMITTED:
+        if not text:
+            raise FormRefused("committed needs the provider's reference of the effect")
+        if len(text) > MAX_PROVIDER_REFERENCE or not text.isprintable():
+            raise FormRefused(
+                f"a provider reference is 1-{MAX_PROVIDER_REFERENCE} printable characters"
+            )
+        return text
+    if text:
+        raise FormRefused("a provider reference goes with committed only")
+    return None
+
+
+def fingerprint(value: object) -> str:
+    if not isinstance(value, str) or not _FINGERPRINT.fullmatch(value):
+        raise FormRefused("the form does not carry the fingerprint of the intent it showed")
+    return value
+
+
+def approval_ttl(value: object) -> timedelta:
+    if not isinstance(value, str) or value not in APPROVAL_TTLS:
+        raise FormRefused(f"choose how long the grant lasts: {', '.join(APPROVAL_TTLS)}")
+    return APPROVAL_TTLS[value]

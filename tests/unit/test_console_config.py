@@ -1,0 +1,225 @@
+"""Who may use the console, read from the environment: every refusal names the
+variable and never echoes a credential."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox.console.config import (
+    HOSTS_ENV,
+    LOOPBACK_HOSTS,
+    OPERATORS_ENV,
+    PROXY_HEADER_ENV,
+    TRUSTED_PROXIES_ENV,
+    auth_from_environment,
+    is_loopback,
+    served_hosts,
+)
+from outbox.console.security import (
+    LoginThrottle,
+    Sessions,
+    check_csrf,
+    credential_for,
+    identity_header,
+    proxy_operator,
+)
+from outbox.errors import ConfigurationError
+
+SECRET = "s3cr3t-" + "q" * 20
+
+
+def test_operators_come_from_name_token_pairs() -> None:
+    auth = auth_from_environment({OPERATORS_ENV: f"ada@example.com:{SECRET}, bob:{'t' * 16}"})
+
+    assert [c.name for c in auth.credentials] == ["ada@example.com", "bob"]
+    assert credential_for(auth, SECRET) == auth.credentials[0]
+    assert credential_for(auth, SECRET[:-1]) is None
+    assert credential_for(auth, "") is None
+    assert SECRET not in repr(auth)
+
+
+def test_no_authentication_configured_refuses_to_serve() -> None:
+    with pytest.raises(ConfigurationError, match=OPERATORS_ENV):
+        auth_from_environment({})
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (f"ada{SECRET}", "is not name:token"),
+        ("ada:short-token", "at least 16"),
+        (f":{SECRET}", "operator name"),
+        (f"ada:{SECRET},bob:{SECRET}", "share one token"),
+    ],
+)
+def test_a_bad_operator_entry_is_refused_without_echoing_it(value: str, says: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        auth_from_environment({OPERATORS_ENV: value})
+
+    assert says in str(refused.value)
+    assert SECRET not in str(refused.value)
+    assert "short-token" not in str(refused.value)
+
+
+def test_a_proxy_header_needs_the_proxy_addresses() -> None:
+    with pytest.raises(ConfigurationError, match="go together"):
+        auth_from_environment({PROXY_HEADER_ENV: "X-Forwarded-User"})
+    with pytest.raises(ConfigurationError, match="not an IP address"):
+        auth_from_environment(
+            {PROXY_HEADER_ENV: "X-Forwarded-User", TRUSTED_PROXIES_ENV: "proxy.local"}
+        )
+
+
+def test_the_proxy_is_trusted_only_from_its_addresses() -> None:
+    auth = auth_from_environment(
+        {PROXY_HEADER_ENV: "X-Forwarded-User", TRUSTED_PROXIES_ENV: "10.0.0.0/24, ::1"}
+    )
+
+    assert proxy_operator(auth, "10.0.0.9", "ada") == "ada"
+    assert proxy_operator(auth, "::1", "ada") == "ada"
+    assert proxy_operator(auth, "10.0.1.9", "ada") is None
+    assert proxy_operator(auth, "testclient", "ada") is None
+    assert proxy_operator(auth, None, "ada") is None
+    assert proxy_operator(auth, "10.0.0.9", None) is None
+    assert proxy_operator(auth, "10.0.0.9", "  ") is None
+    assert proxy_operator(auth, "10.0.0.9", "ada\x1b[2J") is None
+
+
+def test_csrf_tokens_belong_to_their_session() -> None:
+    sessions = Sessions()
+    mine, theirs = sessions.new("ada"), sessions.new("bob")
+
+    assert check_csrf(mine, mine.csrf)
+    assert not check_csrf(mine, theirs.csrf)
+    assert not check_csrf(mine, None)
+    assert not check_csrf(None, mine.csrf)
+    assert mine.id != theirs.id
+    assert mine.csrf != theirs.csrf
+
+
+def test_sessions_expire_and_end() -> None:
+    sessions = Sessions(lifetime=-1)
+    assert sessions.get(sessions.new("ada").id) is None
+
+    sessions = Sessions()
+    session = sessions.new("ada")
+    assert sessions.get(session.id) is session
+    sessions.end(session.id)
+    assert sessions.get(session.id) is None
+    assert sessions.get("made-up") is None
+
+
+def test_the_session_table_is_bounded() -> None:
+    sessions = Sessions(limit=3, anonymous_limit=3)
+    first = sessions.new(None)
+    operator = sessions.new("ada")
+    for _ in range(3):
+        sessions.new(None)
+        sessions.new("bob")
+
+    assert sessions.get(first.id) is None
+    assert sessions.get(operator.id) is None
+
+
+def test_a_flood_of_anonymous_sessions_never_evicts_an_operator() -> None:
+    # Anyone who can reach the port makes an anonymous session per GET /login.
+    sessions = Sessions(limit=3, anonymous_limit=3)
+    operator = sessions.new("ada")
+
+    flood = [sessions.new(None) for _ in range(50)]
+
+    assert sessions.get(operator.id) is operator
+    assert sessions.get(flood[-1].id) is flood[-1]
+    assert sessions.get(flood[0].id) is None
+
+
+def test_expired_sessions_make_room_before_live_ones_are_evicted() -> None:
+    sessions = Sessions(limit=2, anonymous_limit=2, anonymous_lifetime=-1)
+    anonymous = [sessions.new(None) for _ in range(5)]
+    live = sessions.new("ada")
+    sessions.new("bob")
+
+    assert all(sessions.get(s.id) is None for s in anonymous)
+    assert sessions.get(live.id) is live
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ([(b"x-forwarded-user", b"ada")], "ada"),
+        ([(b"X-FORWARDED-USER", b"ada")], "ada"),  # names are case-insensitive
+        ([], None),
+        # Sent twice: a proxy that appends would put the client's copy first.
+        ([(b"x-forwarded-user", b"mallory"), (b"x-forwarded-user", b"ada")], None),
+        # A look-alike that some servers merge with the dashed name, alone or not.
+        ([(b"x_forwarded_user", b"mallory"), (b"x-forwarded-user", b"ada")], None),
+        ([(b"x-forwarded-user", b"ada"), (b"X_Forwarded-User", b"mallory")], None),
+        ([(b"x_forwarded_user", b"mallory")], None),
+    ],
+)
+def test_the_identity_header_counts_only_when_sent_once_under_its_own_name(
+    raw: list[tuple[bytes, bytes]], value: str | None
+) -> None:
+    assert identity_header(raw, "X-Forwarded-User") == value
+
+
+def test_a_comma_joined_identity_names_nobody() -> None:
+    auth = auth_from_environment(
+        {PROXY_HEADER_ENV: "X-Forwarded-User", TRUSTED_PROXIES_ENV: "10.0.0.7"}
+    )
+
+    assert proxy_operator(auth, "10.0.0.7", "mallory, ada") is None
+    assert proxy_operator(auth, "10.0.0.7", "ada") == "ada"
+
+
+@pytest.mark.parametrize("header", ["X_Forwarded_User", "X-Forwarded-User:", "X Forwarded", "-X"])
+def test_a_proxy_header_name_must_be_dashed_letters_and_digits(header: str) -> None:
+    with pytest.raises(ConfigurationError, match="letters, digits and dashes"):
+        auth_from_environment({PROXY_HEADER_ENV: header, TRUSTED_PROXIES_ENV: "10.0.0.7"})
+
+
+def test_served_hosts_are_loopback_the_bound_address_and_those_named() -> None:
+    assert served_hosts("127.0.0.1", LOOPBACK_HOSTS, {}) == LOOPBACK_HOSTS
+    assert served_hosts("10.0.0.5", LOOPBACK_HOSTS, {}) == (*LOOPBACK_HOSTS, "10.0.0.5")
+    # A wildcard bind is no name a browser uses: the names must be listed.
+    assert served_hosts("0.0.0.0", LOOPBACK_HOSTS, {}) == LOOPBACK_HOSTS
+    assert served_hosts("::", LOOPBACK_HOSTS, {HOSTS_ENV: "Console.Example.com, [fd00::1]"}) == (
+        *LOOPBACK_HOSTS,
+        "console.example.com",
+        "fd00::1",
+    )
+    for bad in ("https://console.example.com", "console.example.com:443", "a b"):
+        with pytest.raises(ConfigurationError, match=HOSTS_ENV):
+            served_hosts("127.0.0.1", LOOPBACK_HOSTS, {HOSTS_ENV: bad})
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("10.1.2.3", False),
+        ("example.com", False),
+    ],
+)
+def test_loopback_addresses(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_an_address_past_its_refused_logins_is_throttled_and_others_are_not() -> None:
+    throttle = LoginThrottle(limit=3)
+    for _ in range(3):
+        assert not throttle.blocked("10.0.0.9")
+        throttle.failed("10.0.0.9")
+
+    assert throttle.blocked("10.0.0.9")
+    assert not throttle.blocked("10.0.0.10")
+
+
+def test_a_throttle_lifts_when_its_window_has_passed() -> None:
+    throttle = LoginThrottle(limit=1, window=-1)
+    throttle.failed("10.0.0.9")
+
+    assert not throttle.blocked("10.0.0.9")
