@@ -5,14 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from selenium.common.exceptions import NoAlertPresentException
+from selenium.common.exceptions import (
+    NoAlertPresentException,
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.wait import WebDriverWait
 
 from support.console_helpers import TOKEN
 
-WAIT_SECONDS = 10
+# A deadline, not a pause: generous because CI machines are shared and busy.
+WAIT_SECONDS = 30
+# A page being replaced (a form just submitted) drops the elements the condition read:
+# look again rather than fail.
+WHILE_THE_PAGE_CHANGES = (NoSuchElementException, StaleElementReferenceException)
 
 
 @dataclass
@@ -35,7 +43,9 @@ class Browser:
         return str(self.driver.find_element(By.ID, element_id).text)
 
     def wait_for(self, condition: Callable[[WebDriver], object], what: str) -> None:
-        WebDriverWait(self.driver, WAIT_SECONDS).until(condition, message=f"not seen: {what}")
+        WebDriverWait(self.driver, WAIT_SECONDS, ignored_exceptions=WHILE_THE_PAGE_CHANGES).until(
+            condition, message=f"not seen: {what}"
+        )
 
     def no_dialog(self) -> bool:
         try:
