@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import gc
 import uuid
+from collections.abc import Coroutine
 from datetime import timedelta
+from typing import Any
 
 import aiormq.exceptions
 import pytest
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
-from dispatcher.daemon import Dispatcher
-from dispatcher.publisher import classify, encode
-from outbox.broker import OperationMessage
+import dispatcher.cli
+from dispatcher.daemon import Dispatcher, DrainReport
+from dispatcher.publisher import Publisher, classify, encode
+from outbox.broker import OperationMessage, Topology
 from outbox.settings import Settings
 from outbox.store import ClaimedRow
 
@@ -114,3 +120,62 @@ def test_retry_delay_doubles_with_jitter_and_is_capped() -> None:
     for attempts, base in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 8.0), (10_000, 8.0)]:
         delay = dispatcher._retry_delay(attempts)
         assert timedelta(seconds=base * 0.5) <= delay <= timedelta(seconds=base * 1.5)
+
+
+def test_the_command_freezes_the_start_up_heap_before_it_dispatches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    frozen_when_dispatching: list[int] = []
+
+    def fake_run_async(main: Coroutine[Any, Any, Any]) -> DrainReport:
+        main.close()
+        frozen_when_dispatching.append(gc.get_freeze_count())
+        return DrainReport(published=0, failed=0)
+
+    monkeypatch.setattr(dispatcher.cli, "run_async", fake_run_async)
+    gc.unfreeze()
+    try:
+        code = dispatcher.cli.run(argparse.Namespace(once=True), Settings())
+    finally:
+        gc.unfreeze()  # give this test process's heap back to the collector
+
+    assert code == 0
+    assert frozen_when_dispatching
+    assert frozen_when_dispatching[0] > 0
+
+
+class ConfirmingChannel:
+    """Stands in for the confirm channel: confirms the rows in ``confirmed``, leaves the
+    others' confirms outstanding, and notes whether each publish waited for a drain."""
+
+    def __init__(self, confirmed: set[str]) -> None:
+        self.confirmed = confirmed
+        self.waits: list[bool] = []
+
+    async def basic_publish(
+        self, body: bytes, *, properties: Basic.Properties, wait: bool = True, **_: Any
+    ) -> None:
+        self.waits.append(wait)
+        if properties.message_id not in self.confirmed:
+            await asyncio.Event().wait()  # a confirm that never comes
+
+
+async def test_publishes_skip_the_drain_wait_but_only_confirmed_rows_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    channel = ConfirmingChannel(confirmed={"outbox-1"})
+    publisher = Publisher(
+        "amqp://guest:guest@127.0.0.1/", 15, Topology.from_settings(Settings()), "t"
+    )
+
+    async def underlay() -> ConfirmingChannel:
+        return channel
+
+    monkeypatch.setattr(Publisher, "usable", property(lambda _: True))
+    monkeypatch.setattr(publisher, "_underlay", underlay)
+    outcome = await publisher.publish([row(id=1), row(id=2)], confirm_within=0.05)
+
+    assert channel.waits == [False, False]
+    assert [published.id for published in outcome.published] == [1]
+    assert [(failed.id, reason) for failed, reason, _ in outcome.failed] == [(2, "confirm_timeout")]
+    assert outcome.connection_lost
