@@ -216,6 +216,12 @@ WITH claimed AS (
     SELECT id, operation_id, routing_key, headers, created_at, available_at, publish_attempts
     FROM outbox
     WHERE published_at IS NULL AND available_at <= clock_timestamp()
+      -- Only a lower bound from this statement's own snapshot (no row it could claim lies
+      -- below it), not a high-water mark: it lets the scan start past published rows.
+      -- The planner otherwise walks the primary key from the first id and reads every
+      -- published row's heap tuple to filter it out, a cost that grows with each batch of
+      -- a backlog's drain; the min() is an index-only probe of outbox_pending.
+      AND id >= (SELECT min(id) FROM outbox WHERE published_at IS NULL)
     ORDER BY id
     LIMIT %(batch_size)s
     FOR UPDATE SKIP LOCKED
@@ -225,7 +231,15 @@ SELECT c.id, c.operation_id, c.routing_key, c.headers, c.publish_attempts,
            AS ready_seconds,
        o.tool_name, o.tool_version, o.input_fingerprint
 FROM claimed c
-JOIN operations o ON o.id = c.operation_id
+-- One primary-key probe per claimed row: the LIMIT keeps the planner from flattening
+-- this into a hash join, which read every operation (a sequential scan per batch, most
+-- of a claim's server time with tens of thousands of operations).
+CROSS JOIN LATERAL (
+    SELECT op.tool_name, op.tool_version, op.input_fingerprint
+    FROM operations op
+    WHERE op.id = c.operation_id
+    LIMIT 1
+) o
 ORDER BY c.id
 
 -- name: mark_outbox_published

@@ -115,6 +115,53 @@ def test_the_claim_query_uses_the_partial_index(database_url: str, registry: Reg
     assert "Seq Scan on outbox" not in plan, plan
 
 
+def test_a_draining_backlog_claim_skips_published_rows_and_probes_operations(
+    database_url: str, registry: Registry
+) -> None:
+    """Mid-drain of a backlog: statistics from when every row was pending, most rows
+    published since. The claim must neither filter its way past the published rows (a
+    cost growing with every batch) nor read every operation to join a batch's rows."""
+    record_many(database_url, registry, 2000)
+    with psycopg.connect(database_url) as connection:
+        # A backlog big enough for the planner to prefer the primary key: more outbox
+        # rows per operation (as re-queued operations have), 20,000 in all.
+        connection.execute(
+            "INSERT INTO outbox (operation_id, routing_key) "
+            "SELECT operation_id, routing_key FROM outbox, generate_series(1, 9)"
+        )
+        # Churn every row's index entries once (published, pending again), so that
+        # outbox_pending holds more pages than the primary key, as after earlier drains;
+        # the statistics are then taken while every row is pending.
+        connection.execute("UPDATE outbox SET published_at = now()")
+        connection.execute("UPDATE outbox SET published_at = NULL")
+        connection.commit()
+        connection.autocommit = True
+        connection.execute("VACUUM ANALYZE outbox")
+        connection.execute("ANALYZE operations")
+        connection.autocommit = False
+        connection.execute(
+            "UPDATE outbox SET published_at = now() WHERE id < (SELECT max(id) - 150 FROM outbox)"
+        )
+        connection.commit()
+        with connection.transaction(force_rollback=True):
+            plan = "\n".join(
+                row[0]
+                for row in connection.execute(
+                    "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + QUERIES["claim_outbox_batch"].sql,
+                    {"batch_size": 100},
+                )
+            )
+
+    removed = [
+        int(line.rsplit(":", 1)[1])
+        for line in plan.splitlines()
+        if "Rows Removed by Filter" in line
+    ]
+    assert sum(removed) < 100, plan
+    assert "Seq Scan on operations" not in plan, plan
+    assert "rows=100 loops=1" in plan, plan  # the claim still finds a full batch
+
+
 async def test_commit_order_gaps_lose_nothing_while_a_high_water_mark_poller_skips_rows(
     settings: Settings, registry: Registry, database_url: str, amqp_server_url: str
 ) -> None:
@@ -300,10 +347,20 @@ async def test_several_dispatchers_share_the_table_and_publish_every_row_once(
         await eventually(
             lambda: all_published(database_url, rows), within=60, what="every row published"
         )
-        per_dispatcher = [
-            counter_value(d, "outbox_dispatcher_published_total", tool="send_refund")
-            for d in running
-        ]
+
+        def published_counted() -> list[float]:
+            return [
+                counter_value(d, "outbox_dispatcher_published_total", tool="send_refund")
+                for d in running
+            ]
+
+        # A dispatcher counts its batch once the commit has returned, which is after
+        # the database already shows the rows published: wait for the last count too.
+        async def all_counted() -> bool:
+            return sum(published_counted()) >= rows
+
+        await eventually(all_counted, within=30, what="every row counted")
+        per_dispatcher = published_counted()
 
     messages = await read_all(amqp_server_url, settings.queue, expect=rows)
     counts = Counter(m.body.outbox_id for m in messages)
