@@ -72,6 +72,7 @@ from dispatcher.publisher import Publisher, encode
 from outbox import Registry, Settings, record_decision, record_decision_async
 from outbox.broker import Topology, declare_topology
 from outbox.cli import run_async
+from outbox.daemon import freeze_startup_heap
 from outbox.metrics import MetricNames
 from outbox.sandbox.scratch import ScratchEnvironment
 from outbox.settings import libpq_url, with_database
@@ -791,6 +792,9 @@ def main() -> None:
         writer_child(args)
         return
     args.database_url = libpq_url(args.database_url)
+    # Every phase in a process set up as `outbox dispatcher` sets itself up before it
+    # dispatches (dispatcher/cli.py): the raw limit and the drain alike.
+    freeze_startup_heap()
     settings = make_settings(args)
     # Its database and broker names are the bench's own: removed at the end, whatever
     # happened. The phases declare the topology (and recreate the database) themselves.

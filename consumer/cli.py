@@ -11,6 +11,7 @@ from consumer.processes import supervise
 from consumer.worker import DEFAULT_METRICS_PORT, Consumer
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
+from outbox.daemon import freeze_startup_heap
 from outbox.daemon_flags import add_declare_topology_flag, add_tools_flag
 from outbox.loading import load_registry, module_list
 from outbox.settings import Settings
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.processes > 1:
         port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
         return supervise(settings, args.processes, port)
+    freeze_startup_heap()
     consumer = Consumer(settings, load_registry(module_list([settings.tools])))
     run_async(
         run_until_signalled(

@@ -10,7 +10,7 @@ from typing import Any
 from dispatcher.daemon import DEFAULT_METRICS_PORT, Dispatcher
 from outbox.cli import add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
-from outbox.daemon import failed_peer, is_transient
+from outbox.daemon import failed_peer, freeze_startup_heap, is_transient
 from outbox.daemon_flags import add_declare_topology_flag
 from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.settings import Settings
@@ -60,6 +60,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    freeze_startup_heap()
     dispatcher = Dispatcher(settings)
     if args.once:
         dispatcher.connect_attempts = DRAIN_CONNECT_ATTEMPTS

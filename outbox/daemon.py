@@ -9,6 +9,7 @@ scaffold lives here, so both daemons back off, log and stop the same way.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -183,3 +184,17 @@ class Daemon(Stoppable):
         )
         connected: T = await retrying(connect)
         return connected
+
+
+def freeze_startup_heap() -> None:
+    """Hide every object alive after start-up (modules, classes, settings) from the
+    cyclic garbage collector, in a process that is one daemon and nothing else.
+
+    A batch or a burst keeps hundreds of futures and tasks alive across young
+    collections, so they reach the oldest generation and trigger full collections, each
+    of which walked the whole start-up heap: 7 of them took 339 ms of one 20,000-row
+    dispatcher drain of about 4.8 s. Objects created later are collected as before;
+    garbage already in cycles is collected first. Only the commands call it: a process
+    that embeds a daemon (a test, an application) keeps its heap as it is."""
+    gc.collect()
+    gc.freeze()
