@@ -19,6 +19,9 @@ class ConsoleServer:
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
+        # Listening from here on: a connection that comes as soon as the address is
+        # printed waits in the backlog for uvicorn instead of being refused.
+        self._socket.listen(128)
         self.host = host
         self.port: int = self._socket.getsockname()[1]
         self._server = uvicorn.Server(

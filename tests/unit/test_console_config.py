@@ -3,6 +3,9 @@ variable and never echoes a credential."""
 
 from __future__ import annotations
 
+import socket
+from typing import Any
+
 import pytest
 
 from outbox.console.config import (
@@ -223,3 +226,19 @@ def test_a_throttle_lifts_when_its_window_has_passed() -> None:
     throttle.failed("10.0.0.9")
 
     assert not throttle.blocked("10.0.0.9")
+
+
+def test_the_printed_address_accepts_connections_before_uvicorn_runs() -> None:
+    """`outbox console` prints its address before serving: a client that connects at
+    once must wait in the listen backlog, not be refused."""
+    from outbox.console.server import ConsoleServer
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # never called here
+        raise AssertionError("not served in this test")
+
+    server = ConsoleServer(app, host="127.0.0.1", port=0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+            pass
+    finally:
+        server.stop()
