@@ -8,7 +8,6 @@ and ``outbox mcp`` says what to install.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import os
 from typing import Any
@@ -17,7 +16,7 @@ from outbox.cli import add_setting_flags, run_async
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.errors import ConfigurationError
 from outbox.loading import TOOLS_ENV, load_registry, module_list
-from outbox.settings import Settings
+from outbox.settings import Settings, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -148,15 +147,6 @@ def bearer_token(variable: str | None) -> str | None:
             f"--bearer-token-env names {variable!r}, which is unset or empty; put the token there"
         )
     return token
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, bearer_token: str | None) -> None:

@@ -6,6 +6,7 @@ flag and its variable can never drift apart.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from datetime import timedelta
 from typing import Literal
@@ -377,3 +378,15 @@ def database_name(url: str) -> str:
 def with_database(url: str, name: str) -> str:
     """The same server URL pointing at another database."""
     return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address to bind) reaches only this machine: the
+    servers that take requests (`outbox mcp`, `outbox console`) bind nothing else
+    without being told to."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

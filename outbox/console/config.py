@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from outbox.errors import ConfigurationError
+from outbox.settings import is_loopback as is_loopback  # re-exported: the console's bind check
 
 OPERATORS_ENV = "OUTBOX_CONSOLE_OPERATORS"
 PROXY_HEADER_ENV = "OUTBOX_CONSOLE_PROXY_HEADER"
@@ -141,15 +142,6 @@ def auth_from_environment(environ: Mapping[str, str] | None = None) -> AuthConfi
         )
     proxy = ProxyIdentity(header=header, proxies=proxies) if header else None
     return AuthConfig(credentials=credentials, proxy=proxy)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _is_wildcard(host: str) -> bool:
