@@ -53,6 +53,9 @@ class Settlements:
         self._settled_above: set[int] = set()
         self._waiting: list[_Waiting] = []
         self._flush_scheduled = False
+        # The event loop keeps only weak references to tasks: a flush in progress is
+        # held here until it ends, so it cannot be collected with its acks unsent.
+        self._flushes: set[asyncio.Task[None]] = set()
         self.frames_sent = 0
         """How many settling frames went out: the saving is visible in tests."""
 
@@ -70,7 +73,9 @@ class Settlements:
         self._flush_scheduled = False
         waiting, self._waiting = self._waiting, []
         if waiting:
-            asyncio.get_running_loop().create_task(self._flush(waiting))
+            flush = asyncio.get_running_loop().create_task(self._flush(waiting))
+            self._flushes.add(flush)
+            flush.add_done_callback(self._flushes.discard)
 
     async def _flush(self, waiting: list[_Waiting]) -> None:
         try:
