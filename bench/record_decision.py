@@ -77,63 +77,64 @@ def bare_params(index: int, n: int) -> dict[str, Any]:
     }
 
 
+def threaded_run(
+    url: str,
+    seconds: float,
+    connections: int,
+    decide: Callable[[psycopg.Connection[Any], int, int], object],
+) -> float:
+    """Transactions per second over ``connections`` sync threads, each with its own
+    connection, each transaction one call of ``decide(connection, thread, n)``; timed
+    from the moment every thread is connected."""
+    done = [0] * connections
+    deadline = time.monotonic() + seconds
+    start = threading.Barrier(connections + 1)
+
+    def worker(index: int) -> None:
+        with psycopg.connect(url) as connection:
+            start.wait()
+            n = 0
+            while time.monotonic() < deadline:
+                with connection.transaction():
+                    decide(connection, index, n)
+                n += 1
+            done[index] = n
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(connections)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.monotonic()
+    for thread in threads:
+        thread.join()
+    return sum(done) / (time.monotonic() - began)
+
+
 def bare_run(url: str, seconds: float, connections: int) -> float:
     """The statement alone, from sync threads: one execute and one commit per decision."""
     sql = QUERIES["insert_decision"].sql
-    done = [0] * connections
-    deadline = time.monotonic() + seconds
-    start = threading.Barrier(connections + 1)
-
-    def worker(index: int) -> None:
-        with psycopg.connect(url) as connection:
-            start.wait()
-            n = 0
-            while time.monotonic() < deadline:
-                with connection.transaction():
-                    connection.execute(sql, bare_params(index, n)).fetchall()
-                n += 1
-            done[index] = n
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(connections)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.monotonic()
-    for thread in threads:
-        thread.join()
-    return sum(done) / (time.monotonic() - began)
+    return threaded_run(
+        url,
+        seconds,
+        connections,
+        lambda connection, index, n: connection.execute(sql, bare_params(index, n)).fetchall(),
+    )
 
 
 def sync_run(url: str, registry: Registry, seconds: float, connections: int) -> float:
-    done = [0] * connections
-    deadline = time.monotonic() + seconds
-    start = threading.Barrier(connections + 1)
-
-    def worker(index: int) -> None:
-        with psycopg.connect(url) as connection:
-            start.wait()
-            n = 0
-            while time.monotonic() < deadline:
-                with connection.transaction():
-                    record_decision(
-                        connection,
-                        registry,
-                        "send_refund",
-                        {"payment_id": f"pay_{index}_{n}", "amount_cents": 1250},
-                        run_id=f"bench_{index}",
-                        decision_key=f"k{n}",
-                    )
-                n += 1
-            done[index] = n
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(connections)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.monotonic()
-    for thread in threads:
-        thread.join()
-    return sum(done) / (time.monotonic() - began)
+    return threaded_run(
+        url,
+        seconds,
+        connections,
+        lambda connection, index, n: record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": f"pay_{index}_{n}", "amount_cents": 1250},
+            run_id=f"bench_{index}",
+            decision_key=f"k{n}",
+        ),
+    )
 
 
 async def async_run(url: str, registry: Registry, seconds: float, connections: int) -> float:

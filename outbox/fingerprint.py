@@ -33,6 +33,12 @@ def canonical_json(value: Any) -> bytes:
     fast = _fast_canonical_json(value)
     if fast is not None:
         return fast
+    return rfc8785_canonical_json(value)
+
+
+def rfc8785_canonical_json(value: Any) -> bytes:
+    """:func:`canonical_json` by the ``rfc8785`` package alone: the path every value the
+    fast serializer defers takes, and the reference the fast one is tested against."""
     try:
         return rfc8785.dumps(value)
     except rfc8785.IntegerDomainError:

@@ -14,7 +14,7 @@ from outbox.sandbox.processes import DaemonNotReady, DaemonProcess, python_modul
 # A stand-in daemon: says it is ready, then runs until a signal ends it (SIGTERM at once,
 # with a last line, unless told to ignore it).
 DAEMON = """
-import signal, sys, time
+import signal, sys
 if "--ignore-term" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
@@ -25,7 +25,7 @@ else:
 print("starting", flush=True)
 print("ready to work", file=sys.stderr, flush=True)
 while True:
-    time.sleep(0.01)
+    signal.pause()  # idle: the SIGTERM handler exits; ignoring it, only SIGKILL ends this
 """
 
 
