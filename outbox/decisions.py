@@ -6,7 +6,6 @@ the database; bad input raises :class:`InputRejected` and writes nothing.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,9 +16,16 @@ import pydantic
 from pydantic import BaseModel
 
 from outbox import store, tracing
+from outbox.bounds import (
+    MAX_INPUT_BYTES,
+    MAX_JSON_DEPTH,
+    holds_nul_escape,
+    is_unreadable,
+    nested_deeper_than,
+)
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import InputRejected
-from outbox.fingerprint import canonical_fingerprint, canonical_json, intent_fingerprint
+from outbox.fingerprint import canonical_fingerprint, canonical_json
 from outbox.models import (
     Approval,
     ApprovalCheck,
@@ -29,12 +35,10 @@ from outbox.models import (
 )
 from outbox.store import AsyncConnection, AsyncStore, NewDecision, Store, SyncConnection
 
-MAX_INPUT_BYTES = 256 * 1024
 MAX_ID_LENGTH = 200
-# Objects and arrays inside one another, the input object itself being level 1. Real
-# tool inputs stay far below; what is deeper would exhaust the recursion of pydantic's
-# serializer or the canonicalizer long before it reached the size limit.
-MAX_INPUT_DEPTH = 64
+# Objects and arrays inside one another, the input object itself being level 1 (the
+# database refuses the same, outbox/bounds.py).
+MAX_INPUT_DEPTH = MAX_JSON_DEPTH
 
 
 def prepare_decision(
@@ -69,7 +73,7 @@ def prepare_decision(
             f"the limit is {MAX_INPUT_BYTES}. Store large payloads elsewhere and pass a reference",
             problems=["input too large"],
         )
-    if _canonical_holds_nul(canonical):
+    if holds_nul_escape(canonical):
         raise InputRejected(
             f"input for tool {contract.label} holds a NUL character, which Postgres cannot store",
             problems=["NUL character"],
@@ -107,12 +111,19 @@ def derive_intent(contract: ToolContract[Any], operation: Operation) -> DerivedI
         return DerivedIntent(requires_approval=True, disagreement="tool_mismatch")
     if operation.side_effect != contract.side_effect:
         return DerivedIntent(requires_approval=True, disagreement="side_effect_mismatch")
+    if is_unreadable(operation.input):
+        return DerivedIntent(requires_approval=True, disagreement="input_unreadable")
     try:
         validated = contract.input_model.model_validate(operation.input)
         input_json = validated.model_dump(mode="json")
-        fingerprint = intent_fingerprint(contract.name, contract.version, input_json)
+        canonical = canonical_json(input_json)
     except (pydantic.ValidationError, ValueError, TypeError, RecursionError):
         return DerivedIntent(requires_approval=True, disagreement="input_invalid")
+    if len(canonical) > MAX_INPUT_BYTES:
+        # Only the database's own, larger ceiling let this row in: record_decision would
+        # have refused it, so nothing executes it.
+        return DerivedIntent(requires_approval=True, disagreement="input_too_large")
+    fingerprint = canonical_fingerprint(contract.name, contract.version, canonical)
     requires_approval = contract.approval.applies_to(validated)
     if fingerprint != operation.input_fingerprint:
         disagreement: str | None = "fingerprint_mismatch"
@@ -153,7 +164,7 @@ def _validated_and_stored(
             "are refused",
             problems=["input not serializable"],
         ) from None
-    if _nested_deeper_than(raw, MAX_INPUT_DEPTH):
+    if nested_deeper_than(raw, MAX_INPUT_DEPTH):
         raise InputRejected(
             f"input for tool {contract.label} is nested more than {MAX_INPUT_DEPTH} levels "
             "deep (objects and arrays inside one another)",
@@ -176,47 +187,6 @@ def _validated_and_stored(
             problems=["not JSON round-trippable"],
         )
     return validated, stored
-
-
-def _nested_deeper_than(value: Any, limit: int) -> bool:
-    # Iterative on purpose: a recursive walk would overflow on the very input it checks.
-    # Level by level: the containers of one level are all at the same depth, so no
-    # (item, depth) pair is built per value, and scalars cost one type test.
-    level = [value]
-    depth = 1
-    while level:
-        below: list[Any] = []
-        for item in level:
-            # Scalars by a set lookup: the Mapping ABC's instance check is the slow part.
-            if type(item) in _SCALARS:
-                continue
-            if isinstance(item, Mapping):
-                children: Any = item.values()
-            elif isinstance(item, list | tuple):
-                children = item
-            else:
-                continue
-            if depth > limit:
-                return True
-            below.extend(children)
-        level = below
-        depth += 1
-    return False
-
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
-# A NUL in any string of the input, key or value, is written as the escape \u0000 in its
-# canonical form, and nothing else is: canonical JSON has backslashes only inside
-# strings, where \\ is an escaped backslash, so a \u0000 is a NUL's escape exactly when
-# an even number of backslashes (none included) stands before it.
-_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
-
-
-def _canonical_holds_nul(canonical: bytes) -> bool:
-    # The substring test is C speed and almost always false; the pattern settles the rest.
-    return b"\\u0000" in canonical and _NUL_ESCAPE.search(canonical) is not None
 
 
 # Error types whose pydantic message can quote the input (a union tag, a custom

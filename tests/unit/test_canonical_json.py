@@ -18,7 +18,7 @@ import rfc8785
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from outbox.decisions import _canonical_holds_nul
+from outbox.bounds import holds_nul_escape
 from outbox.errors import InputRejected
 from outbox.fingerprint import (
     _fast_canonical_json,
@@ -211,7 +211,7 @@ def test_numbers_agree_with_rfc8785(number: float) -> None:
 
 def holds_nul(value: Any) -> bool:
     """Whether any string of a JSON value, key or value, holds a NUL: the walk that
-    _canonical_holds_nul replaces."""
+    holds_nul_escape replaces."""
     if isinstance(value, str):
         return "\x00" in value
     if isinstance(value, dict):
@@ -237,7 +237,7 @@ NUL_PRONE_VALUES = st.recursive(
 @example({"note": "\\\x00"})
 @example({"k\x00": 1})
 def test_nul_found_in_canonical_bytes_exactly_when_a_string_holds_one(value: Any) -> None:
-    assert _canonical_holds_nul(canonical_json(value)) == holds_nul(value)
+    assert holds_nul_escape(canonical_json(value)) == holds_nul(value)
 
 
 # Fingerprints computed by the rfc8785-only implementation, before the fast path: they

@@ -5,8 +5,9 @@ from typing import Annotated, Any, Literal
 import pytest
 from pydantic import BaseModel, Field, field_serializer
 
+from outbox.bounds import MAX_INPUT_BYTES
 from outbox.contracts import ApprovalPolicy, Registry, SideEffect, ToolContract
-from outbox.decisions import MAX_INPUT_BYTES, MAX_INPUT_DEPTH, prepare_decision
+from outbox.decisions import MAX_INPUT_DEPTH, prepare_decision
 from outbox.errors import InputRejected, ToolNotRegistered
 from outbox.fingerprint import intent_fingerprint
 from outbox.outcomes import EffectResult, ExecutionContext
