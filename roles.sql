@@ -84,31 +84,69 @@ $$;
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
-    outbox_deployment, operation_event_heads
+    outbox_deployment, operation_event_heads, operation_status
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
--- Column grants survive a table-level REVOKE only if named: drop the dispatcher's.
-REVOKE SELECT (id, state, tool_name, tool_version, input_fingerprint) ON operations
-    FROM outbox_dispatcher;
+-- Column grants survive a table-level REVOKE only if named: drop every column grant
+-- of an older roles.sql (and of this one), so what follows is all that is held.
+DO $$
+DECLARE
+    held record;
+BEGIN
+    FOR held IN
+        SELECT DISTINCT c.relname, a.attname, g.rolname, p.privilege_type
+        FROM pg_class c
+        JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+        CROSS JOIN LATERAL aclexplode(a.attacl) p
+        JOIN pg_roles g ON g.oid = p.grantee
+        WHERE c.relnamespace = current_schema()::regnamespace
+          AND c.relname IN ('operations', 'outbox', 'operation_events', 'approvals')
+          AND g.rolname IN ('outbox_agent', 'outbox_dispatcher', 'outbox_consumer',
+                            'outbox_operator')
+    LOOP
+        EXECUTE format('REVOKE %s (%I) ON %I FROM %I', held.privilege_type, held.attname,
+                       held.relname, held.rolname);
+    END LOOP;
+END;
+$$;
 -- A new function is executable by PUBLIC; this one writes decisions, so only the agent.
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer,
-    outbox_operator;
+    text, boolean, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator;
+
+-- No temporary tables for anyone by default in this database: a temporary table is
+-- searched before any schema for a relation, and so is the one object every login can
+-- make that could stand in for a catalog or an outbox table in a function that forgot
+-- to pin its search_path (schema.sql pins every one; this is the second lock). A login
+-- of the application that needs temporary tables gets TEMPORARY by name. The owner of
+-- the database (or a superuser) may revoke it; anyone else is warned, not stopped.
+DO $$
+BEGIN
+    EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+END;
+$$;
 
 -- The agent service records decisions through outbox_record_decision (SECURITY
 -- DEFINER: a prepared operation, its outbox row and its operation.prepared event, and
 -- nothing else) and reads them back; it holds no INSERT on operations or outbox, so it
 -- cannot write an operation any other way. Its INSERT on operation_events serves
--- agent.completed only (the operation_events_by_role trigger refuses any other name).
--- No UPDATE or DELETE anywhere: an agent can decide, never execute, settle or erase.
+-- agent.completed only (the operation_events_by_role trigger refuses any other name),
+-- and names only the columns an append chooses: the chain trigger draws the id, the
+-- sequence number, the hashes and the time. No UPDATE or DELETE anywhere: an agent can
+-- decide, never execute, settle or erase.
 GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb, jsonb) TO outbox_agent;
-GRANT SELECT ON operations TO outbox_agent;
-GRANT INSERT ON operation_events TO outbox_agent;
+    text, boolean, jsonb) TO outbox_agent;
+-- What await_outcome and record_decision read back, through the operation_status view
+-- (schema.sql): where each operation stands and what it recorded, never the input
+-- (another run's tool input is not the agent's to read; its own it already holds). Of
+-- the table itself only what check_approval compares: the id and the fingerprint.
+GRANT SELECT ON operation_status TO outbox_agent;
+GRANT SELECT (id, input_fingerprint) ON operations TO outbox_agent;
+GRANT INSERT (operation_id, name, attributes) ON operation_events TO outbox_agent;
 -- await_outcome tells "waiting for a person's approval" from "running" by the latest
--- approval decision, and check_approval reports the grant it found (its approver
--- included: the service that asked may tell its user who approved). Reading only: a
--- grant is a person's act, on the operator path.
-GRANT SELECT ON approvals TO outbox_agent;
+-- approval decision, and check_approval reports whether a grant lets the effect run.
+-- Not who decided: a person's name is the operators' to read. Reading only: a grant is
+-- a person's act, on the operator path.
+GRANT SELECT (id, operation_id, intent_hash, decision, expires_at, created_at) ON approvals
+    TO outbox_agent;
 -- The key of the short fingerprints its events and log lines show (fingerprint_key);
 -- an operator may read it to match a log line to an operation.
 GRANT SELECT ON outbox_deployment TO outbox_agent, outbox_consumer, outbox_operator;
@@ -119,25 +157,47 @@ GRANT SELECT ON outbox_deployment TO outbox_agent, outbox_consumer, outbox_opera
 -- retention needs DELETE.
 GRANT SELECT (id, state, tool_name, tool_version, input_fingerprint) ON operations
     TO outbox_dispatcher;
-GRANT SELECT, UPDATE, DELETE ON outbox TO outbox_dispatcher;
+-- It marks rows published or failed, and rewrites nothing a message is made of: not
+-- the routing key, the headers or the operation a row belongs to.
+GRANT SELECT, DELETE ON outbox TO outbox_dispatcher;
+GRANT UPDATE (published_at, publish_attempts, last_error, available_at) ON outbox
+    TO outbox_dispatcher;
 
 -- The consumer moves operations through execution: claim, transition, reconcile (the
 -- FOR UPDATE of claim_reconciliation_batch and requeue_stale_prepared needs UPDATE
 -- too). requeue_stale_prepared reads outbox and operation_events and inserts with
 -- RETURNING; transitions append events and queue retries; the approval check reads
 -- approvals. It never writes approvals and never deletes anything.
-GRANT SELECT, UPDATE ON operations TO outbox_consumer;
-GRANT SELECT, INSERT ON outbox TO outbox_consumer;
-GRANT SELECT, INSERT ON operation_events TO outbox_consumer;
+-- Column grants: it moves an operation, never rewrites what was decided (the intent
+-- columns, which a trigger freezes as well) or when; it queues a row for an operation,
+-- never chooses the row's headers, publication or birth time; it appends an event,
+-- never chooses its id, chain link or time.
+GRANT SELECT ON operations TO outbox_consumer;
+GRANT UPDATE (state, attempts, reconcile_attempts, lease_token, lease_owner, lease_expires_at,
+              next_attempt_at, first_attempt_at, provider_reference, result, last_error_class,
+              effect_possible) ON operations TO outbox_consumer;
+GRANT SELECT ON outbox TO outbox_consumer;
+GRANT INSERT (operation_id, routing_key, available_at) ON outbox TO outbox_consumer;
+GRANT SELECT ON operation_events TO outbox_consumer;
+GRANT INSERT (operation_id, name, attributes) ON operation_events TO outbox_consumer;
 GRANT SELECT ON approvals TO outbox_consumer;
 
 -- A person at the `outbox ops` / `outbox approvals` commands: reads everything,
 -- resolves (UPDATE operations, its event, a retry's outbox row) and records grants
 -- and denials (insert_approval ... RETURNING *).
-GRANT SELECT, UPDATE ON operations TO outbox_operator;
-GRANT SELECT, INSERT ON outbox TO outbox_operator;
-GRANT SELECT, INSERT ON operation_events TO outbox_operator;
-GRANT SELECT, INSERT ON approvals TO outbox_operator;
+-- The same column grants as the consumer's, and an approval's own columns: its time is
+-- the database's (a trigger sets it, and appends the decision's event).
+GRANT SELECT ON operations TO outbox_operator;
+GRANT UPDATE (state, attempts, reconcile_attempts, lease_token, lease_owner, lease_expires_at,
+              next_attempt_at, first_attempt_at, provider_reference, result, last_error_class,
+              effect_possible) ON operations TO outbox_operator;
+GRANT SELECT ON outbox TO outbox_operator;
+GRANT INSERT (operation_id, routing_key, available_at) ON outbox TO outbox_operator;
+GRANT SELECT ON operation_events TO outbox_operator;
+GRANT INSERT (operation_id, name, attributes) ON operation_events TO outbox_operator;
+GRANT SELECT ON approvals TO outbox_operator;
+GRANT INSERT (id, operation_id, intent_hash, decision, approved_by, expires_at) ON approvals
+    TO outbox_operator;
 GRANT SELECT ON outbox_schema_version TO outbox_operator;
 -- `outbox ops verify` compares each chain with its head: reading only.
 GRANT SELECT ON operation_event_heads TO outbox_operator;

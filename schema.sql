@@ -112,6 +112,37 @@ CREATE TABLE IF NOT EXISTS approvals (
 
 CREATE INDEX IF NOT EXISTS approvals_operation ON approvals (operation_id, created_at DESC);
 
+-- Version 6: every value a role can write is bounded here exactly as outbox/bounds.py
+-- bounds it in Python (a unit test compares the numbers), and every function below runs
+-- with a pinned search_path: a caller's temporary objects (pg_temp comes first for
+-- relations) can stand in for nothing. These two helpers have SQL-standard bodies,
+-- parsed and bound once, here, whatever the caller's search_path.
+--
+-- Whether containers nest more than 64 levels deep (the value itself being level 1): a
+-- container at path level 64 sits 65 deep. jsonpath's .** walks the value in C.
+CREATE OR REPLACE FUNCTION outbox_json_too_deep(p_value jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN jsonb_path_exists(
+    p_value, 'strict $.**{64} ? (@.type() == "array" || @.type() == "object")'
+);
+
+-- The marker a stored value no reader should parse is replaced by (outbox/bounds.py
+-- unreadable()): why, and how many bytes the value had.
+CREATE OR REPLACE FUNCTION outbox_unreadable(p_reason text, p_bytes integer) RETURNS jsonb
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN jsonb_build_object(
+    'outbox.unreadable', jsonb_build_object('reason', p_reason, 'bytes', p_bytes)
+);
+
+-- A timestamp a role may write: finite, and one Python can hold (year 1 to 9999) with
+-- room to spare; none of the runtime's waits is longer than 30 days.
+CREATE OR REPLACE FUNCTION outbox_plausible_time(p_value timestamptz) RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN p_value IS NULL OR (
+    p_value >= '2000-01-01 00:00:00+00'::timestamptz
+    AND p_value <= clock_timestamp() + interval '30 days'
+);
+
 -- The state machine of docs/design.md section 5, enforced by the database itself so that
 -- no code path (a bug, a manual UPDATE) can move an operation along an illegal edge.
 CREATE OR REPLACE FUNCTION outbox_guard_transition() RETURNS trigger
@@ -170,6 +201,33 @@ BEGIN
             END IF;
         END IF;
     END IF;
+    -- What the daemons and operators write as an operation moves: each value only when it
+    -- changes, so a row written before these bounds can still be moved and resolved.
+    IF NEW.result IS DISTINCT FROM OLD.result AND NEW.result IS NOT NULL THEN
+        -- A provider's result is replaced, never refused: the effect it reports happened,
+        -- and refusing the write would lose the record of it.
+        IF jsonb_typeof(NEW.result) <> 'object' THEN
+            NEW.result := outbox_unreadable('not_an_object', octet_length(NEW.result::text));
+        ELSIF octet_length(NEW.result::text) > 65536 THEN
+            NEW.result := outbox_unreadable('too_large', octet_length(NEW.result::text));
+        ELSIF outbox_json_too_deep(NEW.result) THEN
+            NEW.result := outbox_unreadable('too_deep', octet_length(NEW.result::text));
+        END IF;
+    END IF;
+    IF (NEW.provider_reference IS DISTINCT FROM OLD.provider_reference
+            AND length(NEW.provider_reference) > 500)
+       OR (NEW.lease_owner IS DISTINCT FROM OLD.lease_owner AND length(NEW.lease_owner) > 200)
+       OR (NEW.last_error_class IS DISTINCT FROM OLD.last_error_class
+           AND NEW.last_error_class !~ '^[a-z0-9][a-z0-9_.-]{0,63}$')
+       OR (NEW.lease_expires_at IS DISTINCT FROM OLD.lease_expires_at
+           AND NOT outbox_plausible_time(NEW.lease_expires_at))
+       OR (NEW.next_attempt_at IS DISTINCT FROM OLD.next_attempt_at
+           AND NOT outbox_plausible_time(NEW.next_attempt_at))
+       OR (NEW.first_attempt_at IS DISTINCT FROM OLD.first_attempt_at
+           AND NOT outbox_plausible_time(NEW.first_attempt_at)) THEN
+        RAISE EXCEPTION 'operation %: a reference, lease owner, error class or time outside its bounds', OLD.id
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_values_bounded';
+    END IF;
     NEW.updated_at := now();
     RETURN NEW;
 END;
@@ -193,6 +251,19 @@ BEGIN
         RAISE EXCEPTION 'a new operation must be prepared, with no attempt, lease or outcome'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_born_prepared';
     END IF;
+    -- The input is what the consumer parses and a person reads: a JSON object within the
+    -- depth Python refuses beyond, and within the database's own size ceiling (the
+    -- consumer refuses anything larger than record_decision would have accepted).
+    IF jsonb_typeof(NEW.input) IS DISTINCT FROM 'object'
+       OR octet_length(NEW.input::text) > 1048576
+       OR outbox_json_too_deep(NEW.input) THEN
+        RAISE EXCEPTION 'a tool input must be a JSON object of at most 1048576 bytes (jsonb text) nested at most 64 deep'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_input_bounded';
+    END IF;
+    -- The database's clock, never the writer's.
+    NEW.created_at := now();
+    NEW.updated_at := now();
+    NEW.next_attempt_at := now();
     RETURN NEW;
 END;
 $$;
@@ -207,11 +278,31 @@ CREATE TRIGGER operations_guard_birth
 -- below); the consumer neither what records a decision nor what only a person does;
 -- operators (and the tables' owner, and superusers) anything. A role in no group may
 -- append nothing. Nested IFs for the reason given in outbox_guard_transition.
+--
+-- Whoever appends, the attributes are a JSON object of at most 65536 bytes (jsonb text)
+-- nested at most 64 deep: every reader of the timeline parses them. An agent.completed
+-- event carries the agent's own words, so they stay in the agent's namespace (every key
+-- agent.<name>) and small, and every view shows them as the agent's, never as the
+-- runtime's.
 CREATE OR REPLACE FUNCTION outbox_guard_event_names() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     owner oid;
 BEGIN
+    IF jsonb_typeof(NEW.attributes) IS DISTINCT FROM 'object'
+       OR octet_length(NEW.attributes::text) > 65536
+       OR outbox_json_too_deep(NEW.attributes) THEN
+        RAISE EXCEPTION 'event attributes must be a JSON object of at most 65536 bytes (jsonb text) nested at most 64 deep'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_attributes_bounded';
+    END IF;
+    IF NEW.name = 'agent.completed' AND (
+        octet_length(NEW.attributes::text) > 4096
+        OR EXISTS (SELECT 1 FROM jsonb_object_keys(NEW.attributes) AS k (key)
+                   WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$')
+    ) THEN
+        RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_operator') THEN
         RETURN NEW;
     END IF;
@@ -312,18 +403,23 @@ RETURN sha256(
     || convert_to(p_attributes::text, 'UTF8')
 );
 
--- Chain every new event, whoever inserts it and whatever its INSERT said about seq,
--- prev_hash and hash: the trigger overwrites them, in the statement that writes the
--- event. SECURITY DEFINER: the heads table is granted to no component (so none can
--- rewind its own chain), and the agent, which may only insert events, needs no grant to
--- append one. No SET search_path, unlike outbox_record_decision: on this path, run for
--- every event, it measured about 13 µs more per event on top of the trigger's own 25
--- (docs/operating.md). Instead
--- every name the body resolves is pinned: the table and the function by schema,
--- operators as OPERATOR(pg_catalog.x), and the hash function's body was bound when it
--- was created; a caller's search_path has nothing left to substitute. BEFORE triggers
--- fire in name order: this one must stay the last, since it hashes NEW as it will be
--- stored (operation_events_by_role, before it, only refuses).
+-- Chain every new event, whoever inserts it and whatever its INSERT said about id, seq,
+-- prev_hash, hash and created_at: the trigger overwrites them, in the statement that
+-- writes the event. SECURITY DEFINER: the heads table is granted to no component (so
+-- none can rewind its own chain), and the agent, which may only insert events, needs no
+-- grant to append one. Its search_path is pinned like every function's here (the loop
+-- at the end of this file; about 1.5 µs an event, measured on this 2-core machine), and
+-- every name the body resolves is qualified besides.
+--
+-- The id is drawn here, from the column's own sequence, never taken from the INSERT: a
+-- BEFORE trigger runs before the unique check, so an event whose id was chosen to
+-- collide (INSERT ... OVERRIDING SYSTEM VALUE ... ON CONFLICT DO NOTHING) would move
+-- the head and then not be inserted, and every later append would report a deleted
+-- event. With a fresh id nothing can collide: the head moves exactly for the rows that
+-- are inserted. (The roles hold no INSERT on the column either; this holds for the
+-- owner too.) The time is the database's clock at the append, so no writer backdates
+-- evidence. BEFORE triggers fire in name order: this one must stay the last, since it
+-- hashes NEW as it will be stored (operation_events_by_role, before it, only refuses).
 --
 -- Appends that move an operation lock its operations row first (their UPDATE) and its
 -- head next; appends that move nothing (insert_event, insert_approval, agent.completed)
@@ -336,6 +432,8 @@ BEGIN
         CREATE OR REPLACE FUNCTION outbox_chain_event() RETURNS trigger
         LANGUAGE plpgsql SECURITY DEFINER AS $body$
         BEGIN
+            NEW.id := nextval(%2$L::regclass);
+            NEW.created_at := clock_timestamp();
             -- In READ COMMITTED, an UPDATE that waited for another transaction's lock
             -- on the row rereads its committed version: the chain continues from the
             -- head that transaction left.
@@ -368,7 +466,7 @@ BEGIN
             RETURN NEW;
         END;
         $body$
-    $definition$, current_schema());
+    $definition$, current_schema(), pg_get_serial_sequence('operation_events', 'id'));
 END;
 $$;
 -- A trigger fires without an EXECUTE check, but creating one needs EXECUTE: without
@@ -496,41 +594,178 @@ INSERT INTO outbox_deployment (fingerprint_key)
 SELECT encode(sha256(convert_to(gen_random_uuid()::text || gen_random_uuid()::text, 'UTF8')), 'hex')
 ON CONFLICT (singleton) DO NOTHING;
 
+-- Version 6: what an agent service reads of operations (roles.sql grants outbox_agent
+-- this view, and of the table only the two columns the approval check compares): where
+-- each operation stands and what it recorded, never the input (another run's tool input
+-- is not the agent's to read; its own it already holds). row_version is the row's xmin,
+-- new with every update, which the outcome watcher compares to skip unchanged rows; a
+-- system column is readable only through the table, so the view, owned by the tables'
+-- owner, reads it on the agent's behalf.
+CREATE OR REPLACE VIEW operation_status AS
+SELECT id, run_id, decision_key, tool_name, tool_version, side_effect, input_fingerprint,
+       requires_approval, state, attempts, reconcile_attempts, lease_token, lease_owner,
+       lease_expires_at, next_attempt_at, first_attempt_at, provider_reference, result,
+       last_error_class, effect_possible, created_at, updated_at,
+       xmin::text::bigint AS row_version
+FROM operations;
+
+-- Version 6: what a grant or a denial is, whoever inserts it (an operator's INSERT on
+-- approvals is a column grant without created_at). Its time is the database's clock, so
+-- no grant can be dated after a later denial and win; it expires within 7 days
+-- (outbox/bounds.py MAX_APPROVAL_TTL), never at 'infinity'. And every decision on an
+-- approval appends its own event, in the same statement, so the timeline shows each
+-- grant the consumer may act on, including one typed by hand.
+CREATE OR REPLACE FUNCTION outbox_guard_approval() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.created_at := clock_timestamp();
+    -- An expiry already past is harmless (such a grant is never valid); one beyond the
+    -- policy, or never, is what a grant must not have.
+    IF NOT isfinite(NEW.expires_at) OR NEW.expires_at > NEW.created_at + interval '7 days' THEN
+        RAISE EXCEPTION 'an approval expires within 7 days of when it is decided'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'approvals_expiry_bounded';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS approvals_guard ON approvals;
+CREATE TRIGGER approvals_guard
+    BEFORE INSERT ON approvals
+    FOR EACH ROW EXECUTE FUNCTION outbox_guard_approval();
+
+-- Who decided is evidence (the events table records who did what; log lines carry ids).
+-- The intent is not repeated here: the approval id names the row that binds it.
+CREATE OR REPLACE FUNCTION outbox_approval_event() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO operation_events (operation_id, name, attributes)
+    VALUES (NEW.operation_id,
+            CASE NEW.decision WHEN 'granted' THEN 'operation.approval_granted'
+                              ELSE 'operation.approval_denied' END,
+            jsonb_build_object('approval_id', NEW.id, 'by', NEW.approved_by,
+                               'expires_at', NEW.expires_at));
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS approvals_event ON approvals;
+CREATE TRIGGER approvals_event
+    AFTER INSERT ON approvals
+    FOR EACH ROW EXECUTE FUNCTION outbox_approval_event();
+
+-- Every outbox row is born unpublished, at the database's clock, routed by its tool's
+-- routing key, with no headers but a W3C trace context (the dispatcher copies a valid
+-- traceparent into the message, nothing else) and available within 30 days. Writers:
+-- outbox_record_decision (headers), the consumer's requeues and the operator's grants
+-- (column grants without headers, created_at or the publish columns).
+CREATE OR REPLACE FUNCTION outbox_guard_outbox_row() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        NEW.created_at := clock_timestamp();
+        IF NEW.published_at IS NOT NULL OR NEW.publish_attempts <> 0 OR NEW.last_error IS NOT NULL
+           OR NEW.routing_key !~ '^[a-z][a-z0-9_.-]{0,63}\.v[0-9]{1,9}$'
+           OR jsonb_typeof(NEW.headers) IS DISTINCT FROM 'object'
+           OR EXISTS (SELECT 1 FROM jsonb_each(NEW.headers) AS h (key, value)
+                      WHERE h.key NOT IN ('traceparent', 'tracestate')
+                         OR jsonb_typeof(h.value) <> 'string')
+           OR (NEW.headers->>'traceparent') !~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+           OR length(NEW.headers->>'tracestate') > 512
+           OR (NEW.headers->>'tracestate') !~ '^[ -~]*$' THEN
+            RAISE EXCEPTION 'an outbox row is born unpublished, routed by its tool, with only a W3C traceparent and tracestate as headers'
+                USING ERRCODE = 'check_violation', CONSTRAINT = 'outbox_row_bounded';
+        END IF;
+    END IF;
+    IF NOT outbox_plausible_time(NEW.available_at) OR NOT outbox_plausible_time(NEW.published_at)
+       OR length(NEW.last_error) > 1000 THEN
+        RAISE EXCEPTION 'an outbox row is available and published within 30 days and keeps at most 1000 characters of its last error'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'outbox_row_bounded';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS outbox_guard_row ON outbox;
+CREATE TRIGGER outbox_guard_row
+    BEFORE INSERT ON outbox
+    FOR EACH ROW EXECUTE FUNCTION outbox_guard_outbox_row();
+-- Updates: the times and the text the dispatcher writes (roles.sql grants it no other
+-- column), checked only when one of them changes.
+DROP TRIGGER IF EXISTS outbox_guard_update ON outbox;
+CREATE TRIGGER outbox_guard_update
+    BEFORE UPDATE ON outbox
+    FOR EACH ROW
+    WHEN (NEW.available_at IS DISTINCT FROM OLD.available_at
+          OR NEW.published_at IS DISTINCT FROM OLD.published_at
+          OR NEW.last_error IS DISTINCT FROM OLD.last_error)
+    EXECUTE FUNCTION outbox_guard_outbox_row();
+
 -- The agent's one write path (roles.sql grants outbox_agent EXECUTE on it and no INSERT
 -- on operations or outbox): a prepared operation, its outbox row and its
 -- operation.prepared event, in one statement; no row back when (run_id, decision_key)
 -- is taken. It runs as the tables' owner with a search_path pinned to this schema, so
 -- a caller's objects cannot stand in for the tables. What it cannot check (that the
 -- fingerprint and the approval flag match the input) the consumer recomputes before
--- any effect.
-DO $$
+-- any effect; what it writes is bounded by the tables' triggers like any other write.
+-- The event's attributes are its own, from its arguments: the caller chooses none of
+-- them (before version 6 it passed them, and so could dress its words as the
+-- runtime's). PL/pgSQL keeps the statement's plan for the session, where a SQL function
+-- with a SET clause is planned again on every call.
+DROP FUNCTION IF EXISTS outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
+    text, boolean, jsonb, jsonb);
+CREATE OR REPLACE FUNCTION outbox_record_decision(
+    p_id uuid, p_run_id text, p_decision_key text, p_tool_name text,
+    p_tool_version integer, p_side_effect text, p_input jsonb,
+    p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb
+) RETURNS SETOF operations
+LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
-    EXECUTE format($definition$
-        CREATE OR REPLACE FUNCTION outbox_record_decision(
-            p_id uuid, p_run_id text, p_decision_key text, p_tool_name text,
-            p_tool_version integer, p_side_effect text, p_input jsonb,
-            p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb,
-            p_event_attributes jsonb
-        ) RETURNS SETOF operations
-        LANGUAGE sql SECURITY DEFINER SET search_path = %I, pg_temp AS $body$
-            WITH operation AS (
-                INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version,
-                                        side_effect, input, input_fingerprint,
-                                        requires_approval)
-                VALUES (p_id, p_run_id, p_decision_key, p_tool_name, p_tool_version,
-                        p_side_effect, p_input, p_input_fingerprint, p_requires_approval)
-                ON CONFLICT (run_id, decision_key) DO NOTHING
-                RETURNING *
-            ), queued AS (
-                INSERT INTO outbox (operation_id, routing_key, headers)
-                SELECT id, tool_name || '.v' || tool_version, p_headers FROM operation
-            ), event AS (
-                INSERT INTO operation_events (operation_id, name, attributes)
-                SELECT id, 'operation.prepared', p_event_attributes FROM operation
-            )
-            SELECT * FROM operation
-        $body$
-    $definition$, current_schema());
+    RETURN QUERY
+    WITH operation AS (
+        INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version,
+                                side_effect, input, input_fingerprint, requires_approval)
+        VALUES (p_id, p_run_id, p_decision_key, p_tool_name, p_tool_version,
+                p_side_effect, p_input, p_input_fingerprint, p_requires_approval)
+        ON CONFLICT (run_id, decision_key) DO NOTHING
+        RETURNING *
+    ), queued AS (
+        INSERT INTO outbox (operation_id, routing_key, headers)
+        SELECT o.id, o.tool_name || '.v' || o.tool_version, p_headers FROM operation o
+    ), event AS (
+        INSERT INTO operation_events (operation_id, name, attributes)
+        SELECT o.id, 'operation.prepared',
+               jsonb_build_object('tool', o.tool_name, 'tool_version', o.tool_version,
+                                  'run_id', o.run_id)
+        FROM operation o
+    )
+    SELECT * FROM operation;
+END;
+$$;
+-- A new function is executable by PUBLIC; roles.sql grants this one to the agent only.
+REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
+    text, boolean, jsonb) FROM PUBLIC;
+
+-- Pin the search_path of every function of this schema that has a body parsed at run
+-- time (plpgsql, or SQL in quotes): its unqualified names resolve in pg_catalog (always
+-- searched first), then this schema, and in pg_temp last, where a caller's temporary
+-- table can shadow nothing. Functions with SQL-standard bodies were bound when they were
+-- created and need no pin. tests/integration/test_hostile_values.py walks pg_proc for
+-- any function this misses.
+DO $$
+DECLARE
+    unpinned regprocedure;
+BEGIN
+    FOR unpinned IN
+        SELECT p.oid::regprocedure
+        FROM pg_proc p
+        WHERE p.pronamespace = current_schema()::regnamespace
+          AND p.proname LIKE 'outbox\_%'
+          AND p.prosqlbody IS NULL
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp',
+                       unpinned, current_schema());
+    END LOOP;
 END;
 $$;
 
@@ -539,3 +774,4 @@ INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (4) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (5) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (6) ON CONFLICT (version) DO NOTHING;

@@ -47,7 +47,7 @@ def recreate(url: str) -> None:
 
 def bare_params(index: int, n: int) -> dict[str, Any]:
     """What record_decision sends for the bench's decision, but built by the caller: the
-    stored input as send_refund's model dumps it, a fixed fingerprint and short form."""
+    stored input as send_refund's model dumps it, and a fixed fingerprint."""
     return {
         "id": uuid.uuid4(),
         "run_id": f"bare_{index}",
@@ -66,14 +66,6 @@ def bare_params(index: int, n: int) -> dict[str, Any]:
         "input_fingerprint": "0" * 64,
         "requires_approval": False,
         "headers": Jsonb({}),
-        "event_attributes": Jsonb(
-            {
-                "tool": "send_refund",
-                "tool_version": 1,
-                "fingerprint": "0" * 12,
-                "run_id": f"bare_{index}",
-            }
-        ),
     }
 
 

@@ -19,9 +19,10 @@ from uuid import UUID
 
 from consumer import policy
 from consumer.batching import Batcher
-from consumer.database import Database, transition_plan
+from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.telemetry import log
 from outbox import store
+from outbox.bounds import is_unreadable
 from outbox.broker import OperationMessage
 from outbox.contracts import Registry, ToolContract
 from outbox.decisions import derive_intent
@@ -172,6 +173,8 @@ class Claims:
             return Skip("invalid", "unknown_tool")
         if operation.state is not S.PREPARED:
             return await _suppressed(runner, operation)
+        if is_unreadable(operation.input):
+            return await self._unreadable(runner, operation, contract)
         # Trust only what can be derived: the stored row's fingerprint and approval flag
         # were written by whoever holds the agent's grant, and may have been forged.
         intent = derive_intent(contract, operation)
@@ -202,6 +205,18 @@ class Claims:
             return Skip("duplicate")  # a second delivery in the same burst escalated it
         self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
         return Skip("escalated")
+
+    async def _unreadable(
+        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+    ) -> Skip:
+        """Never executed, never a crash that takes the burst's other deliveries with it:
+        quarantined as the third ending, for a person to end with `outbox ops resolve`
+        or `ops cancel`."""
+        try:
+            await quarantine_unreadable(runner, self.metrics, operation, contract.name)
+        except IllegalTransition:
+            return Skip("duplicate")  # a second delivery of it in the same burst
+        return Skip("unreadable")
 
     async def _tampered(
         self,

@@ -4,16 +4,21 @@ policy's decisions as store plans."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import psycopg
 
 from consumer.policy import Transition
+from consumer.telemetry import log
 from outbox import lifecycle, store
+from outbox.bounds import unreadable_reason
 from outbox.connections import DatabaseBounds, SessionPool
+from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
 from outbox.settings import Settings
+from outbox.states import OperationState
 from outbox.store import AsyncStore, Plan
 
 T = TypeVar("T")
@@ -105,3 +110,33 @@ def transition_plan(operation: Operation, move: Transition) -> Plan[Operation]:
     if move.then is None:
         return moved
     return (yield from transition_plan(moved, move.then.transition))
+
+
+async def quarantine_unreadable(
+    runner: AsyncStore, metrics: ConsumerMetrics, operation: Operation, tool: str
+) -> None:
+    """Escalate an operation whose stored input no reader may parse (a row from before
+    the database bounded inputs, or written around the bounds): it is never executed and
+    cannot be looked up, so a person ends it. Counted and logged by id once the move is
+    written; raises :class:`~outbox.errors.IllegalTransition` if another process moved
+    it first."""
+    why = unreadable_reason(operation.input) or "malformed"
+    await runner.run(
+        store.transition(
+            operation.id,
+            source=operation.state,
+            target=OperationState.ESCALATED,
+            attributes={"reason": "unreadable", "check": why},
+            error_class="unreadable",
+        )
+    )
+    metrics.unreadable.labels(tool, "input").inc()
+    metrics.escalations.labels(tool, "unreadable").inc()
+    log(
+        logging.ERROR,
+        "consumer.unreadable",
+        "the stored input cannot be read; escalated",
+        id=operation.display_id,
+        tool=tool,
+        why=why,
+    )

@@ -19,10 +19,11 @@ from typing import Any
 from uuid import UUID
 
 from consumer import policy
-from consumer.database import Database, transition_plan
+from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
 from consumer.telemetry import log, span_attributes
 from outbox import store, tracing
+from outbox.bounds import is_unreadable
 from outbox.contracts import Registry, ToolContract
 from outbox.daemon import is_transient_database_error
 from outbox.errors import IllegalTransition, OutboxError, ToolNotRegistered
@@ -167,6 +168,10 @@ class Reconciler(Stoppable):
             operation = await runner.run(
                 transition_plan(operation, policy.after_lease_expired(operation))
             )
+        if is_unreadable(operation.input) and operation.state is S.OUTCOME_UNKNOWN:
+            # A lookup needs the input the effect was attempted with.
+            await quarantine_unreadable(runner, self.metrics, operation, contract.name)
+            return None
         decision = policy.for_unknown_outcome(operation, contract, now=datetime.now(UTC))
         if isinstance(decision, LookUp):
             lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)

@@ -82,7 +82,7 @@ def encode(row: ClaimedRow) -> Encoded:
             "input_fingerprint": row.input_fingerprint,
         }
     )
-    traceparent = row.headers.get("traceparent")
+    traceparent = row.traceparent
     return Encoded(
         body=body.encode(),
         properties=Basic.Properties(
@@ -92,7 +92,7 @@ def encode(row: ClaimedRow) -> Encoded:
             correlation_id=operation_id,
             message_type=MESSAGE_TYPE,
             app_id=APP_ID,
-            headers={"traceparent": traceparent} if isinstance(traceparent, str) else None,
+            headers={"traceparent": traceparent} if traceparent is not None else None,
         ),
     )
 

@@ -133,6 +133,12 @@ def _translate(action: str, driver_error: psycopg.Error) -> OutboxError:
         return UniqueViolation(
             f"{action}: unique constraint {constraint!r} refused the write", constraint=constraint
         )
+    if constraint == "operations_input_bounded":
+        # The Python path refuses these first; only input recorded around it meets this.
+        return InputRejected(
+            f"{action}: the database refused the input: {diag.message_primary}",
+            problems=["input outside the database's bounds"],
+        )
     if constraint in ("operations_legal_transition", "operations_terminal"):
         return IllegalTransition(
             f"{action}: the database refused it: {diag.message_primary or 'illegal transition'}"

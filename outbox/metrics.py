@@ -54,6 +54,7 @@ class MetricNames:
     ESCALATIONS = f"{PREFIX}_escalations"
     CONSUMER_RECONNECTS = f"{PREFIX}_consumer_reconnects"
     TAMPERED = f"{PREFIX}_consumer_tampered"
+    UNREADABLE = f"{PREFIX}_consumer_unreadable"
     OPERATIONS = f"{PREFIX}_operations"
 
 
@@ -143,6 +144,7 @@ class ConsumerMetrics:
     escalations: Counter
     reconnects: Counter
     tampered: Counter
+    unreadable: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
@@ -198,6 +200,13 @@ class ConsumerMetrics:
                 "Operations whose stored row disagrees with what the consumer derives from "
                 "its input and contract: never executed, escalated; by the check that failed",
                 ["tool", "check"],
+                registry=registry,
+            ),
+            unreadable=Counter(
+                names.UNREADABLE,
+                "Stored values no reader may parse (too large, too deep, malformed): the "
+                "operation is never executed, it is escalated; by tool and column",
+                ["tool", "column"],
                 registry=registry,
             ),
         )

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
+from outbox.bounds import object_or_unreadable
 from outbox.contracts import SideEffect
 from outbox.fingerprint import sanitized
 from outbox.states import OperationState
 
 OPERATION_ID_PREFIX = "op_"
+
+# A stored JSON object, as read back: a value of another kind (an array, a string) that
+# a row may hold from before the database's bounds reads as the unreadable marker.
+StoredObject = Annotated[dict[str, Any], BeforeValidator(object_or_unreadable)]
 
 
 def display_operation_id(operation_id: UUID) -> str:
@@ -39,7 +44,7 @@ class Operation(_Record):
     tool_name: str
     tool_version: int
     side_effect: SideEffect
-    input: dict[str, Any]
+    input: StoredObject
     input_fingerprint: str
     requires_approval: bool
     state: OperationState
@@ -51,7 +56,7 @@ class Operation(_Record):
     next_attempt_at: datetime
     first_attempt_at: datetime | None
     provider_reference: str | None
-    result: dict[str, Any] | None
+    result: StoredObject | None
     last_error_class: str | None
     effect_possible: bool
     """An attempt's outcome was unknown and no lookup has proved the effect absent since:
@@ -79,7 +84,7 @@ class OperationEvent(_Record):
     id: int
     operation_id: UUID
     name: str
-    attributes: dict[str, Any]
+    attributes: StoredObject
     created_at: datetime
 
 
@@ -87,7 +92,7 @@ class OutboxRow(_Record):
     id: int
     operation_id: UUID
     routing_key: str
-    headers: dict[str, Any]
+    headers: StoredObject
     created_at: datetime
     available_at: datetime
     published_at: datetime | None
@@ -105,7 +110,9 @@ class Approval(_Record):
     operation_id: UUID
     intent_hash: str
     decision: ApprovalDecision
-    approved_by: str
+    approved_by: str | None = None
+    """Who decided: read only where a person's name may be (the operator's commands and
+    console); None in what the agent and the consumer read, which never need it."""
     expires_at: datetime
     created_at: datetime
 

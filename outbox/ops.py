@@ -27,6 +27,7 @@ from uuid import UUID
 import psycopg
 
 from outbox import store
+from outbox.bounds import is_unreadable, unreadable_reason
 from outbox.connections import command_parameters
 from outbox.decisions import grant_approval
 from outbox.dlq import positive_int
@@ -37,10 +38,11 @@ from outbox.errors import (
     ServiceUnavailable,
     connect_failure,
 )
-from outbox.fingerprint import sanitized
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import (
     ApprovalCheck,
     ApprovalDecision,
+    ApprovalStatus,
     Operation,
     OperationEvent,
     display_operation_id,
@@ -50,7 +52,7 @@ from outbox.settings import Settings, redact_url
 from outbox.states import OperationState, legal_targets
 from outbox.store import ChainReport, OperationStats, OperationSummary, Store
 from outbox.store.evidence import REASONS
-from outbox.text import logfmt_value, printable
+from outbox.text import logfmt_key, logfmt_value, printable
 
 S = OperationState
 DEFAULT_LIST_LIMIT = 50
@@ -149,8 +151,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
-def summary_json(summary: OperationSummary) -> dict[str, Any]:
-    """One operation in ``--json`` listings: metadata only, never the input."""
+def summary_json(summary: OperationSummary, key: str) -> dict[str, Any]:
+    """One operation in ``--json`` listings: metadata only, never the input. The
+    fingerprint is the keyed short form logs and events show, and nothing else."""
     return {
         "id": display_operation_id(summary.id),
         "run_id": summary.run_id,
@@ -163,7 +166,7 @@ def summary_json(summary: OperationSummary) -> dict[str, Any]:
         "last_error_class": summary.last_error_class,
         "provider_reference": summary.provider_reference,
         "requires_approval": summary.requires_approval,
-        "fingerprint": sanitized(summary.input_fingerprint),
+        "fingerprint": keyed_fingerprint(key, summary.input_fingerprint),
         "created_at": stamp(summary.created_at),
         "updated_at": stamp(summary.updated_at),
     }
@@ -188,16 +191,33 @@ def listing_text(summaries: Sequence[OperationSummary]) -> str:
     return table(headers, rows)
 
 
-def _attributes_text(attributes: dict[str, Any]) -> str:
-    # from/to first (the move), then the rest in a stable order.
+def _attributes_text(name: str, attributes: dict[str, Any]) -> str:
+    if is_unreadable(attributes):
+        return f"(attributes unreadable: {unreadable_text(attributes)})"
+    # from/to first (the move), then the rest in a stable order. Keys are quoted like
+    # values when they are not plain words: a key is chosen by whoever wrote the event.
     keys: list[str] = [k for k in ("from", "to") if k in attributes]
     keys += sorted(k for k in attributes if k not in ("from", "to"))
-    return printable(" ".join(f"{key}={logfmt_value(_scalar(attributes[key]))}" for key in keys))
+    text = printable(
+        " ".join(f"{logfmt_key(key)}={logfmt_value(_scalar(attributes[key]))}" for key in keys)
+    )
+    # The agent's own event: its words, not the runtime's record of what happened.
+    return f"the agent says: {text}" if name.startswith("agent.") else text
+
+
+def unreadable_text(value: object) -> str:
+    """What a reader shows for a stored value it would not parse: why, and its size."""
+    assert isinstance(value, dict)
+    detail = value.get("outbox.unreadable")
+    size = detail.get("bytes") if isinstance(detail, dict) else None
+    return f"{unreadable_reason(value)}, {size} bytes" if size else str(unreadable_reason(value))
 
 
 def intent_text(tool_input: dict[str, Any]) -> str:
     """The validated input as one line of JSON (keys sorted), safe for a terminal; what
     a person approves or settles, never a summary of it."""
+    if is_unreadable(tool_input):
+        return f"(unreadable: {unreadable_text(tool_input)}; it is never executed)"
     return printable(json.dumps(tool_input, ensure_ascii=False, sort_keys=True))
 
 
@@ -207,14 +227,16 @@ def _scalar(value: Any) -> str | int | float | bool | None:
     return json.dumps(value, sort_keys=True)
 
 
-def show_text(operation: Operation, events: Sequence[OperationEvent], approval: str | None) -> str:
+def show_text(
+    operation: Operation, events: Sequence[OperationEvent], approval: str | None, key: str
+) -> str:
     header = [
         ("operation", operation.display_id),
         ("run", operation.run_id),
         ("tool", f"{operation.tool_name} v{operation.tool_version}"),
         ("side effect", str(operation.side_effect)),
         ("state", str(operation.state)),
-        ("fingerprint", operation.sanitized_fingerprint),
+        ("fingerprint", keyed_fingerprint(key, operation.input_fingerprint)),
         ("input", intent_text(operation.input)),
         ("attempts", str(operation.attempts)),
         ("reconciles", str(operation.reconcile_attempts)),
@@ -231,7 +253,8 @@ def show_text(operation: Operation, events: Sequence[OperationEvent], approval: 
     name_width = max(map(len, names), default=0)
     for event, name in zip(events, names, strict=True):
         when, name = stamp(event.created_at), name.ljust(name_width)
-        lines.append(f"  {when}  {name}  {_attributes_text(event.attributes)}".rstrip())
+        text = _attributes_text(event.name, event.attributes)
+        lines.append(f"  {when}  {name}  {text}".rstrip())
     return "\n".join(lines)
 
 
@@ -274,8 +297,15 @@ def chain_text(report: ChainReport, operation_id: UUID | None) -> str:
     return "\n".join([verdict, *("  " + line for line in table_lines)])
 
 
-def approval_text(check: ApprovalCheck) -> str:
-    return f"{check.status}: {check.reason}"
+def approval_text(check: ApprovalCheck, decided_by: str | None = None) -> str:
+    """The approval check in a line; with the name an operator may read, who decided."""
+    reason = check.reason
+    if decided_by is not None and check.approval is not None:
+        if check.status is ApprovalStatus.DENIED:
+            reason = f"denied by {decided_by}"
+        elif check.status is ApprovalStatus.VALID:
+            reason = f"granted by {decided_by} until {stamp(check.approval.expires_at)}"
+    return f"{check.status}: {reason}"
 
 
 # --- database ------------------------------------------------------------------------
@@ -302,6 +332,7 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
 def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
     window = args.since
     with _connect(settings) as connection:
+        key = Store(connection).run(store.fingerprint_key())
         summaries = Store(connection).run(
             store.list_operation_summaries(
                 states=[S(state) for state in args.states] if args.states else None,
@@ -312,7 +343,7 @@ def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
             )
         )
     if args.json:
-        print(json.dumps([summary_json(s) for s in summaries], indent=2))
+        print(json.dumps([summary_json(s, key) for s in summaries], indent=2))
     else:
         print(listing_text(summaries))
     return 0
@@ -322,14 +353,14 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
     operation_id = _operation_id(args.operation_id)
     with _connect(settings) as connection:
         runner = Store(connection)
+        key = runner.run(store.fingerprint_key())
         operation = runner.run(store.get_operation(operation_id))
         events = runner.run(store.events(operation_id))
-        approval = (
-            approval_text(runner.run(store.check_approval(operation_id)))
-            if operation.requires_approval
-            else None
-        )
-    print(show_text(operation, events, approval))
+        approval = None
+        if operation.requires_approval:
+            check = runner.run(store.check_approval(operation_id))
+            approval = approval_text(check, runner.run(store.approver_of(check)))
+    print(show_text(operation, events, approval, key))
     return 0
 
 
@@ -443,6 +474,7 @@ def cmd_ops_cancel(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
     with _connect(settings) as connection:
         runner = Store(connection)
+        key = runner.run(store.fingerprint_key())
         pending = runner.run(store.pending_approvals())
         # An approver judges the intent itself, not its fingerprint. The listing query
         # leaves the input out, so it is read per operation, in the same transaction.
@@ -454,7 +486,7 @@ def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
             json.dumps(
                 [
                     {
-                        **summary_json(p.operation),
+                        **summary_json(p.operation, key),
                         "input": inputs[p.operation.id],
                         "approval_status": str(p.check.status),
                         "approval_reason": p.check.reason,
@@ -472,9 +504,9 @@ def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
         [
             display_operation_id(p.operation.id),
             f"{p.operation.tool_name} v{p.operation.tool_version}",
-            sanitized(p.operation.input_fingerprint),
+            keyed_fingerprint(key, p.operation.input_fingerprint),
             f"{p.operation.side_effect} in run {p.operation.run_id}",
-            approval_text(p.check),
+            approval_text(p.check, p.decided_by),
             stamp(p.operation.created_at),
             # Last: the one column of any length.
             intent_text(inputs[p.operation.id]),
@@ -497,12 +529,14 @@ def cmd_approvals_grant(args: argparse.Namespace, settings: Settings) -> int:
     operation_id = _operation_id(args.operation_id)
     person = _person(args.by)
     with _connect(settings) as connection:
+        key = Store(connection).run(store.fingerprint_key())
         operation = Store(connection).run(store.get_operation(operation_id))
         _approvable(operation)
         approval = grant_approval(connection, operation_id, approved_by=person, ttl=args.ttl)
     print(
         f"approval {approval.id} granted by {printable(person)} for {operation.display_id} "
-        f"(intent {sanitized(approval.intent_hash)}), expires {stamp(approval.expires_at)}"
+        f"(intent {keyed_fingerprint(key, approval.intent_hash)}), expires "
+        f"{stamp(approval.expires_at)}"
     )
     if operation.state is S.PREPARED:
         print("the operation is queued again and will be attempted under this grant")

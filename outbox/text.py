@@ -43,6 +43,12 @@ def printable(value: object) -> str:
     return str(value).translate(_PRINTABLE)
 
 
+def logfmt_key(key: str) -> str:
+    """A key as a logfmt line shows it: bare when it is a plain word, quoted and escaped
+    as a value would be otherwise (a key with a space or an = could forge a field)."""
+    return key if _BARE.fullmatch(key) else logfmt_value(key)
+
+
 def logfmt_value(value: Scalar) -> str:
     text = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     if _BARE.fullmatch(text):

@@ -23,6 +23,7 @@ from outbox.console import rules
 from outbox.console.app import HTTPProblem, action, console_of
 from outbox.contracts import Registry
 from outbox.errors import IllegalTransition
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.logs import log_fields
 from outbox.models import ApprovalDecision, display_operation_id
 from outbox.ops import _DENIAL_TTL, _approvable, _connect, _resolvable
@@ -113,9 +114,11 @@ def _decide(
         if current.input_fingerprint != shown:
             # The page showed another intent than the operation has now: approving it
             # would approve something nobody read.
+            key = runner.run(store.fingerprint_key())
             raise IllegalTransition(
                 f"{current.display_id}: the intent changed since this page was shown "
-                f"(shown {shown[:12]}, now {current.sanitized_fingerprint}); reload and judge "
+                f"(shown {keyed_fingerprint(key, shown)}, now "
+                f"{keyed_fingerprint(key, current.input_fingerprint)}); reload and judge "
                 "the current intent. Nothing was granted or denied"
             )
         runner.run(

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from outbox import dlq, store
+from outbox.bounds import is_unreadable
 from outbox.console.app import HTTPProblem, console_of, page, render
 from outbox.console.rules import (
     APPROVAL_TTLS,
@@ -33,8 +34,9 @@ from outbox.console.rules import (
 )
 from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Operation, OperationEvent
-from outbox.ops import _connect, stamp, stats_json
+from outbox.ops import _connect, stamp, stats_json, unreadable_text
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
@@ -209,6 +211,11 @@ class OperationView:
     events: list[OperationEvent]
     approval: ApprovalCheck | None
     approvals: list[Approval]
+    fingerprint_key: str
+
+    def short(self, fingerprint: str) -> str:
+        """The keyed short fingerprint, the one form a person reads anywhere."""
+        return keyed_fingerprint(self.fingerprint_key, fingerprint)
 
 
 def contract_card(registry: Registry | None, operation: Operation) -> str:
@@ -229,11 +236,15 @@ def contract_card(registry: Registry | None, operation: Operation) -> str:
 def intent_json(tool_input: dict[str, Any]) -> str:
     """The input as indented JSON. Its line breaks are JSON's own (a newline inside a
     string is escaped by JSON), so each line can go through ``printable`` on its own."""
+    if is_unreadable(tool_input):
+        return f"(unreadable: {unreadable_text(tool_input)}; it is never executed)"
     text = json.dumps(tool_input, indent=2, ensure_ascii=False, sort_keys=True)
     return "\n".join(printable(line) for line in text.splitlines())
 
 
 def attributes_text(attributes: dict[str, Any]) -> list[tuple[str, str]]:
+    if is_unreadable(attributes):
+        return [("attributes", f"unreadable: {unreadable_text(attributes)}")]
     keys: list[str] = [k for k in ("from", "to") if k in attributes]
     keys += sorted(k for k in attributes if k not in ("from", "to"))
     return [
@@ -252,6 +263,7 @@ def load_operation(runner: Store, operation_id: UUID) -> OperationView:
             runner.run(store.check_approval(operation_id)) if operation.requires_approval else None
         ),
         approvals=runner.run(store.operation_approvals(operation_id)),
+        fingerprint_key=runner.run(store.fingerprint_key()),
     )
 
 
@@ -307,15 +319,23 @@ async def operation(request: Request) -> Response:
 class PendingView:
     operation: Operation
     check: ApprovalCheck
+    short_fingerprint: str
+    decided_by: str | None
 
 
 @page
 async def approvals(request: Request) -> Response:
     def work(runner: Store) -> list[PendingView]:
         pending = runner.run(store.pending_approvals())
+        key = runner.run(store.fingerprint_key())
         # The approver judges the intent itself: read per operation, in this transaction.
         return [
-            PendingView(operation=runner.run(store.get_operation(p.operation.id)), check=p.check)
+            PendingView(
+                operation=runner.run(store.get_operation(p.operation.id)),
+                check=p.check,
+                short_fingerprint=keyed_fingerprint(key, p.operation.input_fingerprint),
+                decided_by=p.decided_by,
+            )
             for p in pending
         ]
 

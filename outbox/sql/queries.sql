@@ -10,7 +10,7 @@
 -- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql); no row back when (run_id, decision_key) is taken.
 SELECT * FROM outbox_record_decision(
     %(id)s, %(run_id)s, %(decision_key)s, %(tool_name)s, %(tool_version)s, %(side_effect)s,
-    %(input)s, %(input_fingerprint)s, %(requires_approval)s, %(headers)s, %(event_attributes)s
+    %(input)s, %(input_fingerprint)s, %(requires_approval)s, %(headers)s
 )
 
 -- name: fingerprint_key
@@ -22,8 +22,13 @@ SELECT fingerprint_key FROM outbox_deployment
 SELECT * FROM operations WHERE id = %(id)s
 
 -- name: get_operation_by_decision_key
--- The operation an agent already recorded under (run_id, decision_key).
-SELECT * FROM operations WHERE run_id = %(run_id)s AND decision_key = %(decision_key)s
+-- The operation an agent already recorded under (run_id, decision_key), from the operation_status view: every column but the input, which the agent role may not read (the caller holds the input it recorded).
+SELECT id, run_id, decision_key, tool_name, tool_version, side_effect, input_fingerprint,
+       requires_approval, state, attempts, reconcile_attempts, lease_token, lease_owner,
+       lease_expires_at, next_attempt_at, first_attempt_at, provider_reference, result,
+       last_error_class, effect_possible, created_at, updated_at
+FROM operation_status
+WHERE run_id = %(run_id)s AND decision_key = %(decision_key)s
 
 -- name: get_operations
 -- Many operations by id, for a consumer checking a burst of deliveries at once.
@@ -128,22 +133,14 @@ VALUES (%(operation_id)s, %(name)s, %(attributes)s)
 -- ==== outbox.store.approvals: a person's grant or denial, and the check before an effect
 
 -- name: insert_approval
--- Record a person's grant or denial bound to the operation's intent; a grant for a waiting operation also queues a fresh outbox row.
+-- Record a person's grant or denial bound to the operation's intent (the approvals trigger appends its event); a grant for a waiting operation also queues a fresh outbox row.
 WITH decided AS (
     INSERT INTO approvals (id, operation_id, intent_hash, decision, approved_by, expires_at)
     SELECT %(id)s, id, COALESCE(%(intent_hash)s, input_fingerprint), %(decision)s,
-           %(approved_by)s, now() + %(ttl)s::interval
+           %(approved_by)s, clock_timestamp() + %(ttl)s::interval
     FROM operations
     WHERE id = %(operation_id)s
     RETURNING *
-), event AS (
-    INSERT INTO operation_events (operation_id, name, attributes)
-    SELECT operation_id,
-           CASE decision WHEN 'granted' THEN 'operation.approval_granted'
-                         ELSE 'operation.approval_denied' END,
-           jsonb_build_object('approval_id', id, 'by', approved_by,
-                              'intent', left(intent_hash, 12), 'expires_at', expires_at)
-    FROM decided
 ), queued AS (
     INSERT INTO outbox (operation_id, routing_key)
     SELECT o.id, o.tool_name || '.v' || o.tool_version
@@ -153,13 +150,13 @@ WITH decided AS (
 SELECT * FROM decided
 
 -- name: latest_approval
--- The operation's fingerprint, the database's clock and its most recent approval decision, if any.
+-- The operation's fingerprint, the database's clock and its most recent approval decision, if any; not who decided (the agent role may not read people's names).
 SELECT o.input_fingerprint AS operation_fingerprint,
        now() AS checked_at,
-       a.id, a.operation_id, a.intent_hash, a.decision, a.approved_by, a.expires_at, a.created_at
+       a.id, a.operation_id, a.intent_hash, a.decision, a.expires_at, a.created_at
 FROM operations o
 LEFT JOIN LATERAL (
-    SELECT * FROM approvals
+    SELECT id, operation_id, intent_hash, decision, expires_at, created_at FROM approvals
     WHERE operation_id = o.id
     ORDER BY created_at DESC
     LIMIT 1
@@ -179,7 +176,7 @@ SELECT o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
        o.last_error_class, o.updated_at, now() AS checked_at,
        a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
        a.expires_at AS approval_expires_at
-FROM operations o
+FROM operation_status o
 LEFT JOIN LATERAL (
     SELECT decision, intent_hash, expires_at FROM approvals
     WHERE operation_id = o.id
@@ -190,14 +187,14 @@ WHERE o.id = ANY(%(ids)s::uuid[])
 
 -- name: operation_outcomes_changed
 -- operation_outcomes for a watcher, without what it has already read: only operations whose row version (xmin, new with every update) differs from the one it holds, or that it has not read yet, or that wait for an approval (a grant changes no operation row).
-SELECT o.xmin::text::bigint AS row_version,
+SELECT o.row_version,
        o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
        o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
        o.last_error_class, o.updated_at, now() AS checked_at,
        a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
        a.expires_at AS approval_expires_at
 FROM unnest(%(ids)s::uuid[], %(row_versions)s::bigint[]) AS known (id, row_version)
-JOIN operations o ON o.id = known.id
+JOIN operation_status o ON o.id = known.id
 LEFT JOIN LATERAL (
     SELECT decision, intent_hash, expires_at FROM approvals
     WHERE operation_id = o.id
@@ -205,13 +202,13 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) a ON o.requires_approval AND o.state = 'prepared'
 WHERE known.row_version IS NULL
-   OR o.xmin::text::bigint <> known.row_version
+   OR o.row_version <> known.row_version
    OR (o.requires_approval AND o.state = 'prepared')
 
 -- ==== outbox.store.dispatch: the dispatcher's outbox rows and gauges
 
 -- name: claim_outbox_batch
--- Lock up to batch_size available, unpublished rows in id order (skipping rows another dispatcher holds), with what the message needs.
+-- Lock up to batch_size available, unpublished rows in id order (skipping rows another dispatcher holds), with what the message needs: its trace context only when it is a valid W3C traceparent (the headers are never parsed outside the database).
 WITH claimed AS (
     SELECT id, operation_id, routing_key, headers, created_at, available_at, publish_attempts
     FROM outbox
@@ -226,7 +223,11 @@ WITH claimed AS (
     LIMIT %(batch_size)s
     FOR UPDATE SKIP LOCKED
 )
-SELECT c.id, c.operation_id, c.routing_key, c.headers, c.publish_attempts,
+SELECT c.id, c.operation_id, c.routing_key,
+       CASE WHEN jsonb_typeof(c.headers -> 'traceparent') = 'string'
+                 AND c.headers ->> 'traceparent' ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+            THEN c.headers ->> 'traceparent' END AS traceparent,
+       c.publish_attempts,
        EXTRACT(EPOCH FROM clock_timestamp() - greatest(c.created_at, c.available_at))::float8
            AS ready_seconds,
        o.tool_name, o.tool_version, o.input_fingerprint
@@ -496,11 +497,11 @@ ORDER BY created_at DESC, id
 -- ==== outbox.store.evidence: `outbox ops verify` and the console's check of an operation's evidence chain
 
 -- name: verify_event_chains
--- Recompute the evidence chain of the operations whose ids lie in [first, last] (at most `limit` of them, in id order): per operation its event count and every broken link (event id or null, reason), hashed by outbox_event_hash as the insert trigger hashes.
+-- Recompute the evidence chain of the operations whose ids lie in [first, last] (at most `limit` of them, in id order): per operation its event count and every broken link (event id or null, reason), hashed by outbox_event_hash as the insert trigger hashes; and whether the evidence supports the row: a birth event first, and the state the last transition event moved it to.
 WITH page AS (
     -- Inclusive bounds are index conditions in any plan, also a generic one: one
     -- operation is [id, id], the next page of all of them starts past the last id seen.
-    SELECT o.id
+    SELECT o.id, o.state
     FROM operations o
     WHERE o.id >= %(first)s::uuid AND o.id <= %(last)s::uuid
     ORDER BY o.id
@@ -516,7 +517,15 @@ WITH page AS (
                 ELSE e.prev_hash IS DISTINCT FROM lag(e.hash) OVER w
                      OR e.seq IS DISTINCT FROM lag(e.seq) OVER w + 1
            END AS unlinked,
-           lead(e.id) OVER w IS NULL AS newest
+           lead(e.id) OVER w IS NULL AS newest,
+           e.name,
+           -- The state an event says its operation entered: birth, a claim, or any
+           -- runtime transition (each names its target in "to"); none for the rest.
+           CASE WHEN e.name = 'operation.prepared' THEN 'prepared'
+                WHEN e.name = 'operation.attempted' THEN 'in_flight'
+                WHEN e.name LIKE 'operation.%%' AND jsonb_typeof(e.attributes -> 'to') = 'string'
+                THEN e.attributes ->> 'to'
+           END AS entered
     FROM page p
     JOIN operation_events e ON e.operation_id = p.id
     WINDOW w AS (PARTITION BY e.operation_id ORDER BY e.seq, e.id)
@@ -538,6 +547,27 @@ WITH page AS (
     WHERE (h.operation_id IS NOT NULL OR t.id IS NOT NULL)
       AND (h.operation_id IS NULL OR t.id IS NULL
            OR h.events IS DISTINCT FROM t.seq OR h.last_hash IS DISTINCT FROM t.hash)
+    UNION ALL
+    -- Every operation is born with its operation.prepared event, in the statement that
+    -- records it: one whose first event is another, or that has none, was written
+    -- around outbox_record_decision.
+    SELECT p.id, 0, b.id, 'missing_birth'
+    FROM page p
+    LEFT JOIN chain b ON b.operation_id = p.id AND b.position = 1
+    WHERE b.id IS NULL OR b.name <> 'operation.prepared'
+    UNION ALL
+    -- The row's state is the one its last transition event entered: a state no event
+    -- supports (a committed row with no committed event) was written around the
+    -- statements that move operations.
+    SELECT p.id, l.position, l.id, 'state_mismatch'
+    FROM page p
+    JOIN LATERAL (
+        SELECT c.id, c.position, c.entered FROM chain c
+        WHERE c.operation_id = p.id AND c.entered IS NOT NULL
+        ORDER BY c.position DESC
+        LIMIT 1
+    ) l ON true
+    WHERE l.entered IS DISTINCT FROM p.state
 ), counted AS (
     SELECT operation_id, count(*) AS events FROM chain GROUP BY operation_id
 ), found AS (
@@ -578,9 +608,10 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest table and function (version 5's evidence chain) and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest table and functions (version 5's evidence chain, version 6's bounds) and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
+       AND to_regproc('outbox_guard_approval') IS NOT NULL
        AND EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
                    WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
                      AND a.attname = 'effect_possible' AND NOT a.attisdropped) AS is_current

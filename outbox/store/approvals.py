@@ -11,10 +11,12 @@ from datetime import timedelta
 from uuid import UUID, uuid4
 
 from outbox import lifecycle
+from outbox.bounds import MAX_APPROVAL_TTL
 from outbox.errors import OperationNotFound
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, ApprovalDecision, ApprovalStatus
 from outbox.states import EventName
-from outbox.store.operations import get_operation
+from outbox.store.operations import fingerprint_key, get_operation
 from outbox.store.runner import Plan, Step
 
 
@@ -36,6 +38,11 @@ def decide_approval(
         raise ValueError("approved_by must name the person who decided")
     if ttl <= timedelta(0):
         raise ValueError("an approval needs a positive time to live")
+    if ttl > MAX_APPROVAL_TTL:
+        raise ValueError(
+            f"an approval lasts at most {MAX_APPROVAL_TTL.days} days (the database refuses "
+            "a later expiry); grant again when it runs out"
+        )
     rows = yield Step(
         "insert_approval",
         {
@@ -62,7 +69,11 @@ def decide_approval(
 
 
 def check_approval(operation_id: UUID) -> Plan[ApprovalCheck]:
-    """Is there a grant this operation's effect may be attempted under, right now?"""
+    """Is there a grant this operation's effect may be attempted under, right now?
+
+    The answer names intents by their keyed short fingerprint, never who decided: the
+    agent role, which asks this, may not read people's names."""
+    key = yield from fingerprint_key()
     rows = yield Step("latest_approval", {"operation_id": operation_id})
     if not rows:
         raise OperationNotFound(f"no operation with id {operation_id}")
@@ -73,15 +84,15 @@ def check_approval(operation_id: UUID) -> Plan[ApprovalCheck]:
         )
     approval = Approval.model_validate(row)
     if approval.decision is ApprovalDecision.DENIED:
-        status, reason = ApprovalStatus.DENIED, f"denied by {approval.approved_by}"
+        status, reason = ApprovalStatus.DENIED, "a person denied it"
     elif approval.expires_at <= row["checked_at"]:
         status, reason = ApprovalStatus.EXPIRED, f"the grant expired at {approval.expires_at}"
     elif approval.intent_hash != row["operation_fingerprint"]:
         status, reason = (
             ApprovalStatus.INTENT_CHANGED,
-            f"the grant approved intent {approval.intent_hash[:12]}, the operation's intent is "
-            f"{row['operation_fingerprint'][:12]}",
+            f"the grant approved intent {keyed_fingerprint(key, approval.intent_hash)}, the "
+            f"operation's intent is {keyed_fingerprint(key, row['operation_fingerprint'])}",
         )
     else:
-        status, reason = ApprovalStatus.VALID, f"granted by {approval.approved_by}"
+        status, reason = ApprovalStatus.VALID, f"granted until {approval.expires_at}"
     return ApprovalCheck(status=status, reason=reason, approval=approval)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import NamedTuple
 from uuid import UUID
 
 from outbox.states import OperationState
@@ -27,7 +27,9 @@ class ClaimedRow(NamedTuple):
     id: int
     operation_id: UUID
     routing_key: str
-    headers: dict[str, Any]
+    traceparent: str | None
+    """The decision's W3C trace context, when the row holds a valid one (the claim's own
+    SQL checks it: a dispatcher never parses a row's headers)."""
     publish_attempts: int
     """Failed publishes of this row so far."""
     ready_seconds: float

@@ -1,5 +1,5 @@
 """The evidence chain: checking that an operation's lifecycle events are the ones that
-were written.
+were written, and that they support the row.
 
 Every event carries a hash over a canonical form of itself and of the event before it
 in its operation, and each operation's head (how many events, the last hash) is kept
@@ -33,6 +33,10 @@ REASONS = {
     "missing_tail": "the newest event(s) of the operation were deleted",
     "anchor_mismatch": "the chain's head does not name this last event: events or the head "
     "were written around the chain trigger",
+    "missing_birth": "the operation has no operation.prepared event first: it was written "
+    "around the statement that records decisions",
+    "state_mismatch": "the operation's state is not the one its last transition event "
+    "entered: the row was moved around the statements that record each move",
 }
 
 
@@ -50,6 +54,10 @@ class BrokenLink:
       newest events were deleted (``event_id`` is None).
     - ``anchor_mismatch``: the head names another last event, or there is no head:
       events were added, or the head rewritten, without the chain trigger.
+    - ``missing_birth``: the operation's first event is not its ``operation.prepared``
+      (``event_id`` names that first event), or it has no event at all (None).
+    - ``state_mismatch``: the row's state is not the one the last event that moved it
+      entered (``event_id`` names that event): the row was changed without its event.
     """
 
     operation_id: UUID

@@ -17,6 +17,7 @@ from uuid import UUID, uuid4
 from psycopg.types.json import Jsonb
 
 from outbox import lifecycle
+from outbox.bounds import bounded_reference, bounded_result
 from outbox.errors import (
     DecisionConflict,
     IllegalTransition,
@@ -62,6 +63,9 @@ def fingerprint_key() -> Plan[str]:
 def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
     """Insert operation + outbox row + prepared event, or return the one already there."""
     key = yield from fingerprint_key()
+    # The log line's fields. The event's attributes are written by the database function
+    # from its own arguments (tool, version, run); the short fingerprint, which needs the
+    # deployment's key, is shown from the row by whoever reads it.
     attributes: dict[str, lifecycle.Scalar] = {
         "tool": decision.tool_name,
         "tool_version": decision.tool_version,
@@ -84,7 +88,6 @@ def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
                 "input_fingerprint": decision.input_fingerprint,
                 "requires_approval": decision.requires_approval,
                 "headers": Jsonb(decision.headers),
-                "event_attributes": Jsonb(attributes),
             },
         )
         if rows:
@@ -96,7 +99,9 @@ def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
             {"run_id": decision.run_id, "decision_key": decision.decision_key},
         )
         if rows:
-            existing = Operation.model_validate(rows[0])
+            # The agent role may not read inputs, so the row comes without one; the same
+            # fingerprint means the same canonical input, the one this call holds.
+            existing = Operation.model_validate({**rows[0], "input": decision.input})
             _refuse_changed_intent(existing, decision, key)
             return RecordedDecision(operation=existing, created=False)
     raise TransientDatabaseError(
@@ -208,7 +213,7 @@ def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation
             "to": str(OperationState.COMMITTED),
             **effect.attributes,
             **(
-                {"provider_reference": effect.provider_reference}
+                {"provider_reference": bounded_reference(effect.provider_reference)}
                 if effect.provider_reference is not None
                 else {}
             ),
@@ -220,8 +225,10 @@ def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation
         {
             "ids": [effect.operation.id for effect in effects],
             "lease_tokens": [effect.operation.lease_token for effect in effects],
-            "provider_references": [effect.provider_reference for effect in effects],
-            "results": [Jsonb(dict(effect.result)) for effect in effects],
+            "provider_references": [
+                bounded_reference(effect.provider_reference) for effect in effects
+            ],
+            "results": [Jsonb(bounded_result(effect.result)) for effect in effects],
             "event_attributes": [Jsonb(event) for event in attributes],
         },
     )
@@ -294,7 +301,7 @@ def transition(
     event_name = event or _DEFAULT_EVENTS[target]
     event_attributes = {"from": str(source), "to": str(target), **(attributes or {})}
     if provider_reference is not None:
-        event_attributes["provider_reference"] = provider_reference
+        event_attributes["provider_reference"] = bounded_reference(provider_reference)
     if error_class is not None:
         event_attributes.setdefault("reason", error_class)
     rows = yield Step(
@@ -304,8 +311,8 @@ def transition(
             "source": str(source),
             "target": str(target),
             "lease_token": lease_token,
-            "provider_reference": provider_reference,
-            "result": Jsonb(dict(result)) if result is not None else None,
+            "provider_reference": bounded_reference(provider_reference),
+            "result": Jsonb(bounded_result(result)) if result is not None else None,
             "error_class": error_class,
             "delay": delay,
             "reconcile_increment": 1 if reconcile_attempt else 0,

@@ -51,6 +51,9 @@ class OperationSummary:
 class PendingApproval:
     operation: OperationSummary
     check: ApprovalCheck
+    decided_by: str | None = None
+    """Who made the latest decision the check read (an operator may read names; the
+    check itself, which the agent also asks, does not carry them)."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,17 @@ def pending_approvals() -> Plan[list[PendingApproval]]:
         summary = OperationSummary.from_row(row)
         check = yield from check_approval(summary.id)
         if not check.is_valid:
-            pending.append(PendingApproval(operation=summary, check=check))
+            decided_by = yield from approver_of(check)
+            pending.append(PendingApproval(operation=summary, check=check, decided_by=decided_by))
     return pending
+
+
+def approver_of(check: ApprovalCheck) -> Plan[str | None]:
+    """Who made the decision ``check`` read, for an operator's eyes; None if none."""
+    if check.approval is None:
+        return None
+    rows = yield Step("console_operation_approvals", {"operation_id": check.approval.operation_id})
+    return next((str(row["approved_by"]) for row in rows if row["id"] == check.approval.id), None)
 
 
 def operation_stats() -> Plan[OperationStats]:

@@ -8,9 +8,11 @@ an async runner drive the same plan over whatever connection the caller holds:
 - SQLAlchemy ``AsyncConnection`` or ``AsyncSession``, or ``psycopg.AsyncConnection``.
 
 A step names a statement of ``outbox/sql/queries.sql``; the executors here look it up
-and run it, so no plan holds SQL text. Plans run inside the caller's transaction and
-never commit: the caller's commit is what makes an operation, its outbox row and its
-event exist, together or not at all.
+and run it, so no plan holds SQL text. On psycopg connections they decode stored JSON
+through :func:`outbox.bounds.load` (on their own cursor, never the caller's connection),
+so a hostile value becomes a marker instead of an exception that loses the other rows.
+Plans run inside the caller's transaction and never commit: the caller's commit is what
+makes an operation, its outbox row and its event exist, together or not at all.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
 from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
 from sqlalchemy.orm import Session as SASession
 
-from outbox import lifecycle
+from outbox import bounds, lifecycle
 from outbox.errors import ConfigurationError, wrap_database_errors
 from outbox.logs import log_fields
 from outbox.sql import QUERIES
@@ -191,6 +193,7 @@ class _PsycopgExecutor(_ConnectionFacts):
 
     def fetch(self, step: Step) -> list[Row]:
         with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
+            bounds.bind(cursor)
             cursor.execute(QUERIES[step.query].sql, step.params)
             return cursor.fetchall() if _has_rows(cursor) else []
 
@@ -232,6 +235,7 @@ class _PsycopgAsyncExecutor(_ConnectionFacts):
 
     async def fetch(self, step: Step) -> list[Row]:
         async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
+            bounds.bind(cursor)
             await cursor.execute(QUERIES[step.query].sql, step.params)
             return await cursor.fetchall() if _has_rows(cursor) else []
 

@@ -112,7 +112,8 @@ async def test_an_approval_granted_in_the_page_lets_the_consumer_execute(
             browser.open("/approvals")
             card = browser.driver.find_element(By.ID, f"approval-{waiting.display_id}")
             assert '"amount_cents": 90000' in card.find_element(By.CLASS_NAME, "intent").text
-            assert waiting.input_fingerprint in card.text
+            # The keyed short fingerprint, the one form a person reads anywhere.
+            assert Ops(database_url, registry).short(waiting.input_fingerprint) in card.text
             card.find_element(By.NAME, "grant").click()
             browser.wait_for(lambda d: d.find_elements(By.ID, "approvals"), "the grant")
 

@@ -107,7 +107,7 @@ def full_lifecycle(ops: Ops) -> Operation:
         connection.execute(
             "INSERT INTO operation_events (operation_id, name, attributes) "
             "VALUES (%s, 'agent.completed', %s)",
-            (operation.id, Jsonb({"outcome": "refund_confirmed"})),
+            (operation.id, Jsonb({"agent.outcome": "refund_confirmed"})),
         )
     return ops.get(operation.id)
 
@@ -253,13 +253,18 @@ def test_a_deleted_event_in_the_middle_is_seen(ops: Ops, database_url: str) -> N
 
 def test_a_deleted_newest_event_is_seen(ops: Ops, database_url: str) -> None:
     operation = ops.at(S.COMMITTED)
-    newest = event_ids(database_url, operation.id)[-1]
+    *_, attempted, newest = event_ids(database_url, operation.id)
 
     as_superuser_with_triggers_off(
         database_url, "DELETE FROM operation_events WHERE id = %s", (newest,)
     )
 
-    assert verify(ops, operation.id).broken == (BrokenLink(operation.id, None, "missing_tail"),)
+    # The deleted event was the one that moved it to committed: what is left supports
+    # in_flight, which the row is not.
+    assert verify(ops, operation.id).broken == (
+        BrokenLink(operation.id, attempted, "state_mismatch"),
+        BrokenLink(operation.id, None, "missing_tail"),
+    )
 
 
 def test_every_event_deleted_is_seen(ops: Ops, database_url: str) -> None:
@@ -270,7 +275,12 @@ def test_every_event_deleted_is_seen(ops: Ops, database_url: str) -> None:
     )
 
     assert verify(ops, operation.id) == ChainReport(
-        1, 0, (BrokenLink(operation.id, None, "missing_tail"),)
+        1,
+        0,
+        (
+            BrokenLink(operation.id, None, "missing_birth"),
+            BrokenLink(operation.id, None, "missing_tail"),
+        ),
     )
 
 
@@ -386,7 +396,10 @@ def test_concurrent_appends_to_one_operation_keep_one_chain(ops: Ops, database_u
                         connection.execute(
                             "INSERT INTO operation_events (operation_id, name, attributes) "
                             "VALUES (%s, 'agent.completed', %s)",
-                            (operation.id, Jsonb({"worker": worker, "attempt": attempt})),
+                            (
+                                operation.id,
+                                Jsonb({"agent.worker": worker, "agent.attempt": attempt}),
+                            ),
                         )
         except BaseException as error:  # reported below, in the test's thread
             failures.append(error)
@@ -442,7 +455,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     )
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_schema(connection) == 5
+        assert outbox_store.apply_schema(connection) == 6
     with psycopg.connect(database_url) as connection:
         assert outbox_store.schema_is_current(connection)
 
@@ -463,7 +476,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     ops.move(second, S.OUTCOME_UNKNOWN)
     chains = execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_schema(connection) == 5
+        assert outbox_store.apply_schema(connection) == 6
     assert (
         execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
         == chains
@@ -498,7 +511,7 @@ def test_verify_reports_a_broken_operation_and_exits_1(
     ops: Ops, database_url: str, cli_env: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     intact, broken = ops.at(S.COMMITTED), ops.at(S.COMMITTED)
-    newest = event_ids(database_url, broken.id)[-1]
+    *_, attempted, newest = event_ids(database_url, broken.id)
     as_replica(database_url, "DELETE FROM operation_events WHERE id = %s", (newest,))
 
     one = run_command(["ops", "verify", broken.display_id])
@@ -510,19 +523,25 @@ def test_verify_reports_a_broken_operation_and_exits_1(
 
     assert (one, every, as_json) == (1, 1, 1)
     assert one_out.splitlines()[0] == (
-        f"{broken.display_id} (2 events): BROKEN, 1 broken link(s) in 1 operation(s)"
+        f"{broken.display_id} (2 events): BROKEN, 2 broken link(s) in 1 operation(s)"
     )
     assert every_out.splitlines()[0] == (
-        "2 operations, 5 events: BROKEN, 1 broken link(s) in 1 operation(s)"
+        "2 operations, 5 events: BROKEN, 2 broken link(s) in 1 operation(s)"
     )
-    row = every_out.splitlines()[2].split()
-    assert row[:3] == [broken.display_id, "-", "missing_tail"]
+    rows = [line.split() for line in every_out.splitlines()[2:4]]
+    assert [row[:4] for row in rows] == [
+        [broken.display_id, "event", str(attempted), "state_mismatch"],
+        [broken.display_id, "-", "missing_tail", "the"],
+    ]
     assert intact.display_id not in every_out
     assert json.loads(document) == {
         "intact": False,
         "operations_checked": 2,
         "events_checked": 5,
-        "broken": [{"operation_id": broken.display_id, "event_id": None, "reason": "missing_tail"}],
+        "broken": [
+            {"operation_id": broken.display_id, "event_id": attempted, "reason": "state_mismatch"},
+            {"operation_id": broken.display_id, "event_id": None, "reason": "missing_tail"},
+        ],
     }
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -34,6 +35,7 @@ from support.db_helpers import (
     execute_admin,
     sync_transaction,
 )
+from support.logs import logged
 
 REFUND = {"payment_id": "pay_1", "amount_cents": 1250, "reason": "damaged parcel"}
 BUSINESS = "refund_requests"
@@ -72,12 +74,9 @@ def test_commit_makes_operation_outbox_row_and_event_visible_together(
     assert operation.input == {**REFUND, "currency": "EUR"}
     assert operation.input_fingerprint == intent_fingerprint("send_refund", 1, operation.input)
     assert [event.name for event in events] == ["operation.prepared"]
-    # Keyed with the deployment's key: a log reader cannot recompute it from a guess.
-    key = execute_admin(database_url, "SELECT fingerprint_key FROM outbox_deployment")[0][0]
-    assert events[0].attributes["fingerprint"] == keyed_fingerprint(
-        key, operation.input_fingerprint
-    )
-    assert events[0].attributes["fingerprint"] != operation.input_fingerprint[:12]
+    # The database function writes the event from its own arguments: the caller picks
+    # none of its attributes.
+    assert events[0].attributes == {"tool": "send_refund", "tool_version": 1, "run_id": "run_12"}
     assert [(row.routing_key, row.published_at) for row in rows] == [("send_refund.v1", None)]
 
 
@@ -318,19 +317,41 @@ def test_database_without_the_schema_says_to_run_migrate(
         connection.rollback()
 
 
-def test_the_short_fingerprint_uses_the_key_from_the_environment_when_set(
-    engine: Any, registry: Registry, database_url: str, monkeypatch: pytest.MonkeyPatch
+def test_the_short_fingerprint_is_keyed_by_the_deployments_key(
+    engine: Any, registry: Registry, database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.lifecycle")
+    with engine.begin() as connection:
+        operation = record_decision(
+            connection, registry, "send_refund", REFUND, run_id="run_key"
+        ).operation
+    key = execute_admin(database_url, "SELECT fingerprint_key FROM outbox_deployment")[0][0]
+
+    # Keyed with the deployment's key: a log reader cannot recompute it from a guess.
+    expected = keyed_fingerprint(key, operation.input_fingerprint)
+    assert expected != operation.input_fingerprint[:12]
+    assert logged(caplog, "operation.prepared", fingerprint=expected)
+
+
+def test_the_short_fingerprint_uses_the_key_from_the_environment_when_set(
+    engine: Any,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.lifecycle")
     monkeypatch.setenv("OUTBOX_FINGERPRINT_KEY", "a-key-the-whole-deployment-shares-0123456789")
     with engine.begin() as connection:
         operation = record_decision(
             connection, registry, "send_refund", REFUND, run_id="run_env"
         ).operation
-    with psycopg.connect(database_url) as check:
-        (prepared,) = Store(check).run(outbox_store.events(operation.id))
 
-    assert prepared.attributes["fingerprint"] == keyed_fingerprint(
-        "a-key-the-whole-deployment-shares-0123456789", operation.input_fingerprint
+    assert logged(
+        caplog,
+        "operation.prepared",
+        fingerprint=keyed_fingerprint(
+            "a-key-the-whole-deployment-shares-0123456789", operation.input_fingerprint
+        ),
     )
 
 

@@ -15,16 +15,15 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import psycopg
 import psycopg.errors
 import pytest
-from psycopg import sql
 from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 
@@ -55,6 +54,7 @@ from outbox.store import Plan, Store
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value
+from support.logins import Login, group_logins
 from support.sample_tools import Ledger
 
 S = OperationState
@@ -62,6 +62,7 @@ LEASE = timedelta(seconds=60)
 AGENT, DISPATCHER, CONSUMER, OPERATOR = outbox_store.ROLES
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 TABLES = (
+    "operation_status",
     "operations",
     "outbox",
     "operation_events",
@@ -131,6 +132,9 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "count_operations_by_tool_and_state",
         "outbox_backlog",
         "verify_event_chains",
+        # Short fingerprints are the keyed ones, and who decided an approval is shown.
+        "fingerprint_key",
+        "console_operation_approvals",
     },
     MIGRATE: {
         "database_exists",
@@ -142,35 +146,82 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     CONSOLE: {"console_login", "console_operations_page", "console_operation_approvals"},
 }
 
-# What each group holds, table by table; everything else is refused.
+# What each group holds, table by table; everything else is refused. Table-level
+# privileges here; column grants (which has_table_privilege does not count) below.
 GRANTS: dict[str, dict[str, set[str]]] = {
-    # The agent writes through outbox_record_decision only; its event INSERT serves
-    # agent.completed (a trigger refuses other names).
+    # The agent writes through outbox_record_decision only; it reads operations through
+    # the operation_status view (never the input).
     AGENT: {
-        "operations": {"SELECT"},
-        "operation_events": {"INSERT"},
-        "approvals": {"SELECT"},
+        "operation_status": {"SELECT"},
         "outbox_deployment": {"SELECT"},
     },
-    # The dispatcher reads the envelope's columns of operations, never the input: a
-    # column grant, which has_table_privilege does not count.
-    DISPATCHER: {"outbox": {"SELECT", "UPDATE", "DELETE"}},
+    DISPATCHER: {"outbox": {"SELECT", "DELETE"}},
     CONSUMER: {
-        "operations": {"SELECT", "UPDATE"},
-        "outbox": {"SELECT", "INSERT"},
-        "operation_events": {"SELECT", "INSERT"},
+        "operations": {"SELECT"},
+        "outbox": {"SELECT"},
+        "operation_events": {"SELECT"},
         "approvals": {"SELECT"},
         "outbox_deployment": {"SELECT"},
     },
     OPERATOR: {
-        "operations": {"SELECT", "UPDATE"},
-        "outbox": {"SELECT", "INSERT"},
-        "operation_events": {"SELECT", "INSERT"},
-        "approvals": {"SELECT", "INSERT"},
+        "operations": {"SELECT"},
+        "outbox": {"SELECT"},
+        "operation_events": {"SELECT"},
+        "approvals": {"SELECT"},
         "outbox_schema_version": {"SELECT"},
         "outbox_deployment": {"SELECT"},
         # `outbox ops verify` compares each chain with its head.
         "operation_event_heads": {"SELECT"},
+    },
+}
+# Writes name only the columns a component chooses: never an id, a chain link, a birth
+# time, an intent column, a message's routing or headers, or an approval's time.
+_MOVES = frozenset(
+    {
+        "state",
+        "attempts",
+        "reconcile_attempts",
+        "lease_token",
+        "lease_owner",
+        "lease_expires_at",
+        "next_attempt_at",
+        "first_attempt_at",
+        "provider_reference",
+        "result",
+        "last_error_class",
+        "effect_possible",
+    }
+)
+_APPEND = frozenset({"operation_id", "name", "attributes"})
+_QUEUE = frozenset({"operation_id", "routing_key", "available_at"})
+COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
+    AGENT: {
+        ("operations", "SELECT"): frozenset({"id", "input_fingerprint"}),
+        ("operation_events", "INSERT"): _APPEND,
+        ("approvals", "SELECT"): frozenset(
+            {"id", "operation_id", "intent_hash", "decision", "expires_at", "created_at"}
+        ),
+    },
+    DISPATCHER: {
+        ("operations", "SELECT"): frozenset(
+            {"id", "state", "tool_name", "tool_version", "input_fingerprint"}
+        ),
+        ("outbox", "UPDATE"): frozenset(
+            {"published_at", "publish_attempts", "last_error", "available_at"}
+        ),
+    },
+    CONSUMER: {
+        ("operations", "UPDATE"): _MOVES,
+        ("outbox", "INSERT"): _QUEUE,
+        ("operation_events", "INSERT"): _APPEND,
+    },
+    OPERATOR: {
+        ("operations", "UPDATE"): _MOVES,
+        ("outbox", "INSERT"): _QUEUE,
+        ("operation_events", "INSERT"): _APPEND,
+        ("approvals", "INSERT"): frozenset(
+            {"id", "operation_id", "intent_hash", "decision", "approved_by", "expires_at"}
+        ),
     },
 }
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
@@ -243,12 +294,6 @@ REFUSED: dict[str, list[str]] = {
 # --- fixtures and helpers --------------------------------------------------------------
 
 
-def as_user(url: str, user: str) -> str:
-    """The same server and database, as ``user`` (the test cluster trusts local users)."""
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=f"{user}@{parts.hostname}:{parts.port}"))
-
-
 @pytest.fixture
 def roles_database(database_url: str) -> str:
     with psycopg.connect(database_url) as connection:
@@ -256,34 +301,11 @@ def roles_database(database_url: str) -> str:
     return database_url
 
 
-Login = Callable[[str], str]
-
-
 @pytest.fixture
 def login(postgres_server_url: str, roles_database: str) -> Iterator[Login]:
     """Makes a LOGIN user in one group role; returns its URL for this test's database."""
-    made: list[tuple[str, str]] = []
-
-    def make(group: str) -> str:
-        user = f"outbox_test_{group.removeprefix('outbox_')}_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(postgres_server_url, autocommit=True) as admin:
-            admin.execute(
-                sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
-                    sql.Identifier(user), sql.Identifier(group)
-                )
-            )
-        made.append((user, group))
-        return as_user(roles_database, user)
-
-    try:
+    with group_logins(postgres_server_url, roles_database) as make:
         yield make
-    finally:
-        with psycopg.connect(postgres_server_url, autocommit=True) as admin:
-            for user, group in made:
-                admin.execute(
-                    sql.SQL("REVOKE {} FROM {}").format(sql.Identifier(group), sql.Identifier(user))
-                )
-                admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(user)))
 
 
 class Ran(logging.Handler):
@@ -410,6 +432,14 @@ def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_databas
             roles_database, "SELECT has_table_privilege(%s, %s, %s)", (role, table, privilege)
         )[0][0]
     }
+    columns = execute_admin(
+        roles_database,
+        "SELECT g.rolname, c.relname, p.privilege_type, array_agg(a.attname::text) "
+        "FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 "
+        "CROSS JOIN LATERAL aclexplode(a.attacl) p JOIN pg_roles g ON g.oid = p.grantee "
+        "WHERE c.relname = ANY(%s) GROUP BY 1, 2, 3",
+        (list(TABLES),),
+    )
     public = execute_admin(
         roles_database,
         "SELECT c.relname, a.privilege_type FROM pg_class c, aclexplode(c.relacl) a "
@@ -422,6 +452,11 @@ def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_databas
         "FROM pg_roles WHERE rolname = ANY(%s) ORDER BY rolname",
         (list(outbox_store.ROLES),),
     )
+    temporary = execute_admin(
+        roles_database,
+        "SELECT a.privilege_type FROM pg_database d, aclexplode(d.datacl) a "
+        "WHERE d.datname = current_database() AND a.grantee = 0",
+    )
 
     assert held == {
         (role, table, privilege)
@@ -429,7 +464,15 @@ def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_databas
         for table, privileges in tables.items()
         for privilege in privileges
     }
+    assert {
+        (role, table, privilege): frozenset(names) for role, table, privilege, names in columns
+    } == {
+        (role, table, privilege): names
+        for role, granted in COLUMN_GRANTS.items()
+        for (table, privilege), names in granted.items()
+    }
     assert public == []
+    assert "TEMPORARY" not in {privilege for (privilege,) in temporary}
     assert groups == [
         (role, False, False, False, False, False) for role in sorted(outbox_store.ROLES)
     ]
@@ -450,7 +493,11 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     database_url: str,
 ) -> None:
     acl = (
-        "SELECT relname, relacl::text FROM pg_class WHERE relname = ANY(%s) ORDER BY relname",
+        "SELECT c.relname, c.relacl::text, "
+        "       array_agg(a.attname || '=' || a.attacl::text ORDER BY a.attnum) "
+        "       FILTER (WHERE a.attacl IS NOT NULL) "
+        "FROM pg_class c LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 "
+        "WHERE c.relname = ANY(%s) GROUP BY c.relname, c.relacl::text ORDER BY c.relname",
         (list(TABLES),),
     )
     first = subprocess.run(
@@ -474,19 +521,21 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 5 is applied" in result.stdout
+        assert "schema version 6 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
             in result.stdout
         )
     assert execute_admin(database_url, *acl) == granted
-    assert all(grants is not None and "outbox_operator" in grants for _, grants in granted)
+    held_by = {table: f"{grants} {columns}" for table, grants, columns in granted}
+    assert "outbox_agent" in held_by.pop("operation_status")
+    assert all("outbox_operator" in grants for grants in held_by.values())
 
 
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 5
+            assert outbox_store.apply_schema(connection) == 6
             outbox_store.apply_roles(connection)
 
 
@@ -830,14 +879,13 @@ def forged_refund_arguments(operation_id: uuid.UUID, amount_cents: int) -> dict[
         "input_fingerprint": "0" * 64,
         "requires_approval": False,
         "headers": Jsonb({}),
-        "event_attributes": Jsonb({}),
     }
 
 
 RECORD_DIRECTLY = (
     "SELECT * FROM outbox_record_decision(%(id)s, %(run_id)s, %(decision_key)s, "
     "%(tool_name)s, %(tool_version)s, %(side_effect)s, %(input)s, %(input_fingerprint)s, "
-    "%(requires_approval)s, %(headers)s, %(event_attributes)s)"
+    "%(requires_approval)s, %(headers)s)"
 )
 
 
@@ -953,14 +1001,21 @@ def test_the_agent_may_append_agent_completed(
 def test_the_agent_appends_to_the_evidence_chain_without_choosing_its_link(
     login: Login, roles_database: str, seeded: dict[str, Operation]
 ) -> None:
-    """The chain trigger runs as the owner: the agent needs no grant on the heads, and
-    whatever its INSERT says about the link, the trigger writes the real one."""
+    """The chain trigger runs as the owner: the agent needs no grant on the heads, and no
+    INSERT of a role names the link (its grant is on the columns an append chooses); the
+    trigger writes the real one."""
     agent = login(AGENT)
 
     with psycopg.connect(agent) as connection:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute(
+                "INSERT INTO operation_events (operation_id, name, seq, prev_hash, hash) "
+                "VALUES (%s, 'agent.completed', 1, NULL, '\\x00')",
+                (seeded["waiting"].id,),
+            )
+        connection.rollback()
         connection.execute(
-            "INSERT INTO operation_events (operation_id, name, seq, prev_hash, hash) "
-            "VALUES (%s, 'agent.completed', 1, NULL, '\\x00')",
+            "INSERT INTO operation_events (operation_id, name) VALUES (%s, 'agent.completed')",
             (seeded["waiting"].id,),
         )
 
@@ -976,8 +1031,9 @@ def test_no_role_hangs_the_chain_trigger_on_a_table_of_its_own(
 ) -> None:
     """outbox_chain_event runs as the owner; a trigger of a role's own (on a temporary
     table) could move any operation's head with it. Creating one needs EXECUTE, which
-    nobody holds."""
-    user = login(group)
+    nobody holds. (roles.sql revokes temporary tables too; this login has them back, as
+    a deployment's may, to show the missing EXECUTE holds on its own.)"""
+    user = login(group, temporary=True)
     before = snapshot(roles_database)
 
     with psycopg.connect(user) as connection:
@@ -1031,10 +1087,13 @@ def test_nobody_rewrites_a_recorded_intent(
 ) -> None:
     user = login(group) if group else roles_database  # None: the owner, a superuser here
     before = snapshot(roles_database)
+    # A component's UPDATE grant names no intent column; the owner, who may update any
+    # column, meets the trigger that freezes the intent for everyone.
+    refusal = "permission denied for table operations" if group else "intent"
 
     with (
         psycopg.connect(user) as connection,
-        pytest.raises(psycopg.errors.InsufficientPrivilege, match="intent"),
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match=refusal),
     ):
         connection.execute(
             f"UPDATE operations SET {change} WHERE id = %s",

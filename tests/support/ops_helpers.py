@@ -11,6 +11,7 @@ import psycopg
 
 from outbox import Operation, OperationEvent, OperationState, Registry, record_decision
 from outbox import store as outbox_store
+from outbox.fingerprint_key import keyed_fingerprint
 from outbox.store import Plan, Store
 
 S = OperationState
@@ -51,6 +52,17 @@ class Ops:
         with psycopg.connect(self.database_url) as connection:
             recorded = record_decision(connection, self.registry, tool, tool_input, run_id=run_id)
         return recorded.operation
+
+    def short(self, fingerprint: str) -> str:
+        """The keyed short fingerprint: the one form every view shows a person."""
+        key: str = self.run(outbox_store.fingerprint_key())
+        return keyed_fingerprint(key, fingerprint)
+
+    def approvers(self, operation_id: UUID) -> list[str | None]:
+        """Who made each approval decision of an operation, newest first (what only an
+        operator reads)."""
+        approvals = self.run(outbox_store.operation_approvals(operation_id))
+        return [approval.approved_by for approval in approvals]
 
     def get(self, operation_id: UUID) -> Operation:
         operation: Operation = self.run(outbox_store.get_operation(operation_id))
