@@ -163,8 +163,11 @@ def registry() -> Registry:
 
 @pytest.fixture
 def settings(database_url: str) -> Settings:
-    # Generous transaction bounds: the machine running the tests may be busy.
-    return Settings(database_url=SecretStr(database_url), db_transaction_timeout=30.0)
+    # Generous transaction bounds: the machine running the tests may be busy (and the
+    # lease margin, which no call here uses, longer still, as settings require).
+    return Settings(
+        database_url=SecretStr(database_url), db_transaction_timeout=30.0, lease_margin=31.0
+    )
 
 
 @pytest.fixture
