@@ -141,7 +141,7 @@ def contract_tool(contract: ToolContract[Any], options: ServerOptions) -> Tool:
         name=contract.name,
         description=contract.description
         or f"{contract.name} v{contract.version} ({contract.side_effect.value})",
-        input_schema=contract.input_model.model_json_schema(),
+        input_schema=contract.input_schema(),
         output_schema=outcome_schema(),
         annotations=ToolAnnotations.model_validate(contract.mcp_annotations()),
         meta={CONTRACT_META: contract_meta(contract, options)},

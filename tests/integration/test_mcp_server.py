@@ -256,7 +256,10 @@ async def test_each_contract_is_one_tool_at_its_latest_version(
     for name in ("lookup", "notify", "pay", "set_flag"):
         contract = registry.get(name)
         tool = listed[name]
-        assert tool.input_schema == contract.input_model.model_json_schema()
+        assert tool.input_schema == {
+            **contract.input_model.model_json_schema(),
+            "additionalProperties": False,
+        }
         assert tool.output_schema == Outcome.model_json_schema(mode="serialization")
         assert tool.annotations is not None
         wire = tool.annotations.model_dump(by_alias=True, exclude_none=True)
@@ -526,6 +529,26 @@ async def test_bad_input_names_the_fields_and_never_the_values(
     # Nothing was recorded, so the same key is free for the corrected request.
     assert corrected.is_error is False
     assert only_operation(database_url).input == PAYMENT
+
+
+async def test_a_field_the_tool_does_not_take_is_refused_and_nothing_is_recorded(
+    registry: Registry, settings: Settings, database_url: str
+) -> None:
+    """Tried with a real MCP client before: the extra field was dropped, the rest was
+    recorded, and the model heard the call succeed."""
+    async with connected(registry, settings) as client:
+        listed = {tool.name: tool for tool in (await client.list_tools()).tools}
+        result = await client.call_tool(
+            "pay", {**PAYMENT, "refund_to": "acc_CANARY_9"}, meta=key("call_1")
+        )
+
+    assert listed["pay"].input_schema["additionalProperties"] is False
+    assert listed["lookup"].input_schema["additionalProperties"] is False
+    assert result.is_error is True
+    assert text_of(result).startswith("Not done: input for tool 'pay' v1 is invalid: ")
+    assert "refund_to: not a field of this tool" in text_of(result)
+    assert "CANARY" not in text_of(result)
+    assert operation_count(database_url) == 0
 
 
 async def test_an_unknown_tool_is_a_protocol_error_that_does_not_echo_the_name(
