@@ -59,11 +59,13 @@ from outbox.errors import (
     InputRejected,
     OperationNotFound,
     OutboxError,
+    SchemaMissing,
     ToolNotRegistered,
 )
 from outbox.logs import log_fields
 from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
+from outbox.schema import schema_is_current_async
 from outbox.settings import Settings
 
 logger = logging.getLogger("outbox.mcp")
@@ -578,6 +580,12 @@ def build_server(
         try:
             watcher = OutcomeWatcher(engine, connect_parameters=command_parameters(settings))
             async with watcher:
+                # Checked once the watcher could connect (an unreachable database is
+                # reported as that): without it every call would be answered "the
+                # database did not answer, call again", which no retry can cure.
+                async with engine.connect() as connection:
+                    if not await schema_is_current_async(connection):
+                        raise SchemaMissing()
                 log_fields(
                     logger,
                     logging.INFO,

@@ -102,26 +102,17 @@ async def test_a_timed_out_call_retried_with_its_key_is_one_refund(
     assert KEY not in log  # a client-chosen key never reaches a log line
 
 
-@pytest.mark.parametrize(
-    ("transport", "expected"),
-    [
-        ([], "outbox mcp: error: the outcome watcher could not connect: OperationalError"),
-        (
-            ["--transport", "http", "--port", "0"],
-            "outbox mcp: error: the outcome watcher could not connect: OperationalError",
-        ),
-    ],
-    ids=["stdio", "http"],
+TRANSPORTS = pytest.mark.parametrize(
+    "transport", [[], ["--transport", "http", "--port", "0"]], ids=["stdio", "http"]
 )
-def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
-    transport: list[str], expected: str
-) -> None:
-    result = subprocess.run(
+
+
+def serve_on(database_url: str, transport: list[str]) -> subprocess.CompletedProcess[str]:
+    """`outbox mcp` on ``database_url``, expected to stop by itself: one that served
+    would run into the timeout instead."""
+    return subprocess.run(
         [OUTBOX, "mcp", "--tools", "outbox.sandbox.tools", *transport],
-        env={
-            **os.environ,
-            "OUTBOX_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{closed_port()}/x",
-        },
+        env={**os.environ, "OUTBOX_DATABASE_URL": database_url},
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -129,9 +120,35 @@ def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
         check=False,
     )
 
+
+@TRANSPORTS
+def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
+    transport: list[str],
+) -> None:
+    result = serve_on(f"postgresql://nobody@127.0.0.1:{closed_port()}/x", transport)
+
     assert result.returncode == 1
     assert result.stdout == ""  # on stdio, stdout is the protocol's alone
-    assert result.stderr.splitlines()[-1].startswith(expected)
+    assert result.stderr.splitlines()[-1].startswith(
+        "outbox mcp: error: the outcome watcher could not connect: OperationalError"
+    )
+    assert "Traceback" not in result.stderr
+
+
+@TRANSPORTS
+def test_a_database_without_the_schema_stops_the_server_at_once_in_one_line(
+    empty_database_url: str, transport: list[str]
+) -> None:
+    """As the consumer does, rather than answer every call "the database did not
+    answer, call again" for as long as nobody runs `outbox migrate`."""
+    result = serve_on(empty_database_url, transport)
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[-1] == (
+        "outbox mcp: error: The outbox tables are missing in this database: run `outbox migrate`."
+    )
+    assert "mcp.ready" not in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -39,7 +39,7 @@ from outbox import (
 )
 from outbox import store as outbox_store
 from outbox.cli import run_command
-from outbox.errors import ConfigurationError, TransientDatabaseError
+from outbox.errors import ConfigurationError, SchemaMissing, TransientDatabaseError
 from outbox.mcp_tools import (
     CONTRACT_META,
     DECISION_KEY_META,
@@ -1033,6 +1033,16 @@ async def test_a_decision_whose_status_cannot_be_read_says_it_was_recorded(
     )
     assert outcome_of(retry).operation_id == operation.id
     assert operation_count(database_url) == 1
+
+
+async def test_a_server_on_a_database_without_the_schema_refuses_to_start(
+    registry: Registry, empty_database_url: str
+) -> None:
+    settings = Settings(database_url=SecretStr(empty_database_url))
+
+    with pytest.raises(SchemaMissing, match="outbox migrate"):
+        async with connected(registry, settings):
+            pass
 
 
 def test_without_the_mcp_extra_the_command_says_what_to_install(
