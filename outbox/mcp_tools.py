@@ -63,7 +63,9 @@ from outbox.errors import (
     ToolNotRegistered,
 )
 from outbox.logs import log_fields
+from outbox.mcp_server import BEARER_PRINCIPAL as BEARER_PRINCIPAL
 from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS
+from outbox.mcp_server import LOOPBACK_PRINCIPAL as LOOPBACK_PRINCIPAL
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
 from outbox.schema import schema_is_current_async
 from outbox.settings import Settings
@@ -83,10 +85,9 @@ STATUS_TOOL = "outbox_operation_status"
 PROGRESS_INTERVAL_SECONDS = 1.0
 APPLICATION_NAME = "outbox-mcp"
 
-# Where the HTTP guard leaves the authenticated principal for the handlers.
+# Where the HTTP guard leaves the authenticated principal for the handlers: the name
+# the caller's token maps to, or LOOPBACK_PRINCIPAL when no token is configured.
 PRINCIPAL_SCOPE_KEY = "outbox.mcp.principal"
-BEARER_PRINCIPAL = "bearer"
-LOOPBACK_PRINCIPAL = "loopback"
 
 # Writes whose repeat would be a second effect unless it carries the same identity.
 KEY_REQUIRED = frozenset({SideEffect.DEDUPLICATED_WRITE, SideEffect.NON_REPEATABLE_WRITE})

@@ -11,8 +11,10 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from outbox import credentials
+from outbox.credentials import Credential as Credential  # re-exported: the console's operators
 from outbox.errors import ConfigurationError
 from outbox.settings import is_loopback as is_loopback  # re-exported: the console's bind check
 
@@ -36,12 +38,6 @@ _HOST_NAME = re.compile(
 )
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-@dataclass(frozen=True)
-class Credential:
-    name: str
-    token: str = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -87,26 +83,9 @@ def operator_name(text: str) -> str:
 
 
 def parse_credentials(text: str) -> tuple[Credential, ...]:
-    credentials: list[Credential] = []
-    for number, entry in enumerate(part for part in text.split(",") if part.strip()):
-        name, colon, token = entry.strip().partition(":")
-        # Errors say which entry, never what it holds: it is a secret.
-        where = f"{OPERATORS_ENV} entry {number + 1}"
-        if not colon:
-            raise ConfigurationError(f"{where} is not name:token")
-        try:
-            name = operator_name(name)
-        except ConfigurationError as error:
-            raise ConfigurationError(f"{where}: {error}") from None
-        if len(token) < MIN_TOKEN_LENGTH or token != token.strip():
-            raise ConfigurationError(
-                f"{where}: the token must be at least {MIN_TOKEN_LENGTH} characters, "
-                "without surrounding spaces"
-            )
-        if any(c.token == token for c in credentials):
-            raise ConfigurationError(f"{where}: two operators share one token")
-        credentials.append(Credential(name=name, token=token))
-    return tuple(credentials)
+    return credentials.parse_credentials(
+        text, variable=OPERATORS_ENV, min_length=MIN_TOKEN_LENGTH, name=operator_name
+    )
 
 
 def parse_proxies(text: str) -> tuple[Network, ...]:
