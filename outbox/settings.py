@@ -155,8 +155,8 @@ class Settings(BaseSettings):
     )
     lease_margin: float = Field(
         default=10.0,
-        description="seconds a claim's lease outlives the tool's deadline; longer than every "
-        "OUTBOX_DB_* timeout",
+        description="seconds a claim's lease outlives the tool's deadline; longer than the "
+        "database transaction, statement, lock and idle-in-transaction timeouts",
     )
     # A database link that goes silent (NAT timeout, failover, cable) must cost seconds,
     # never a session idle in its transaction holding row locks forever. Unset values are
