@@ -231,6 +231,9 @@ _MAY_QUOTE_INPUT = frozenset(
 )
 
 
+# A field no model, TypedDict (extra_forbidden) or dataclass (unexpected_keyword_argument)
+# of the input declares.
+_UNDECLARED = frozenset({"extra_forbidden", "unexpected_keyword_argument"})
 # Longer than any field name a model declares: what is longer is no name worth showing.
 _MAX_SHOWN_LOCATION = 100
 
@@ -240,8 +243,8 @@ def _describe_problem(error: Any) -> str:
     if len(location) > _MAX_SHOWN_LOCATION or not location.isprintable():
         # A key the caller made up (an extra field, a mapping's key) is their text.
         location = f"a field name of {len(location)} characters"
-    if error["type"] == "extra_forbidden":
-        return f"{location}: not a field of this tool (extra_forbidden)"
+    if error["type"] in _UNDECLARED:
+        return f"{location}: not a field of this tool ({error['type']})"
     message = error["msg"]
     bad_value = error.get("input")
     quotes_input = isinstance(bad_value, str | int | float) and str(bad_value) in message

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 import pytest
@@ -67,11 +68,17 @@ class Address(BaseModel):
     street: str
 
 
+@dataclasses.dataclass
+class Parcel:
+    kilograms: int
+
+
 class ShippingInput(BaseModel):
-    """Nests a model, and a model in a list: extras are refused at every level."""
+    """Nests a model, a model in a list and a dataclass: extras are refused at every level."""
 
     to: Address
     stops: list[Address] = []
+    parcel: Parcel | None = None
 
 
 class OpenInput(BaseModel):
@@ -432,6 +439,18 @@ def test_a_field_the_tool_does_not_take_is_refused_by_name_never_by_value(
 
     assert f"{field}: not a field of this tool" in str(info.value)
     assert info.value.problems == [f"{field}: not a field of this tool (extra_forbidden)"]
+    assert CANARY not in str(info.value)
+
+
+def test_a_field_a_nested_dataclass_does_not_take_is_refused_too(registry: Registry) -> None:
+    arguments = {"to": {"street": "x"}, "parcel": {"kilograms": 2, "insured_for": CANARY}}
+
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "ship", arguments, run_id="run_1")
+
+    assert info.value.problems == [
+        "parcel.insured_for: not a field of this tool (unexpected_keyword_argument)"
+    ]
     assert CANARY not in str(info.value)
 
 
