@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import pydantic
 import typing_extensions
@@ -198,6 +198,31 @@ class ToolContract(Generic[InputT]):
         section 3, derived from the contract's fields so that it cannot drift from them."""
         return _contract_card(self)
 
+    @property
+    def refuses_extra_fields(self) -> bool:
+        """Whether an input field the model does not declare is refused, at every level
+        of the input. It is unless the input model itself sets ``extra`` to ``"allow"``
+        or ``"ignore"``: pydantic's default drops such a field silently, so an agent that
+        sent ``refund_to`` would hear "committed" for a refund that went elsewhere."""
+        return self.input_model.model_config.get("extra") not in ("allow", "ignore")
+
+    def parse_input(self, raw: Any) -> InputT:
+        """``raw`` (the agent's input, JSON-like) validated by the input model, with
+        :attr:`refuses_extra_fields` applied: raises ``pydantic.ValidationError``. What
+        the model stored is read back with the model's own rules instead (its dump may
+        hold computed fields, which are no input)."""
+        extra: Literal["forbid"] | None = "forbid" if self.refuses_extra_fields else None
+        return self.input_model.model_validate(raw, extra=extra)
+
+    def input_schema(self) -> dict[str, Any]:
+        """The JSON schema of the input that MCP and pydantic-ai advertise: the model's,
+        with ``"additionalProperties": false`` on every object it declares when extra
+        fields are refused, so a client learns the rule before it is refused by it."""
+        schema = self.input_model.model_json_schema()
+        if self.refuses_extra_fields:
+            _close_objects(schema)
+        return schema
+
 
 class Registry:
     """The tools a process knows, by name and version.
@@ -244,6 +269,31 @@ class Registry:
 
     def __contains__(self, key: object) -> bool:
         return key in self._contracts
+
+
+# Where a JSON schema holds other schemas. Only these are walked: a mapping under
+# "properties" names fields (one may well be called "properties"), not keywords.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _close_objects(schema: Any) -> None:
+    """Set ``additionalProperties: false`` on every object schema that lists properties
+    (a model, a TypedDict, a dataclass), in place. A mapping field (``dict[str, X]``)
+    lists none: its keys are data, and it stays open."""
+    if not isinstance(schema, dict):
+        return
+    if schema.get("type") == "object" and "properties" in schema:
+        schema["additionalProperties"] = False
+    for keyword in _SUBSCHEMA:
+        _close_objects(schema.get(keyword))
+    for keyword in _SUBSCHEMA_LISTS:
+        for subschema in schema.get(keyword) or ():
+            _close_objects(subschema)
+    for keyword in _SUBSCHEMA_MAPS:
+        for subschema in (schema.get(keyword) or {}).values():
+            _close_objects(subschema)
 
 
 def contract_problems(contract: ToolContract[Any]) -> list[str]:

@@ -154,8 +154,12 @@ def _validated_and_stored(
     """:func:`validate_input`, and the JSON the model dumped: the form that is stored,
     the one the round trip was checked on (recording needs it, and need not dump again)."""
     try:
+        # A model's computed fields are output, not input: validating them back would
+        # refuse them as fields the tool does not take.
         raw = (
-            tool_input.model_dump(mode="json") if isinstance(tool_input, BaseModel) else tool_input
+            tool_input.model_dump(mode="json", exclude_computed_fields=True)
+            if isinstance(tool_input, BaseModel)
+            else tool_input
         )
     except (ValueError, RecursionError) as exc:
         raise InputRejected(
@@ -171,8 +175,9 @@ def _validated_and_stored(
             problems=["input nested too deep"],
         )
     try:
-        validated = contract.input_model.model_validate(raw)
+        validated = contract.parse_input(raw)
         stored = validated.model_dump(mode="json")
+        # Read back as the consumer reads the stored row (derive_intent): by the model.
         rebuilt = contract.input_model.model_validate(stored)
     except pydantic.ValidationError as exc:
         problems = [_describe_problem(error) for error in exc.errors(include_url=False)]
@@ -196,8 +201,20 @@ _MAY_QUOTE_INPUT = frozenset(
 )
 
 
+# A field no model, TypedDict (extra_forbidden) or dataclass (unexpected_keyword_argument)
+# of the input declares.
+_UNDECLARED = frozenset({"extra_forbidden", "unexpected_keyword_argument"})
+# Longer than any field name a model declares: what is longer is no name worth showing.
+_MAX_SHOWN_LOCATION = 100
+
+
 def _describe_problem(error: Any) -> str:
     location = ".".join(map(str, error["loc"])) or "(input)"
+    if len(location) > _MAX_SHOWN_LOCATION or not location.isprintable():
+        # A key the caller made up (an extra field, a mapping's key) is their text.
+        location = f"a field name of {len(location)} characters"
+    if error["type"] in _UNDECLARED:
+        return f"{location}: not a field of this tool ({error['type']})"
     message = error["msg"]
     bad_value = error.get("input")
     quotes_input = isinstance(bad_value, str | int | float) and str(bad_value) in message

@@ -59,11 +59,15 @@ from outbox.errors import (
     InputRejected,
     OperationNotFound,
     OutboxError,
+    SchemaMissing,
     ToolNotRegistered,
 )
 from outbox.logs import log_fields
+from outbox.mcp_server import BEARER_PRINCIPAL as BEARER_PRINCIPAL
 from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS
+from outbox.mcp_server import LOOPBACK_PRINCIPAL as LOOPBACK_PRINCIPAL
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
+from outbox.schema import schema_is_current_async
 from outbox.settings import Settings
 
 logger = logging.getLogger("outbox.mcp")
@@ -81,10 +85,9 @@ STATUS_TOOL = "outbox_operation_status"
 PROGRESS_INTERVAL_SECONDS = 1.0
 APPLICATION_NAME = "outbox-mcp"
 
-# Where the HTTP guard leaves the authenticated principal for the handlers.
+# Where the HTTP guard leaves the authenticated principal for the handlers: the name
+# the caller's token maps to, or LOOPBACK_PRINCIPAL when no token is configured.
 PRINCIPAL_SCOPE_KEY = "outbox.mcp.principal"
-BEARER_PRINCIPAL = "bearer"
-LOOPBACK_PRINCIPAL = "loopback"
 
 # Writes whose repeat would be a second effect unless it carries the same identity.
 KEY_REQUIRED = frozenset({SideEffect.DEDUPLICATED_WRITE, SideEffect.NON_REPEATABLE_WRITE})
@@ -141,7 +144,7 @@ def contract_tool(contract: ToolContract[Any], options: ServerOptions) -> Tool:
         name=contract.name,
         description=contract.description
         or f"{contract.name} v{contract.version} ({contract.side_effect.value})",
-        input_schema=contract.input_model.model_json_schema(),
+        input_schema=contract.input_schema(),
         output_schema=outcome_schema(),
         annotations=ToolAnnotations.model_validate(contract.mcp_annotations()),
         meta={CONTRACT_META: contract_meta(contract, options)},
@@ -578,6 +581,12 @@ def build_server(
         try:
             watcher = OutcomeWatcher(engine, connect_parameters=command_parameters(settings))
             async with watcher:
+                # Checked once the watcher could connect (an unreachable database is
+                # reported as that): without it every call would be answered "the
+                # database did not answer, call again", which no retry can cure.
+                async with engine.connect() as connection:
+                    if not await schema_is_current_async(connection):
+                        raise SchemaMissing()
                 log_fields(
                     logger,
                     logging.INFO,

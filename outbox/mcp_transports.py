@@ -1,25 +1,31 @@
 """How `outbox mcp` is reached: stdio, or streamable HTTP behind a bearer-token guard.
 
-Over HTTP, decisions are bound to the caller: the guard names the request's principal,
-and :mod:`outbox.mcp_tools` prefixes every run id with it. Without a token the only
-principal is whoever can reach a loopback address, so anything else is refused.
+Over HTTP, decisions are bound to the caller: the guard names the request's principal
+(the name its token maps to), and :mod:`outbox.mcp_tools` prefixes every run id with it.
+Without tokens the only principal is whoever can reach a loopback address, so anything
+else is refused. Refused tokens are counted per client address; past the limit, the
+address is refused unread (429) for the rest of the window.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+import logging
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import Any, cast
 
 from mcp.server import Server
 from starlette.applications import Starlette
 
+from outbox.credentials import Credential, FailureThrottle, credential_for
 from outbox.errors import ServiceUnavailable
+from outbox.logs import log_fields
 from outbox.mcp_server import check_exposure
-from outbox.mcp_tools import BEARER_PRINCIPAL, LOOPBACK_PRINCIPAL, PRINCIPAL_SCOPE_KEY, ToolHost
+from outbox.mcp_tools import LOOPBACK_PRINCIPAL, PRINCIPAL_SCOPE_KEY, ToolHost
 from outbox.signals import run_until_signalled
+
+logger = logging.getLogger("outbox.mcp")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -28,62 +34,127 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class BearerGuard:
-    """Lets through only requests that carry ``Authorization: Bearer <token>`` (when a
-    token is configured) and names their principal for the handlers."""
+    """Lets through only requests that carry ``Authorization: Bearer <token>`` with one
+    of ``credentials`` (when any are configured) and names their principal for the
+    handlers. ``throttle`` counts refused tokens per client address: the address is the
+    TCP peer's, so serve this with no proxy-header rewriting in front (serve_http)."""
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, credentials: Sequence[Credential], throttle: FailureThrottle
+    ) -> None:
         self.app = app
-        self._token = token.encode() if token else None
-        self.principal = BEARER_PRINCIPAL if token else LOOPBACK_PRINCIPAL
+        self._credentials = tuple(credentials)
+        self._throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            if not self._authorized(scope):
-                if scope["type"] == "http":
-                    await _unauthorized(send)
-                else:  # a websocket: nothing here serves one, and nothing may pass
-                    await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        principal = LOOPBACK_PRINCIPAL
+        if self._credentials:
+            address = _client_address(scope)
+            wait = self._throttle.retry_after(address)
+            if wait:
+                # Refused before the token is compared: a right guess now looks like a
+                # wrong one. Not logged again: the line that started the hold said so.
+                await _refuse(scope, send, 429, retry_after=wait)
                 return
-            scope = {**scope, PRINCIPAL_SCOPE_KEY: self.principal}
-        await self.app(scope, receive, send)
+            credential = self._credential(scope)
+            if credential is None:
+                self._refused(address)
+                await _refuse(scope, send, 401)
+                return
+            principal = credential.name
+        await self.app({**scope, PRINCIPAL_SCOPE_KEY: principal}, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
-        if self._token is None:
-            return True
+    def _credential(self, scope: Scope) -> Credential | None:
         values = [
             value for name, value in scope.get("headers", []) if name.lower() == b"authorization"
         ]
         if len(values) != 1:
-            return False
+            return None
         scheme, _, presented = bytes(values[0]).partition(b" ")
-        # compare_digest: how long a comparison takes must not tell how much of it matched.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(presented.strip(), self._token)
+        if scheme.lower() != b"bearer":
+            return None
+        return credential_for(self._credentials, presented.strip())
+
+    def _refused(self, address: str) -> None:
+        failures = self._throttle.failed(address)
+        # The address only: neither the token presented nor how close it came.
+        log_fields(
+            logger,
+            logging.WARNING,
+            "mcp.unauthorized",
+            "refused a request without a valid bearer token",
+            address=address,
+            failures=failures,
+        )
+        if self._throttle.blocked(address):
+            log_fields(
+                logger,
+                logging.WARNING,
+                "mcp.throttled",
+                "refusing every request from an address after its refused bearer tokens",
+                address=address,
+                seconds=self._throttle.retry_after(address),
+            )
 
 
-async def _unauthorized(send: Send) -> None:
-    body = json.dumps(
-        {"error": "invalid_token", "error_description": "Authorization: Bearer <token> required"}
-    ).encode()
+def _client_address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+_REFUSALS = {
+    401: (
+        {"error": "invalid_token", "error_description": "Authorization: Bearer <token> required"},
+        [(b"www-authenticate", b'Bearer error="invalid_token"')],
+    ),
+    429: (
+        {
+            "error": "too_many_attempts",
+            "error_description": "too many refused bearer tokens from this address: wait for "
+            "the seconds Retry-After says",
+        },
+        [],
+    ),
+}
+
+
+async def _refuse(scope: Scope, send: Send, status: int, *, retry_after: int = 0) -> None:
+    if scope["type"] != "http":  # a websocket: nothing here serves one, and nothing may pass
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    document, headers = _REFUSALS[status]
+    body = json.dumps(document).encode()
+    if retry_after:
+        headers = [*headers, (b"retry-after", str(retry_after).encode())]
     await send(
         {
             "type": "http.response.start",
-            "status": 401,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b'Bearer error="invalid_token"'),
+                *headers,
             ],
         }
     )
     await send({"type": "http.response.body", "body": body})
 
 
-def http_app(server: Server[ToolHost], *, host: str, bearer_token: str | None) -> ASGIApp:
-    """The streamable-HTTP app behind the bearer guard; without a token it serves only a
-    loopback address (refused otherwise)."""
-    check_exposure(host, bearer_token)
+def http_app(
+    server: Server[ToolHost],
+    *,
+    host: str,
+    credentials: Sequence[Credential],
+    throttle: FailureThrottle | None = None,
+) -> ASGIApp:
+    """The streamable-HTTP app behind the bearer guard; without credentials it serves
+    only a loopback address (refused otherwise)."""
+    check_exposure(host, credentials)
     app: Starlette = server.streamable_http_app(host=host)
-    return BearerGuard(cast("ASGIApp", app), bearer_token)
+    return BearerGuard(cast("ASGIApp", app), credentials, throttle or FailureThrottle())
 
 
 # --- transports ----------------------------------------------------------------------
@@ -107,7 +178,7 @@ GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 async def serve_http(
-    server: Server[ToolHost], *, host: str, port: int, bearer_token: str | None
+    server: Server[ToolHost], *, host: str, port: int, credentials: Sequence[Credential]
 ) -> None:
     """Serve streamable HTTP at ``http://host:port/mcp``; SIGTERM or SIGINT stops it
     gracefully (exit 0), a second one at once."""
@@ -121,7 +192,7 @@ async def serve_http(
             # process before the database and watcher are closed.
             yield
 
-    app = http_app(server, host=host, bearer_token=bearer_token)
+    app = http_app(server, host=host, credentials=credentials)
     http_server = HTTPServer(
         # The lifespan (database, watcher, sessions) is entered here, not by uvicorn: a
         # database that cannot be reached then fails the command in one line, before
@@ -132,6 +203,9 @@ async def serve_http(
             port=port,
             log_config=None,
             access_log=False,
+            # The client address is the TCP peer's: an X-Forwarded-For from a local
+            # process would otherwise choose the address the throttle counts.
+            proxy_headers=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         )

@@ -1,8 +1,8 @@
 """The DDL and database administration: apply ``schema.sql`` and ``roles.sql``, read
 the applied schema version, and create, find and drop databases.
 
-:mod:`outbox.migrate` (``outbox migrate``) drives these; the consumer asks
-:func:`schema_is_current` at start, and the tests, the demo and the benchmarks make and
+:mod:`outbox.migrate` (``outbox migrate``) drives these; the consumer and ``outbox mcp``
+ask :func:`schema_is_current` at start, and the tests, the demo and the benchmarks make and
 drop their databases here. Everything runs on a plain psycopg connection. The plain
 statements are named in ``queries.sql`` and run through the store's runner, like every
 other statement. Two kinds of SQL are not: the DDL scripts themselves (``schema.sql``
@@ -21,7 +21,7 @@ import psycopg.sql
 
 from outbox.errors import DatabaseError, wrap_database_errors
 from outbox.sql import roles_sql, schema_sql
-from outbox.store.runner import Plan, Step, Store
+from outbox.store.runner import AsyncConnection, AsyncStore, Plan, Step, Store
 
 # pg_advisory_xact_lock key shared by every migrating process ("outbox" in ASCII).
 _MIGRATION_LOCK = 0x6F7574626F78
@@ -65,6 +65,12 @@ def schema_is_current(connection: psycopg.Connection[Any]) -> bool:
     it needs exist (so a database at an older version is told to migrate). Asks the
     catalog only, which needs no grant, so a least-privilege role can tell too."""
     return Store(connection, require_transaction=False).run(_schema_is_current())
+
+
+async def schema_is_current_async(connection: AsyncConnection) -> bool:
+    """:func:`schema_is_current` on an async connection (``outbox mcp``, at start)."""
+    store = await AsyncStore.on(connection, require_transaction=False)
+    return await store.run(_schema_is_current())
 
 
 def create_database(

@@ -6,20 +6,79 @@ flag and its variable can never drift apart.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import math
+import os
 import re
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import Field, SecretStr, TypeAdapter, field_validator
+from pydantic import Field, SecretStr, TypeAdapter, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox.errors import ConfigurationError
 
 ENV_PREFIX = "OUTBOX_"
+
+# Every OUTBOX_* variable something in this project reads besides the settings below,
+# and who reads it. The prefix is ours: a name in it that nobody reads is a typo, and a
+# typo leaves the default in force while the operator believes otherwise, so every
+# command refuses it (check_variables). tests/unit/test_settings_refusals.py fails when
+# the repository names one that is not listed here.
+OTHER_VARIABLES: Mapping[str, str] = {
+    "OUTBOX_FINGERPRINT_KEY": "the key of the short fingerprints (outbox.fingerprint_key)",
+    "OUTBOX_MCP_TOKENS": "outbox mcp over HTTP: its callers, name:token[,name:token...]",
+    "OUTBOX_CONSOLE_OPERATORS": "outbox console: its operators, name:token[,name:token...]",
+    "OUTBOX_CONSOLE_PROXY_HEADER": "outbox console: the trusted proxy's identity header",
+    "OUTBOX_CONSOLE_TRUSTED_PROXIES": "outbox console: the trusted proxy's addresses",
+    "OUTBOX_CONSOLE_HOSTS": "outbox console: the host names it answers to",
+    "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
+    "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
+    "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
+    "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
+    "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
+    "OUTBOX_TEST_MCP_TOKEN": "the test suite: the bearer token of `outbox mcp` under test",
+    "OUTBOX_CONSOLE_SCREENSHOTS": "the browser tests: where to write the console screenshots",
+    "OUTBOX_BENCH_DATABASE_URL": "bench/: the Postgres server to measure against",
+    "OUTBOX_BENCH_AMQP_URL": "bench/: the RabbitMQ to measure against",
+}
+
+# Every setting that is a length of time, in seconds or as a timedelta: each is refused
+# below MIN_SECONDS (tests/unit/test_settings_refusals.py checks that none is missing).
+DURATION_SETTINGS = (
+    "poll_interval",
+    "publish_timeout",
+    "publish_retry_initial",
+    "publish_retry_max",
+    "retention",
+    "lease_margin",
+    "db_transaction_timeout",
+    "db_statement_timeout",
+    "db_lock_timeout",
+    "db_idle_in_transaction_timeout",
+    "db_tcp_user_timeout",
+    "reconcile_interval",
+    "requeue_stale_after",
+    "approval_denial_grace",
+)
+# The server-side bounds and the client's transaction deadline: each must end before the
+# lease does (docs/design.md section 9), or a session whose client went silent could
+# still hold an operation's row when the reconciler comes to take it over.
+LEASE_BOUNDED_SETTINGS = (
+    "db_transaction_timeout",
+    "db_statement_timeout",
+    "db_lock_timeout",
+    "db_idle_in_transaction_timeout",
+)
+# The shortest duration any setting accepts. Below it a wait is a busy loop (a reconcile
+# interval of 1 µs kept a core 81% busy) and no round trip fits in a timeout; zero or
+# less is no wait at all.
+MIN_SECONDS = 0.001
 
 _ENCODE_IT = (
     "percent-encode spaces and the characters @ : / ? # [ ] in the user name and password "
@@ -32,6 +91,8 @@ _SEPARATE_THEM = (
 
 
 class Settings(BaseSettings):
+    # extra="ignore" is about keyword arguments; unknown variables are refused by
+    # load_settings, which sees the environment as a whole.
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     database_url: SecretStr = Field(
@@ -70,16 +131,16 @@ class Settings(BaseSettings):
         description="batches a dispatcher has in flight at once, each its own transaction",
     )
     poll_interval: float = Field(
-        default=1.0, gt=0, description="seconds between scans when no notification arrives"
+        default=1.0, description="seconds between scans when no notification arrives"
     )
     publish_timeout: float = Field(
-        default=10.0, gt=0, description="seconds to wait for a batch's broker confirms"
+        default=10.0, description="seconds to wait for a batch's broker confirms"
     )
     publish_retry_initial: float = Field(
-        default=1.0, gt=0, description="seconds before a failed publish is retried (doubles)"
+        default=1.0, description="seconds before a failed publish is retried (doubles)"
     )
     publish_retry_max: float = Field(
-        default=60.0, gt=0, description="longest wait before a failed publish is retried"
+        default=60.0, description="longest wait before a failed publish is retried"
     )
     retention: timedelta = Field(
         default=timedelta(days=7),
@@ -94,8 +155,8 @@ class Settings(BaseSettings):
     )
     lease_margin: float = Field(
         default=10.0,
-        gt=0,
-        description="seconds a claim's lease outlives the tool's deadline",
+        description="seconds a claim's lease outlives the tool's deadline; longer than the "
+        "database transaction, statement, lock and idle-in-transaction timeouts",
     )
     # A database link that goes silent (NAT timeout, failover, cable) must cost seconds,
     # never a session idle in its transaction holding row locks forever. Unset values are
@@ -103,29 +164,24 @@ class Settings(BaseSettings):
     # the lease runs out, so the reconciler can always take the operation over.
     db_transaction_timeout: float | None = Field(
         default=None,
-        gt=0,
         description="seconds a daemon's transaction may take before its connection is cut "
         "(default: half the lease margin)",
     )
     db_statement_timeout: float | None = Field(
         default=None,
-        gt=0,
         description="server-side statement_timeout, seconds (default: the transaction timeout)",
     )
     db_lock_timeout: float | None = Field(
         default=None,
-        gt=0,
         description="server-side lock_timeout, seconds (default: half the transaction timeout)",
     )
     db_idle_in_transaction_timeout: float | None = Field(
         default=None,
-        gt=0,
         description="server-side idle_in_transaction_session_timeout, seconds (default: the "
         "transaction timeout; the dispatcher adds its publish timeout)",
     )
     db_tcp_user_timeout: float = Field(
         default=10.0,
-        gt=0,
         description="libpq tcp_user_timeout, seconds: how long sent data may go "
         "unacknowledged before the client drops the link",
     )
@@ -141,9 +197,7 @@ class Settings(BaseSettings):
         description="libpq keepalives_count: probes lost before the link is dropped",
     )
     db_connect_timeout: int = Field(default=10, ge=2, description="libpq connect_timeout, seconds")
-    reconcile_interval: float = Field(
-        default=0.5, gt=0, description="seconds between reconciler scans"
-    )
+    reconcile_interval: float = Field(default=0.5, description="seconds between reconciler scans")
     requeue_stale_after: timedelta = Field(
         default=timedelta(minutes=10),
         description="a prepared operation no message reached for this long is queued again",
@@ -214,6 +268,57 @@ class Settings(BaseSettings):
                 ) from None
         return value
 
+    @field_validator(*DURATION_SETTINGS)
+    @classmethod
+    def _a_real_duration(cls, value: float | timedelta | None) -> float | timedelta | None:
+        if value is None:
+            return None
+        seconds = value.total_seconds() if isinstance(value, timedelta) else value
+        if not math.isfinite(seconds):
+            raise ValueError(f"{seconds} is no number of seconds: give {MIN_SECONDS:g} or more")
+        if seconds < MIN_SECONDS:
+            raise ValueError(
+                f"{seconds:g} s is too short: give {MIN_SECONDS:g} or more (seconds; zero or "
+                "less is no wait at all, and a loop that waits less than a millisecond only "
+                "spins a core)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _possible_together(self) -> Settings:
+        problems = [*self._bounds_past_the_lease(), *self._retry_waits()]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _bounds_past_the_lease(self) -> list[str]:
+        margin = self.lease_margin
+        problems = []
+        for name in LEASE_BOUNDED_SETTINGS:
+            bound: float | None = getattr(self, name)
+            if bound is None or bound < margin:
+                continue  # unset, each derives from the margin and ends before it
+            variable = setting_variable(name)
+            problems.append(
+                f"{setting_variable('lease_margin')} ({margin:g} s) must be longer than "
+                f"{variable} ({bound:g} s): a database session could otherwise still hold "
+                "an operation's row after its lease ran out, and the reconciler could not "
+                f"take it over; raise {setting_variable('lease_margin')} above {bound:g} s "
+                f"or lower {variable} below {margin:g} s (unset, it derives from the margin)"
+            )
+        return problems
+
+    def _retry_waits(self) -> list[str]:
+        first, longest = self.publish_retry_initial, self.publish_retry_max
+        if longest >= first:
+            return []
+        return [
+            f"{setting_variable('publish_retry_max')} ({longest:g} s) is shorter than "
+            f"{setting_variable('publish_retry_initial')} ({first:g} s), the first wait "
+            f"before a publish is retried: raise {setting_variable('publish_retry_max')} to "
+            f"{first:g} s or more, or lower {setting_variable('publish_retry_initial')}"
+        ]
+
     @property
     def amqp_urls(self) -> list[str]:
         """The broker addresses, in the order a connect tries them first (secrets
@@ -236,10 +341,47 @@ class Settings(BaseSettings):
         them. Never log it.
         """
         return {
-            f"{ENV_PREFIX}{name.upper()}": _environment_value(value)
+            setting_variable(name): _environment_value(value)
             for name in type(self).model_fields
             if (value := getattr(self, name)) is not None
         }
+
+
+def setting_variable(name: str) -> str:
+    """The environment variable of the setting (field) ``name``."""
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def known_variables() -> frozenset[str]:
+    """Every ``OUTBOX_*`` variable something in this project reads."""
+    return frozenset(map(setting_variable, Settings.model_fields)) | frozenset(OTHER_VARIABLES)
+
+
+def check_variables(environ: Mapping[str, str]) -> None:
+    """Refuse every ``OUTBOX_*`` variable in ``environ`` that nothing reads, naming the
+    known one nearest to it. Values are never shown: a mistyped name may hold a secret."""
+    known = known_variables()
+    problems = [
+        _unknown_variable(name, known)
+        for name in sorted(environ)
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known
+    ]
+    if problems:
+        raise ConfigurationError("; ".join(problems))
+
+
+def _unknown_variable(name: str, known: frozenset[str]) -> str:
+    # Compared without the prefix, which every candidate shares and which would make
+    # any two names look alike.
+    suffixes = {variable.removeprefix(ENV_PREFIX): variable for variable in known}
+    nearest = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX), suffixes, n=1)
+    if nearest:
+        return f"{name} is not a setting; did you mean {suffixes[nearest[0]]}?"
+    return (
+        f"{name} is not a setting of effect-outbox, which reads every {ENV_PREFIX}* variable: "
+        "correct its name (docs/operating.md lists them), or give a variable of your own "
+        "another prefix"
+    )
 
 
 _TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
@@ -316,17 +458,28 @@ def _check_libpq_reads(url: str) -> None:
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Settings from the environment, with explicit values (CLI flags) on top."""
+    """Settings from the environment, with explicit values (CLI flags) on top: what every
+    command runs on. An ``OUTBOX_*`` variable nothing reads is refused first (a typo is
+    the likeliest cause of anything else that looks wrong)."""
     from pydantic import ValidationError
 
+    check_variables(os.environ)
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
     except ValidationError as exc:
         problems = "; ".join(
-            f"{ENV_PREFIX}{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}"
-            for e in exc.errors(include_input=False, include_url=False)
+            _problem(e) for e in exc.errors(include_input=False, include_url=False)
         )
         raise ConfigurationError(f"invalid settings: {problems}") from None
+
+
+def _problem(error: Any) -> str:
+    # Our own ValueErrors are whole sentences: without pydantic's "Value error, " prefix.
+    cause = error.get("ctx", {}).get("error") if error["type"] == "value_error" else None
+    text = str(cause) if cause is not None else error["msg"]
+    if not error["loc"]:  # the combination check names its settings itself
+        return text
+    return f"{setting_variable('.'.join(map(str, error['loc'])))}: {text}"
 
 
 def sqlalchemy_url(url: str) -> str:

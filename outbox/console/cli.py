@@ -5,6 +5,7 @@ to install."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,7 @@ from outbox.console.config import (
     OPERATORS_ENV,
     PROXY_HEADER_ENV,
     TRUSTED_PROXIES_ENV,
+    AuthConfig,
     auth_from_environment,
     is_loopback,
     served_hosts,
@@ -26,9 +28,12 @@ from outbox.console.config import (
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import TOOLS_ENV, load_registry, module_list
+from outbox.logs import log_fields
 from outbox.ops import _connect
 from outbox.settings import Settings, redact_url
 from outbox.store import Store
+
+logger = logging.getLogger(__name__)
 
 
 def register(commands: Any) -> None:
@@ -103,6 +108,31 @@ def tools(args: argparse.Namespace) -> Registry | None:
     return load_registry(modules) if modules else None
 
 
+def warn_of_a_local_proxy(auth: AuthConfig) -> None:
+    """Say loudly, in the log and in the startup output, when a trusted proxy address is
+    this machine's loopback: the identity header is then as good as any local process's
+    word. Allowed, since a proxy on the same host is common, but never silently."""
+    local = auth.proxy.local_networks() if auth.proxy else ()
+    if not local or auth.proxy is None:
+        return
+    networks = ", ".join(map(str, local))
+    log_fields(
+        logger,
+        logging.WARNING,
+        "console.local_proxy",
+        "a trusted proxy address is local: any process on this machine can name itself any "
+        "operator",
+        networks=networks,
+    )
+    print(
+        f"outbox console: WARNING: {TRUSTED_PROXIES_ENV} holds local addresses ({networks}): "
+        "any process on this machine can name itself any operator by sending "
+        f"{auth.proxy.header}. Trust a proxy on another host, or keep every other process "
+        f"off this one, or log in with {OPERATORS_ENV} tokens instead",
+        flush=True,
+    )
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # Checked before anything is loaded or bound: an open door must never start serving.
     auth = auth_from_environment()
@@ -128,6 +158,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         allowed_hosts=hosts,
     )
     server = ConsoleServer(create_app(console), host=args.host, port=args.port)
+    warn_of_a_local_proxy(auth)
     superuser = (
         " (a superuser: give it a login that is only an operator)" if login.superuser else ""
     )

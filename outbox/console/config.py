@@ -11,8 +11,10 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from outbox import credentials
+from outbox.credentials import Credential as Credential  # re-exported: the console's operators
 from outbox.errors import ConfigurationError
 from outbox.settings import is_loopback as is_loopback  # re-exported: the console's bind check
 
@@ -37,11 +39,83 @@ _HOST_NAME = re.compile(
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+# The addresses a process on this machine can send from without privileges: loopback,
+# and loopback written IPv4-mapped (how a dual-stack socket may report it).
+_LOCAL_NETWORKS = tuple(
+    ipaddress.ip_network(network) for network in ("127.0.0.0/8", "::1/128", "::ffff:127.0.0.0/104")
+)
 
-@dataclass(frozen=True)
-class Credential:
-    name: str
-    token: str = field(repr=False)
+# Header names that cannot carry the operator's identity, and why. The identity header is
+# believed because the proxy sets it and strips whatever the client sent; that holds only
+# for a header nothing else has a say in. These each have another author on the way:
+_SETS_ITSELF = "HTTP itself frames or routes the request with it, and every hop reads it"
+_CLIENT_SENDS = "the client sends it on its own (credentials and state), and proxies pass it on"
+_APPENDED = "proxies add to it rather than replace it, so what the client sent survives in it"
+_BROWSER_SETS = "browsers set it on their own requests, and a web page chooses some of it"
+_RESERVED_HEADERS = {
+    **dict.fromkeys(
+        (
+            "host",
+            "content-length",
+            "content-type",
+            "content-encoding",
+            "transfer-encoding",
+            "te",
+            "trailer",
+            "connection",
+            "keep-alive",
+            "upgrade",
+            "expect",
+            "date",
+        ),
+        _SETS_ITSELF,
+    ),
+    **dict.fromkeys(("authorization", "cookie", "cookie2"), _CLIENT_SENDS),
+    **dict.fromkeys(
+        (
+            "forwarded",
+            "x-forwarded-for",
+            "x-forwarded-host",
+            "x-forwarded-proto",
+            "x-forwarded-port",
+            "x-forwarded-prefix",
+            "x-real-ip",
+            "true-client-ip",
+            "x-client-ip",
+            "via",
+        ),
+        _APPENDED,
+    ),
+    **dict.fromkeys(
+        (
+            "origin",
+            "referer",
+            "user-agent",
+            "accept",
+            "accept-charset",
+            "accept-encoding",
+            "accept-language",
+            "cache-control",
+            "pragma",
+            "range",
+            "if-match",
+            "if-none-match",
+            "if-modified-since",
+            "if-unmodified-since",
+            "if-range",
+            "dnt",
+            "priority",
+            "upgrade-insecure-requests",
+            "x-requested-with",
+            "x-csrf-token",
+            "x-xsrf-token",
+        ),
+        _BROWSER_SETS,
+    ),
+}
+# Whole families: Sec-* are set by browsers alone (Fetch metadata, client hints); Proxy-*
+# are addressed to proxies (credentials among them).
+_RESERVED_PREFIXES = {"sec-": _BROWSER_SETS, "proxy-": _CLIENT_SENDS}
 
 
 @dataclass(frozen=True)
@@ -50,6 +124,18 @@ class ProxyIdentity:
 
     header: str
     proxies: tuple[Network, ...]
+
+    def local_networks(self) -> tuple[Network, ...]:
+        """The trusted networks that hold an address of this machine's loopback: from
+        there any local process, not only the proxy, can send the identity header."""
+        return tuple(
+            network
+            for network in self.proxies
+            if any(
+                local.version == network.version and network.overlaps(local)
+                for local in _LOCAL_NETWORKS
+            )
+        )
 
     def trusts(self, address: str | None) -> bool:
         if address is None:
@@ -87,26 +173,9 @@ def operator_name(text: str) -> str:
 
 
 def parse_credentials(text: str) -> tuple[Credential, ...]:
-    credentials: list[Credential] = []
-    for number, entry in enumerate(part for part in text.split(",") if part.strip()):
-        name, colon, token = entry.strip().partition(":")
-        # Errors say which entry, never what it holds: it is a secret.
-        where = f"{OPERATORS_ENV} entry {number + 1}"
-        if not colon:
-            raise ConfigurationError(f"{where} is not name:token")
-        try:
-            name = operator_name(name)
-        except ConfigurationError as error:
-            raise ConfigurationError(f"{where}: {error}") from None
-        if len(token) < MIN_TOKEN_LENGTH or token != token.strip():
-            raise ConfigurationError(
-                f"{where}: the token must be at least {MIN_TOKEN_LENGTH} characters, "
-                "without surrounding spaces"
-            )
-        if any(c.token == token for c in credentials):
-            raise ConfigurationError(f"{where}: two operators share one token")
-        credentials.append(Credential(name=name, token=token))
-    return tuple(credentials)
+    return credentials.parse_credentials(
+        text, variable=OPERATORS_ENV, min_length=MIN_TOKEN_LENGTH, name=operator_name
+    )
 
 
 def parse_proxies(text: str) -> tuple[Network, ...]:
@@ -115,11 +184,18 @@ def parse_proxies(text: str) -> tuple[Network, ...]:
         if not part:
             continue
         try:
-            networks.append(ipaddress.ip_network(part, strict=False))
+            network = ipaddress.ip_network(part, strict=False)
         except ValueError:
             raise ConfigurationError(
                 f"{TRUSTED_PROXIES_ENV}: {part!r} is not an IP address or network"
             ) from None
+        if network.prefixlen == 0:
+            raise ConfigurationError(
+                f"{TRUSTED_PROXIES_ENV}: {part!r} is every address: anyone who reaches the "
+                "console could name themselves any operator; name the proxy's own address "
+                "(or the network of the proxies)"
+            )
+        networks.append(network)
     return tuple(networks)
 
 
@@ -140,8 +216,24 @@ def auth_from_environment(environ: Mapping[str, str] | None = None) -> AuthConfi
             f"{PROXY_HEADER_ENV}: a header name of letters, digits and dashes, like "
             "X-Forwarded-User"
         )
+    reason = header and _reserved(header)
+    if reason:
+        raise ConfigurationError(
+            f"{PROXY_HEADER_ENV}: {header} cannot name the operator: {reason}. Use a header "
+            "only your proxy sets, such as X-Forwarded-User, and have it strip that header "
+            "from its clients' requests"
+        )
     proxy = ProxyIdentity(header=header, proxies=proxies) if header else None
     return AuthConfig(credentials=credentials, proxy=proxy)
+
+
+def _reserved(header: str) -> str | None:
+    """Why ``header`` cannot carry an identity, or None when it can."""
+    name = header.lower()
+    found = _RESERVED_HEADERS.get(name)
+    if found is None:
+        found = next((why for p, why in _RESERVED_PREFIXES.items() if name.startswith(p)), None)
+    return found
 
 
 def _is_wildcard(host: str) -> bool:

@@ -15,7 +15,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from outbox import credentials
 from outbox.console.config import AuthConfig, Credential, operator_name
+from outbox.credentials import FailureThrottle
 from outbox.errors import ConfigurationError
 
 COOKIE = "outbox_console_session"
@@ -102,60 +104,14 @@ class Sessions:
             self._anonymous.sessions.pop(session_id, None)
 
 
-# Refused logins an address may make in a window before its attempts are refused
-# unread: enough for a person's typos, far too few to guess even a short password.
-LOGIN_FAILURES = 10
-LOGIN_WINDOW_SECONDS = 600.0
-MAX_THROTTLED_ADDRESSES = 10_000
-
-
-class LoginThrottle:
-    """Counts refused logins per client address. An address past ``limit`` failures in
-    ``window`` seconds has every login refused, right or wrong, until the window since
-    its first failure has passed: a guess then tells the guesser nothing."""
-
-    def __init__(
-        self,
-        *,
-        limit: int = LOGIN_FAILURES,
-        window: float = LOGIN_WINDOW_SECONDS,
-        addresses: int = MAX_THROTTLED_ADDRESSES,
-    ) -> None:
-        self._limit = limit
-        self._window = window
-        self._addresses = addresses
-        # address -> (failures, when the first of them was)
-        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
-
-    def _current(self, address: str) -> int:
-        found = self._failures.get(address)
-        if found is None:
-            return 0
-        if found[1] + self._window <= time.monotonic():
-            del self._failures[address]
-            return 0
-        return found[0]
-
-    def blocked(self, address: str) -> bool:
-        return self._current(address) >= self._limit
-
-    def failed(self, address: str) -> None:
-        count = self._current(address)
-        started = self._failures[address][1] if count else time.monotonic()
-        self._failures[address] = (count + 1, started)
-        while len(self._failures) > self._addresses:
-            self._failures.popitem(last=False)
+# The console's throttle: ten refused logins from one address within ten minutes hold
+# that address back for the rest of the ten minutes (outbox.credentials).
+LoginThrottle = FailureThrottle
 
 
 def credential_for(auth: AuthConfig, token: str) -> Credential | None:
-    """The credential whose token this is. Every credential is compared, in constant
-    time each, so the time taken says nothing about which one came close."""
-    found = None
-    given = token.encode()
-    for credential in auth.credentials:
-        if hmac.compare_digest(credential.token.encode(), given):
-            found = credential
-    return found
+    """The operator whose token this is (compared with every one, in constant time)."""
+    return credentials.credential_for(auth.credentials, token)
 
 
 def identity_header(raw_headers: Iterable[tuple[bytes, bytes]], name: str) -> str | None:

@@ -205,7 +205,7 @@ class OutboxToolset(AbstractToolset[Any]):
         if definition is None:
             definition = self._definitions[contract.key] = ToolDefinition(
                 name=contract.name,
-                parameters_json_schema=contract.input_model.model_json_schema(),
+                parameters_json_schema=contract.input_schema(),
                 description=contract.description.strip() or None,
                 metadata={
                     _METADATA_KEY: {

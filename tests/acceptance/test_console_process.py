@@ -15,7 +15,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox.console.config import HOSTS_ENV, OPERATORS_ENV
+from outbox.console.config import (
+    HOSTS_ENV,
+    OPERATORS_ENV,
+    PROXY_HEADER_ENV,
+    TRUSTED_PROXIES_ENV,
+)
 from outbox.sandbox.processes import DaemonProcess
 
 from support.console_helpers import OPERATOR, TOKEN, as_user, operator_login
@@ -114,3 +119,44 @@ def test_it_serves_as_an_operator_login(operator_url: str) -> None:
 
     assert "superuser" not in line
     assert TOKEN not in process.output()
+
+
+@pytest.mark.parametrize(
+    ("header", "proxies", "named"),
+    [
+        ("X-Forwarded-User", "0.0.0.0/0", TRUSTED_PROXIES_ENV),
+        ("Cookie", "10.0.0.7", PROXY_HEADER_ENV),
+    ],
+    ids=["every-address", "cookie"],
+)
+def test_it_refuses_a_proxy_that_would_let_anyone_name_the_operator(
+    database_url: str, header: str, proxies: str, named: str
+) -> None:
+    ran = console(
+        database_url, "--port", "0", **{PROXY_HEADER_ENV: header, TRUSTED_PROXIES_ENV: proxies}
+    )
+
+    assert ran.returncode == 2
+    assert ran.stderr.count("\n") == 1
+    assert ran.stderr.startswith(f"outbox console: configuration error: {named}: ")
+    assert "serving on" not in ran.stdout
+
+
+def test_it_warns_loudly_when_the_trusted_proxy_is_a_local_address(operator_url: str) -> None:
+    command = [sys.executable, "-m", "outbox", "console", "--port", "0"]
+    env = environment(
+        operator_url, **{PROXY_HEADER_ENV: "X-Forwarded-User", TRUSTED_PROXIES_ENV: "127.0.0.1"}
+    )
+    with DaemonProcess(command, environment=env, capture=True) as process:
+        process.wait_for_line("serving on", within=30)
+        process.stop()
+
+    lines = process.output().splitlines()
+    logged = [line for line in lines if "action=console.local_proxy" in line]
+    assert len(logged) == 1
+    assert "level=warning" in logged[0]
+    assert "networks=127.0.0.1/32" in logged[0]
+    said = [line for line in lines if line.startswith("outbox console: WARNING: ")]
+    assert len(said) == 1
+    assert "any process on this machine can name itself any operator" in said[0]
+    assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if "serving on" in line)

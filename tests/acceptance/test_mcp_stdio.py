@@ -8,10 +8,12 @@ response."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -102,26 +104,17 @@ async def test_a_timed_out_call_retried_with_its_key_is_one_refund(
     assert KEY not in log  # a client-chosen key never reaches a log line
 
 
-@pytest.mark.parametrize(
-    ("transport", "expected"),
-    [
-        ([], "outbox mcp: error: the outcome watcher could not connect: OperationalError"),
-        (
-            ["--transport", "http", "--port", "0"],
-            "outbox mcp: error: the outcome watcher could not connect: OperationalError",
-        ),
-    ],
-    ids=["stdio", "http"],
+TRANSPORTS = pytest.mark.parametrize(
+    "transport", [[], ["--transport", "http", "--port", "0"]], ids=["stdio", "http"]
 )
-def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
-    transport: list[str], expected: str
-) -> None:
-    result = subprocess.run(
+
+
+def serve_on(database_url: str, transport: list[str]) -> subprocess.CompletedProcess[str]:
+    """`outbox mcp` on ``database_url``, expected to stop by itself: one that served
+    would run into the timeout instead."""
+    return subprocess.run(
         [OUTBOX, "mcp", "--tools", "outbox.sandbox.tools", *transport],
-        env={
-            **os.environ,
-            "OUTBOX_DATABASE_URL": f"postgresql://nobody@127.0.0.1:{closed_port()}/x",
-        },
+        env={**os.environ, "OUTBOX_DATABASE_URL": database_url},
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -129,20 +122,54 @@ def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
         check=False,
     )
 
+
+@TRANSPORTS
+def test_an_unreachable_database_stops_the_server_at_once_in_one_line(
+    transport: list[str],
+) -> None:
+    result = serve_on(f"postgresql://nobody@127.0.0.1:{closed_port()}/x", transport)
+
     assert result.returncode == 1
     assert result.stdout == ""  # on stdio, stdout is the protocol's alone
-    assert result.stderr.splitlines()[-1].startswith(expected)
+    assert result.stderr.splitlines()[-1].startswith(
+        "outbox mcp: error: the outcome watcher could not connect: OperationalError"
+    )
     assert "Traceback" not in result.stderr
 
 
-TOKEN = "tok-CANARY-2b8e41"
+@TRANSPORTS
+def test_a_database_without_the_schema_stops_the_server_at_once_in_one_line(
+    empty_database_url: str, transport: list[str]
+) -> None:
+    """As the consumer does, rather than answer every call "the database did not
+    answer, call again" for as long as nobody runs `outbox migrate`."""
+    result = serve_on(empty_database_url, transport)
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[-1] == (
+        "outbox mcp: error: The outbox tables are missing in this database: run `outbox migrate`."
+    )
+    assert "mcp.ready" not in result.stderr
+    assert "Traceback" not in result.stderr
 
 
-def test_http_through_the_command_answers_only_the_token_holder(database_url: str) -> None:
+TOKEN = "tok-CANARY-2b8e41-7c9d0a3f5e1b6d8c2a4f"
+SUPPORT_TOKEN = "tok-CANARY-support-93ab5d7f1c2e4a6b8d0f"
+BILLING_TOKEN = "tok-CANARY-billing-41c7e9a2b5d8f0a3c6e1"
+LIST_TOOLS = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+@contextlib.contextmanager
+def serving_over_http(
+    database_url: str, variables: dict[str, str], *flags: str
+) -> Iterator[tuple[str, Daemon]]:
+    """`outbox mcp --transport http` on a port of its own, until the block ends."""
     port = closed_port()
     server = Daemon(
         "mcp",
-        {**os.environ, "OUTBOX_DATABASE_URL": database_url, "OUTBOX_TEST_MCP_TOKEN": TOKEN},
+        {**os.environ, "OUTBOX_DATABASE_URL": database_url, **variables},
         [
             OUTBOX,
             "mcp",
@@ -152,26 +179,34 @@ def test_http_through_the_command_answers_only_the_token_holder(database_url: st
             "http",
             "--port",
             str(port),
-            "--bearer-token-env",
-            "OUTBOX_TEST_MCP_TOKEN",
-            "--run-id",
-            "h1",
             "--wait",
             "0",
+            *flags,
         ],
     )
     try:
         server.wait_for_line("Uvicorn running on", within=60)
-        url = f"http://127.0.0.1:{port}/mcp"
+        yield f"http://127.0.0.1:{port}/mcp", server
+    finally:
+        server.kill()
+
+
+def test_http_through_the_command_answers_only_the_token_holder(database_url: str) -> None:
+    with serving_over_http(
+        database_url,
+        {"OUTBOX_TEST_MCP_TOKEN": TOKEN},
+        "--bearer-token-env",
+        "OUTBOX_TEST_MCP_TOKEN",
+        "--run-id",
+        "h1",
+    ) as (url, server):
         refused, outcome = asyncio.run(_call_over_http(url))
         server.signal(signal.SIGTERM)
         code = server.wait(30)
         output = server.output()
-    finally:
-        server.kill()
 
     assert refused == 401
-    assert outcome.run_id == "bearer:h1"
+    assert outcome.run_id == "bearer:h1"  # the single-token form keeps its principal
     assert outcome.status == "pending"  # --wait 0: the answer right after recording
     assert code == 0
     assert "mcp.stopping signal=SIGTERM" in output
@@ -182,18 +217,54 @@ def test_http_through_the_command_answers_only_the_token_holder(database_url: st
 
 async def _call_over_http(url: str) -> tuple[int, Outcome]:
     async with httpx2.AsyncClient() as anonymous:
-        refused = await anonymous.post(
-            url,
-            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}},
-            headers={"Accept": "application/json, text/event-stream"},
-        )
+        refused = await anonymous.post(url, json=LIST_TOOLS, headers=ACCEPT)
+    return refused.status_code, await _refund_as(url, TOKEN)
+
+
+async def _refund_as(url: str, token: str) -> Outcome:
     meta = cast("RequestParamsMeta", {DECISION_KEY_META: KEY})
     async with (
-        create_mcp_http_client(headers={"Authorization": f"Bearer {TOKEN}"}) as http,
+        create_mcp_http_client(headers={"Authorization": f"Bearer {token}"}) as http,
         Client(streamable_http_client(url, http_client=http)) as client,
     ):
         result = await client.call_tool("send_refund", REFUND, meta=meta)
-    return refused.status_code, Outcome.model_validate(result.structured_content)
+    return Outcome.model_validate(result.structured_content)
+
+
+def test_http_through_the_command_serves_each_caller_as_itself_and_throttles_guesses(
+    database_url: str,
+) -> None:
+    tokens = f"support-bot:{SUPPORT_TOKEN}, billing-bot:{BILLING_TOKEN}"
+    with serving_over_http(database_url, {"OUTBOX_MCP_TOKENS": tokens}) as (url, server):
+
+        async def callers_then_a_guesser() -> tuple[list[Outcome], list[httpx2.Response]]:
+            outcomes = [await _refund_as(url, t) for t in (SUPPORT_TOKEN, BILLING_TOKEN)]
+            answers = []
+            async with httpx2.AsyncClient() as guesser:
+                for n in range(12):
+                    # The address is the TCP peer's: a forwarding header changes nothing.
+                    headers = {
+                        **ACCEPT,
+                        "Authorization": f"Bearer guess-CANARY-{n}",
+                        "X-Forwarded-For": f"192.0.2.{n}",
+                    }
+                    answers.append(await guesser.post(url, json=LIST_TOOLS, headers=headers))
+                right = {**ACCEPT, "Authorization": f"Bearer {SUPPORT_TOKEN}"}
+                answers.append(await guesser.post(url, json=LIST_TOOLS, headers=right))
+            return outcomes, answers
+
+        (support, billing), answers = asyncio.run(callers_then_a_guesser())
+        output = server.output()
+
+    assert (support.run_id, billing.run_id) == ("support-bot:mcp", "billing-bot:mcp")
+    assert support.operation_id != billing.operation_id  # one key, two callers' decisions
+    assert [a.status_code for a in answers] == [401] * 10 + [429] * 3
+    assert 0 < int(answers[-1].headers["retry-after"]) <= 600
+    assert output.count("action=mcp.unauthorized") == 10
+    assert "address=127.0.0.1" in output
+    assert output.count("action=mcp.throttled") == 1
+    assert "CANARY" not in output
+    assert "192.0.2." not in output
 
 
 def test_http_on_a_taken_port_fails_in_one_line(database_url: str) -> None:

@@ -206,3 +206,54 @@ def test_the_demo_says_when_the_broker_refuses_its_credentials(
     assert result.returncode == 1
     assert "refused the user name or password" in line
     assert CANARY not in line
+
+
+# --- 6. settings that cannot be meant ---------------------------------------------------
+
+
+def test_a_mistyped_variable_stops_a_command_in_one_line_naming_the_setting() -> None:
+    # This run's own variables (OUTBOX_TEST_*, and CI's) are in the environment too, and
+    # must pass: only the typo is named.
+    result = run("contracts", "--tools", "outbox.sandbox.tools", env={"OUTBOX_LEASE_MARGN": "5"})
+
+    line = one_line(result)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert line == (
+        "outbox contracts: configuration error: OUTBOX_LEASE_MARGN is not a setting; "
+        "did you mean OUTBOX_LEASE_MARGIN?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "named"),
+    [
+        (
+            ["dispatcher", "--once"],
+            {"OUTBOX_LEASE_MARGIN": "0.5", "OUTBOX_DB_TRANSACTION_TIMEOUT": "5"},
+            ("OUTBOX_LEASE_MARGIN (0.5 s)", "OUTBOX_DB_TRANSACTION_TIMEOUT (5 s)"),
+        ),
+        (
+            ["consumer", "--tools", "outbox.sandbox.tools", "--reconcile-interval", "0.000001"],
+            {},
+            ("OUTBOX_RECONCILE_INTERVAL: 1e-06 s",),
+        ),
+        (
+            ["consumer", "--tools", "outbox.sandbox.tools"],
+            {"OUTBOX_RETENTION": "-PT5S"},
+            ("OUTBOX_RETENTION",),
+        ),
+    ],
+    ids=["lease-shorter-than-transaction", "microsecond-interval", "negative-retention"],
+)
+def test_an_impossible_setting_stops_a_daemon_before_it_connects(
+    command: list[str], env: dict[str, str], named: tuple[str, ...]
+) -> None:
+    result = run(*command, env={**nowhere(), **env})
+
+    line = one_line(result)
+    assert result.returncode == 2
+    assert line.startswith(f"outbox {command[0]}: configuration error: invalid settings: ")
+    for name in named:
+        assert name in line
+    assert "Value error" not in line

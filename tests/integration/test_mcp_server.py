@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import sys
@@ -39,8 +40,10 @@ from outbox import (
 )
 from outbox import store as outbox_store
 from outbox.cli import run_command
-from outbox.errors import ConfigurationError, TransientDatabaseError
+from outbox.credentials import Credential, FailureThrottle
+from outbox.errors import ConfigurationError, SchemaMissing, TransientDatabaseError
 from outbox.mcp_tools import (
+    BEARER_PRINCIPAL,
     CONTRACT_META,
     DECISION_KEY_META,
     OPERATION_META,
@@ -56,7 +59,7 @@ from outbox.mcp_transports import BearerGuard, http_app
 from outbox.outcomes import EffectResult, ExecutionContext
 
 from support.db_helpers import committed_counts, execute_admin
-from support.logs import logged, rendered
+from support.logs import logged, records_of, rendered
 from support.ops_helpers import Ops
 from support.ports import closed_port
 from support.waiting import eventually
@@ -163,8 +166,11 @@ def registry() -> Registry:
 
 @pytest.fixture
 def settings(database_url: str) -> Settings:
-    # Generous transaction bounds: the machine running the tests may be busy.
-    return Settings(database_url=SecretStr(database_url), db_transaction_timeout=30.0)
+    # Generous transaction bounds: the machine running the tests may be busy (and the
+    # lease margin, which no call here uses, longer still, as settings require).
+    return Settings(
+        database_url=SecretStr(database_url), db_transaction_timeout=30.0, lease_margin=31.0
+    )
 
 
 @pytest.fixture
@@ -253,7 +259,10 @@ async def test_each_contract_is_one_tool_at_its_latest_version(
     for name in ("lookup", "notify", "pay", "set_flag"):
         contract = registry.get(name)
         tool = listed[name]
-        assert tool.input_schema == contract.input_model.model_json_schema()
+        assert tool.input_schema == {
+            **contract.input_model.model_json_schema(),
+            "additionalProperties": False,
+        }
         assert tool.output_schema == Outcome.model_json_schema(mode="serialization")
         assert tool.annotations is not None
         wire = tool.annotations.model_dump(by_alias=True, exclude_none=True)
@@ -525,6 +534,26 @@ async def test_bad_input_names_the_fields_and_never_the_values(
     assert only_operation(database_url).input == PAYMENT
 
 
+async def test_a_field_the_tool_does_not_take_is_refused_and_nothing_is_recorded(
+    registry: Registry, settings: Settings, database_url: str
+) -> None:
+    """Tried with a real MCP client before: the extra field was dropped, the rest was
+    recorded, and the model heard the call succeed."""
+    async with connected(registry, settings) as client:
+        listed = {tool.name: tool for tool in (await client.list_tools()).tools}
+        result = await client.call_tool(
+            "pay", {**PAYMENT, "refund_to": "acc_CANARY_9"}, meta=key("call_1")
+        )
+
+    assert listed["pay"].input_schema["additionalProperties"] is False
+    assert listed["lookup"].input_schema["additionalProperties"] is False
+    assert result.is_error is True
+    assert text_of(result).startswith("Not done: input for tool 'pay' v1 is invalid: ")
+    assert "refund_to: not a field of this tool" in text_of(result)
+    assert "CANARY" not in text_of(result)
+    assert operation_count(database_url) == 0
+
+
 async def test_an_unknown_tool_is_a_protocol_error_that_does_not_echo_the_name(
     registry: Registry, settings: Settings, database_url: str
 ) -> None:
@@ -758,15 +787,31 @@ async def test_the_status_tool_refuses_what_it_cannot_find(
 # --- HTTP ----------------------------------------------------------------------------
 
 
-TOKEN = "tok-CANARY-7f3a9d"
+TOKEN = "tok-CANARY-7f3a9d-4e1b2c8a0f5d6e3b9c"
+SUPPORT = Credential("support-bot", "tok-CANARY-support-5f2a9c81d4e6b7a30c1f")
+BILLING = Credential("billing-bot", "tok-CANARY-billing-0b8d3e6f2a9c41d7e5b2")
+
+
+def bearer(token: str) -> tuple[Credential, ...]:
+    """The single-token form: one token, the principal ``bearer``."""
+    return (Credential(BEARER_PRINCIPAL, token),)
 
 
 @contextlib.asynccontextmanager
 async def serving_http(
-    registry: Registry, settings: Settings, *, token: str | None
+    registry: Registry,
+    settings: Settings,
+    *,
+    credentials: tuple[Credential, ...],
+    throttle: FailureThrottle | None = None,
 ) -> AsyncIterator[str]:
     port = closed_port()
-    app = http_app(server(registry, settings), host="127.0.0.1", bearer_token=token)
+    app = http_app(
+        server(registry, settings),
+        host="127.0.0.1",
+        credentials=credentials,
+        throttle=throttle or FailureThrottle(),
+    )
     http_server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False)
     )
@@ -798,7 +843,7 @@ async def test_http_with_a_token_binds_runs_to_the_principal(
     registry: Registry, settings: Settings, database_url: str
 ) -> None:
     async with (
-        serving_http(registry, settings, token=TOKEN) as url,
+        serving_http(registry, settings, credentials=bearer(TOKEN)) as url,
         http_client(url, TOKEN) as client,
     ):
         default_run = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
@@ -831,7 +876,10 @@ async def test_http_with_a_token_refuses_requests_without_it(
     if authorization is not None:
         headers["Authorization"] = authorization
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
-    async with serving_http(registry, settings, token=TOKEN) as url, httpx2.AsyncClient() as http:
+    async with (
+        serving_http(registry, settings, credentials=bearer(TOKEN)) as url,
+        httpx2.AsyncClient() as http,
+    ):
         response = await http.post(url, json=body, headers=headers)
 
     assert response.status_code == 401
@@ -841,20 +889,27 @@ async def test_http_with_a_token_refuses_requests_without_it(
     assert operation_count(database_url) == 0
 
 
-async def test_the_guard_passes_only_the_lifespan_and_the_token_holder() -> None:
-    reached: list[MutableMapping[str, Any]] = []
-    sent: list[MutableMapping[str, Any]] = []
+@dataclasses.dataclass
+class GuardProbe:
+    """An ASGI app behind the guard that keeps what reached it, and what the guard sent."""
 
-    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        reached.append(scope)
+    reached: list[MutableMapping[str, Any]] = dataclasses.field(default_factory=list)
+    sent: list[MutableMapping[str, Any]] = dataclasses.field(default_factory=list)
 
-    async def receive() -> MutableMapping[str, Any]:
+    async def app(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        self.reached.append(scope)
+
+    async def receive(self) -> MutableMapping[str, Any]:
         return {"type": "http.disconnect"}
 
-    async def send(message: MutableMapping[str, Any]) -> None:
-        sent.append(message)
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        self.sent.append(message)
 
-    guard = BearerGuard(app, TOKEN)
+
+async def test_the_guard_passes_only_the_lifespan_and_the_token_holder() -> None:
+    probe = GuardProbe()
+    reached, sent, receive, send = probe.reached, probe.sent, probe.receive, probe.send
+    guard = BearerGuard(probe.app, bearer(TOKEN), FailureThrottle())
     good = (b"authorization", f"Bearer {TOKEN}".encode())
     await guard({"type": "websocket", "headers": [good]}, receive, send)
     await guard({"type": "websocket", "headers": []}, receive, send)
@@ -870,11 +925,89 @@ async def test_the_guard_passes_only_the_lifespan_and_the_token_holder() -> None
     assert sent[1]["status"] == 401  # two Authorization headers: ambiguous, refused
 
 
+async def test_each_token_holder_records_and_reads_as_its_own_principal(
+    registry: Registry, settings: Settings, database_url: str
+) -> None:
+    async with serving_http(registry, settings, credentials=(SUPPORT, BILLING)) as url:
+        async with http_client(url, SUPPORT.token) as support:
+            mine = await support.call_tool("pay", PAYMENT, meta=key("call_1"))
+        async with http_client(url, BILLING.token) as billing:
+            # The same key, another caller: another decision, never the first one's.
+            theirs = await billing.call_tool("pay", PAYMENT, meta=key("call_1"))
+            peek = await billing.call_tool(
+                STATUS_TOOL, {"operation_id": outcome_of(mine).display_id}
+            )
+
+    assert outcome_of(mine).run_id == "support-bot:mcp"
+    assert outcome_of(theirs).run_id == "billing-bot:mcp"
+    assert outcome_of(mine).operation_id != outcome_of(theirs).operation_id
+    assert peek.is_error is True
+    assert text_of(peek).startswith("No operation op_")
+    assert operation_count(database_url) == 2
+
+
+async def test_failed_bearer_attempts_are_throttled_per_address_and_logged_by_address(
+    registry: Registry,
+    settings: Settings,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    throttle = FailureThrottle(limit=3)
+    async with (
+        serving_http(registry, settings, credentials=(SUPPORT,), throttle=throttle) as url,
+        httpx2.AsyncClient() as http,
+    ):
+        guesses = [
+            await http.post(url, json=body, headers={**headers, "Authorization": f"Bearer {g}"})
+            for g in ("guess-CANARY-1", "guess-CANARY-2", "guess-CANARY-3")
+        ]
+        # Past the limit even the right token is refused unread: a guess learns nothing.
+        right = await http.post(
+            url, json=body, headers={**headers, "Authorization": f"Bearer {SUPPORT.token}"}
+        )
+
+    assert [guess.status_code for guess in guesses] == [401, 401, 401]
+    assert right.status_code == 429
+    assert 0 < int(right.headers["retry-after"]) <= 600
+    assert "CANARY" not in right.text
+    refused = records_of(caplog, "mcp.unauthorized")
+    assert [(getattr(r, "address", None), getattr(r, "failures", None)) for r in refused] == [
+        ("127.0.0.1", 1),
+        ("127.0.0.1", 2),
+        ("127.0.0.1", 3),
+    ]
+    assert logged(caplog, "mcp.throttled", address="127.0.0.1")
+    assert "CANARY" not in rendered(caplog)
+    assert operation_count(database_url) == 0
+
+
+async def test_the_throttle_holds_back_only_the_address_that_failed() -> None:
+    probe = GuardProbe()
+    reached, sent, receive, send = probe.reached, probe.sent, probe.receive, probe.send
+
+    def request(address: str, token: str) -> dict[str, Any]:
+        headers = [(b"authorization", f"Bearer {token}".encode())]
+        return {"type": "http", "headers": headers, "client": (address, 50000)}
+
+    guard = BearerGuard(probe.app, (SUPPORT, BILLING), FailureThrottle(limit=2))
+    for _ in range(2):
+        await guard(request("10.0.0.9", "wrong"), receive, send)
+    await guard(request("10.0.0.9", SUPPORT.token), receive, send)
+    await guard(request("10.0.0.10", BILLING.token), receive, send)
+
+    statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    assert statuses == [401, 401, 429]
+    assert [scope[PRINCIPAL_SCOPE_KEY] for scope in reached] == ["billing-bot"]
+
+
 async def test_http_on_loopback_without_a_token_serves_the_loopback_principal(
     registry: Registry, settings: Settings
 ) -> None:
     async with (
-        serving_http(registry, settings, token=None) as url,
+        serving_http(registry, settings, credentials=()) as url,
         http_client(url, None) as client,
     ):
         result = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
@@ -914,7 +1047,7 @@ def test_http_beyond_loopback_without_a_token_is_refused_at_startup(
     registry: Registry, settings: Settings, capsys: pytest.CaptureFixture[str], host: str
 ) -> None:
     with pytest.raises(ConfigurationError, match="not a loopback address"):
-        http_app(server(registry, settings), host=host, bearer_token=None)
+        http_app(server(registry, settings), host=host, credentials=())
 
     code = run_command(
         ["mcp", "--tools", "outbox.sandbox.tools", "--transport", "http", "--host", host]
@@ -928,7 +1061,62 @@ def test_http_beyond_loopback_without_a_token_is_refused_at_startup(
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
 def test_loopback_hosts_need_no_token(registry: Registry, settings: Settings, host: str) -> None:
-    assert http_app(server(registry, settings), host=host, bearer_token=None) is not None
+    assert http_app(server(registry, settings), host=host, credentials=()) is not None
+
+
+@pytest.mark.parametrize(
+    ("variables", "flags", "says"),
+    [
+        (
+            {"OUTBOX_TEST_MCP_TOKEN": "CANARY-short-0123456789abcdef"},
+            ["--bearer-token-env", "OUTBOX_TEST_MCP_TOKEN"],
+            "--bearer-token-env OUTBOX_TEST_MCP_TOKEN: the token must be at least 32 characters",
+        ),
+        (
+            {"OUTBOX_MCP_TOKENS": f"{SUPPORT.name}:{SUPPORT.token},billing-bot:CANARY-short-01"},
+            [],
+            "OUTBOX_MCP_TOKENS entry 2: the token must be at least 32 characters",
+        ),
+        (
+            {"OUTBOX_MCP_TOKENS": f"ops team:{SUPPORT.token}"},
+            [],
+            "OUTBOX_MCP_TOKENS entry 1: a caller's name is 1-64 letters, digits",
+        ),
+        (
+            {"OUTBOX_MCP_TOKENS": f"loopback:{SUPPORT.token}"},
+            [],
+            "OUTBOX_MCP_TOKENS entry 1: 'loopback' is the principal of calls without a token",
+        ),
+        (
+            {"OUTBOX_MCP_TOKENS": f"a:{SUPPORT.token}", "OUTBOX_TEST_MCP_TOKEN": TOKEN},
+            ["--bearer-token-env", "OUTBOX_TEST_MCP_TOKEN"],
+            "set OUTBOX_MCP_TOKENS or --bearer-token-env, not both",
+        ),
+    ],
+    ids=["short-single-token", "short-token-in-the-list", "bad-name", "reserved-name", "both"],
+)
+def test_bad_bearer_tokens_are_refused_at_start_without_echoing_them(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    variables: dict[str, str],
+    flags: list[str],
+    says: str,
+) -> None:
+    # Nothing answers there: a command that did not refuse would fail to connect instead.
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"postgresql://nobody@127.0.0.1:{closed_port()}/x")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+    code = run_command(
+        ["mcp", "--tools", "outbox.sandbox.tools", "--transport", "http", "--port", "0", *flags]
+    )
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1
+    assert err.startswith("outbox mcp: configuration error: ")
+    assert says in err
+    assert "CANARY" not in err
 
 
 def test_an_unset_token_variable_is_refused_without_serving(
@@ -1007,6 +1195,16 @@ async def test_a_decision_whose_status_cannot_be_read_says_it_was_recorded(
     )
     assert outcome_of(retry).operation_id == operation.id
     assert operation_count(database_url) == 1
+
+
+async def test_a_server_on_a_database_without_the_schema_refuses_to_start(
+    registry: Registry, empty_database_url: str
+) -> None:
+    settings = Settings(database_url=SecretStr(empty_database_url))
+
+    with pytest.raises(SchemaMissing, match="outbox migrate"):
+        async with connected(registry, settings):
+            pass
 
 
 def test_without_the_mcp_extra_the_command_says_what_to_install(

@@ -325,6 +325,32 @@ async def test_invalid_input_goes_back_to_the_model_by_field_name_only(
     assert committed_counts(database_url).operations == 0
 
 
+async def test_a_field_the_tool_does_not_take_goes_back_to_the_model_unrecorded(
+    database_url: str, async_engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    seen: list[ToolReturnPart] = []
+
+    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        answer = latest_tool_return(messages)
+        if answer is None:
+            extra = {**REFUND, "refund_to": "acc_CANARY_elsewhere"}
+            return ModelResponse(parts=[ToolCallPart("send_refund", extra)])
+        seen.append(answer)
+        return ModelResponse(parts=[TextPart("I could not make that refund.")])
+
+    toolset = OutboxToolset(sandbox_registry(), async_engine, max_retries=1)
+    agent = Agent(FunctionModel(script), toolsets=[toolset], output_type=str)
+
+    await agent.run("Refund it to my other account.")
+
+    (answer,) = seen
+    assert answer.outcome == "retried"
+    assert "refund_to: not a field of this tool" in str(answer.content)
+    assert "CANARY" not in str(answer.content) + rendered(caplog)
+    assert committed_counts(database_url).operations == 0
+
+
 async def test_tools_are_the_registry_at_its_latest_versions(
     database_url: str, async_engine: AsyncEngine
 ) -> None:
@@ -349,7 +375,11 @@ async def test_tools_are_the_registry_at_its_latest_versions(
 
     definition = offered[0]
     assert [d.name for d in offered] == ["open_ticket"]
-    assert definition.parameters_json_schema == TicketV2.model_json_schema()
+    # The model's schema, closed: a field it does not name is refused, never dropped.
+    assert definition.parameters_json_schema == {
+        **TicketV2.model_json_schema(),
+        "additionalProperties": False,
+    }
     assert definition.description == "Open a support ticket."
     assert isinstance(result.output, DeferredToolRequests)  # nobody runs the consumer here
     (call,) = result.output.calls

@@ -119,9 +119,10 @@ def running_system(
             tools="outbox.sandbox.tools",
             poll_interval=0.2,
             reconcile_interval=0.1,
-            lease_margin=0.5,
-            # Short leases for quick takeovers; database bounds a busy machine meets
-            # (by default they derive from the margin: 0.25 s here).
+            # Database bounds a busy machine meets (by default they derive from the
+            # margin), and a margin just longer, as it must be: a takeover waits for the
+            # tool's deadline plus these 6 s.
+            lease_margin=6.0,
             db_transaction_timeout=5.0,
             metrics_host="127.0.0.1",
             metrics_port=0,

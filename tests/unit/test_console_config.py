@@ -3,6 +3,7 @@ variable and never echoes a credential."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from typing import Any
 
@@ -179,6 +180,86 @@ def test_a_comma_joined_identity_names_nobody() -> None:
 def test_a_proxy_header_name_must_be_dashed_letters_and_digits(header: str) -> None:
     with pytest.raises(ConfigurationError, match="letters, digits and dashes"):
         auth_from_environment({PROXY_HEADER_ENV: header, TRUSTED_PROXIES_ENV: "10.0.0.7"})
+
+
+@pytest.mark.parametrize("proxies", ["0.0.0.0/0", "::/0", "10.0.0.7, ::/0", "0.0.0.0/0.0.0.0"])
+def test_a_proxy_network_of_every_address_is_refused(proxies: str) -> None:
+    """Every address is no proxy: anyone who reaches the console could name themselves."""
+    with pytest.raises(ConfigurationError) as refused:
+        auth_from_environment({PROXY_HEADER_ENV: "X-Forwarded-User", TRUSTED_PROXIES_ENV: proxies})
+
+    message = str(refused.value)
+    assert message.startswith(f"{TRUSTED_PROXIES_ENV}: ")
+    assert "is every address" in message
+    assert "name the proxy's own address" in message
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Cookie",
+        "authorization",
+        "Proxy-Authorization",
+        "Host",
+        "Content-Length",
+        "Content-Type",
+        "Transfer-Encoding",
+        "Connection",
+        "Upgrade",
+        "TE",
+        "X-Forwarded-For",
+        "X-Forwarded-Host",
+        "Forwarded",
+        "X-Real-IP",
+        "Via",
+        "User-Agent",
+        "Referer",
+        "Origin",
+        "Accept-Language",
+        "Sec-Fetch-Site",
+        "Proxy-Anything",
+        "X-CSRF-Token",
+    ],
+)
+def test_a_header_the_client_or_http_itself_sets_is_refused_as_the_identity_header(
+    header: str,
+) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        auth_from_environment({PROXY_HEADER_ENV: header, TRUSTED_PROXIES_ENV: "10.0.0.7"})
+
+    message = str(refused.value)
+    assert message.startswith(f"{PROXY_HEADER_ENV}: {header} cannot name the operator")
+    assert "X-Forwarded-User" in message  # what to use instead
+
+
+@pytest.mark.parametrize(
+    "header", ["X-Forwarded-User", "X-Auth-Request-Email", "Remote-User", "X-Forwarded-Email"]
+)
+def test_a_header_only_the_proxy_sets_is_accepted(header: str) -> None:
+    auth = auth_from_environment({PROXY_HEADER_ENV: header, TRUSTED_PROXIES_ENV: "10.0.0.7"})
+
+    assert auth.proxy is not None
+    assert auth.proxy.header == header
+
+
+@pytest.mark.parametrize(
+    ("proxies", "local"),
+    [
+        ("127.0.0.1", ["127.0.0.1/32"]),
+        ("::1", ["::1/128"]),
+        ("10.0.0.0/24, 127.0.0.0/8", ["127.0.0.0/8"]),
+        ("::ffff:127.0.0.1", ["::ffff:127.0.0.1"]),  # 127.0.0.1, IPv4-mapped
+        ("96.0.0.0/3", ["96.0.0.0/3"]),  # holds 127.0.0.1 too
+        ("10.0.0.7, 192.0.2.0/24, fd00::/8", []),
+    ],
+)
+def test_local_proxy_addresses_are_told_apart(proxies: str, local: list[str]) -> None:
+    auth = auth_from_environment(
+        {PROXY_HEADER_ENV: "X-Forwarded-User", TRUSTED_PROXIES_ENV: proxies}
+    )
+
+    assert auth.proxy is not None
+    assert auth.proxy.local_networks() == tuple(map(ipaddress.ip_network, local))
 
 
 def test_served_hosts_are_loopback_the_bound_address_and_those_named() -> None:

@@ -6,7 +6,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import pytest
-from pydantic import BaseModel, Secret, SecretBytes, SecretStr
+from pydantic import BaseModel, ConfigDict, Secret, SecretBytes, SecretStr
 from typing_extensions import TypedDict
 
 from outbox.contracts import (
@@ -498,3 +498,53 @@ def test_still_unknown_checks_its_code_too() -> None:
     assert StillUnknown().code == "lookup_inconclusive"
     with pytest.raises(ValueError, match="outcome code must match"):
         StillUnknown(code="Provider Down")
+
+
+# --- the input schema a contract advertises ------------------------------------------
+
+
+class Line(BaseModel):
+    sku: str
+    # A field named like a JSON Schema keyword must stay a field.
+    properties: dict[str, int] = {}
+
+
+class LooseLine(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    sku: str
+
+
+class OrderInput(BaseModel):
+    lines: list[Line]
+    gift: LooseLine | None = None
+    labels: dict[str, str] = {}
+
+
+class OpenOrderInput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    lines: list[Line]
+
+
+def test_the_advertised_schema_closes_every_object_the_input_model_declares() -> None:
+    schema = contract_for(OrderInput).input_schema()
+
+    assert schema["additionalProperties"] is False
+    assert schema["$defs"]["Line"]["additionalProperties"] is False
+    # Validation refuses what a nested model would allow: the schema says so too.
+    assert schema["$defs"]["LooseLine"]["additionalProperties"] is False
+    # A mapping's keys are its values, not fields: it stays open to any key.
+    assert schema["properties"]["labels"]["additionalProperties"] == {"type": "string"}
+    assert schema["$defs"]["Line"]["properties"]["properties"]["additionalProperties"] == {
+        "type": "integer"
+    }
+    assert "additionalProperties" not in schema["$defs"]["Line"]["properties"]
+    assert OrderInput.model_json_schema().get("additionalProperties") is None  # not mutated
+
+
+def test_a_model_that_sets_extra_itself_is_advertised_as_it_says() -> None:
+    contract = contract_for(OpenOrderInput)
+
+    assert contract.input_schema() == OpenOrderInput.model_json_schema()
+    assert contract.input_schema()["additionalProperties"] is True

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 import pytest
-from pydantic import BaseModel, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer
 
 from outbox.bounds import MAX_INPUT_BYTES
 from outbox.contracts import ApprovalPolicy, Registry, SideEffect, ToolContract
@@ -64,6 +65,48 @@ class ShoutedInput(BaseModel):
         return value.upper()
 
 
+class Address(BaseModel):
+    street: str
+
+
+@dataclasses.dataclass
+class Parcel:
+    kilograms: int
+
+
+class ShippingInput(BaseModel):
+    """Nests a model, a model in a list and a dataclass: extras are refused at every level."""
+
+    to: Address
+    stops: list[Address] = []
+    parcel: Parcel | None = None
+
+
+class OpenInput(BaseModel):
+    """Opts in: its extra fields are part of the intent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    note: str
+
+
+class LenientInput(BaseModel):
+    """Opts in to the old behaviour: extra fields are dropped, knowingly."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    note: str
+
+
+class PricedInput(BaseModel):
+    cents: int
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def euros(self) -> float:
+        return self.cents / 100
+
+
 async def succeed(tool_input: BaseModel, ctx: ExecutionContext) -> EffectResult:
     return EffectResult()
 
@@ -98,6 +141,10 @@ def registry() -> Registry:
         contract("send_payout", PayoutInput),
         contract("exclaim", ExclaimedInput, side_effect=SideEffect.READ_ONLY),
         contract("store_document", DocumentInput),
+        contract("ship", ShippingInput),
+        contract("open_note", OpenInput),
+        contract("lenient_note", LenientInput),
+        contract("price", PricedInput),
     ):
         registry.register(tool)
     return registry
@@ -365,3 +412,75 @@ def test_input_one_level_past_the_depth_limit_is_refused(registry: Registry) -> 
         prepare_decision(
             registry, "store_document", {"data": nested(MAX_INPUT_DEPTH, kind="dict")}, run_id="r"
         )
+
+
+# --- fields the tool does not take -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments", "field"),
+    [
+        ("send_refund", {**refund(), "refund_to": CANARY}, "refund_to"),
+        ("ship", {"to": {"street": "Main St 1", "refund_to": CANARY}}, "to.refund_to"),
+        (
+            "ship",
+            {"to": {"street": "x"}, "stops": [{"street": "y", "iban": CANARY}]},
+            "stops.0.iban",
+        ),
+    ],
+    ids=["top-level", "nested", "in-a-list"],
+)
+def test_a_field_the_tool_does_not_take_is_refused_by_name_never_by_value(
+    registry: Registry, tool: str, arguments: dict[str, Any], field: str
+) -> None:
+    """Tried with a real MCP client: send_refund with an extra refund_to was recorded
+    without it and answered committed, so the model believed the money went there."""
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, tool, arguments, run_id="run_1")
+
+    assert f"{field}: not a field of this tool" in str(info.value)
+    assert info.value.problems == [f"{field}: not a field of this tool (extra_forbidden)"]
+    assert CANARY not in str(info.value)
+
+
+def test_a_field_a_nested_dataclass_does_not_take_is_refused_too(registry: Registry) -> None:
+    arguments = {"to": {"street": "x"}, "parcel": {"kilograms": 2, "insured_for": CANARY}}
+
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "ship", arguments, run_id="run_1")
+
+    assert info.value.problems == [
+        "parcel.insured_for: not a field of this tool (unexpected_keyword_argument)"
+    ]
+    assert CANARY not in str(info.value)
+
+
+def test_a_field_name_that_is_no_name_is_not_echoed(registry: Registry) -> None:
+    weird = "x" * 500 + "\x1b[31m"
+
+    with pytest.raises(InputRejected) as info:
+        prepare_decision(registry, "send_refund", {**refund(), weird: 1}, run_id="run_1")
+
+    assert weird[:100] not in str(info.value)
+    assert "\x1b" not in str(info.value)
+    assert "a field name of 505 characters: not a field of this tool" in str(info.value)
+
+
+def test_a_model_that_opts_in_keeps_its_extra_fields_in_the_intent(registry: Registry) -> None:
+    decision = prepare_decision(registry, "open_note", {"note": "n", "tag": "t"}, run_id="run_1")
+
+    assert decision.input == {"note": "n", "tag": "t"}
+
+
+def test_a_model_that_opts_in_to_ignoring_them_drops_them_knowingly(registry: Registry) -> None:
+    decision = prepare_decision(registry, "lenient_note", {"note": "n", "tag": "t"}, run_id="r")
+
+    assert decision.input == {"note": "n"}
+
+
+def test_a_model_instance_with_computed_fields_is_still_accepted(registry: Registry) -> None:
+    from_model = prepare_decision(registry, "price", PricedInput(cents=250), run_id="run_1")
+    from_mapping = prepare_decision(registry, "price", {"cents": 250}, run_id="run_1")
+
+    assert from_model.input == from_mapping.input == {"cents": 250, "euros": 2.5}
+    assert from_model.input_fingerprint == from_mapping.input_fingerprint

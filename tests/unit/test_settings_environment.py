@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
-from outbox.settings import ENV_PREFIX, Settings
+from outbox.settings import ENV_PREFIX, MIN_SECONDS, Settings
 
 
 def read_back(environment: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
@@ -33,7 +33,7 @@ def test_settings_survive_the_trip_through_the_environment(
         amqp_url=SecretStr("amqps://user:s3cret@broker.internal:5671/vhost?heartbeat=7"),
         queue="run.abc.operations",
         poll_interval=0.1 + 0.2,  # 0.30000000000000004: no digit may be lost
-        publish_timeout=1e-05,
+        publish_timeout=2.5e16,  # written with an exponent: it must read back the same
         retention=timedelta(days=3, hours=4, seconds=5, microseconds=6),
         requeue_stale_after=timedelta(seconds=10),
         db_lock_timeout=2.5,
@@ -84,8 +84,10 @@ def test_the_defaults_survive_the_trip(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @given(
-    interval=st.floats(min_value=1e-9, max_value=1e9, allow_nan=False, allow_infinity=False),
-    retention=st.timedeltas(min_value=timedelta(days=-9999), max_value=timedelta(days=9999)),
+    interval=st.floats(min_value=MIN_SECONDS, max_value=1e9, allow_nan=False, allow_infinity=False),
+    retention=st.timedeltas(
+        min_value=timedelta(seconds=MIN_SECONDS), max_value=timedelta(days=9999)
+    ),
 )
 def test_any_float_and_any_duration_survive_the_trip(interval: float, retention: timedelta) -> None:
     settings = Settings(poll_interval=interval, retention=retention)
