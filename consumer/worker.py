@@ -32,7 +32,7 @@ from consumer.database import APPLICATION_NAME, Database
 from consumer.effects import Effects
 from consumer.policy import Attempt
 from consumer.reconciler import Reconciler
-from consumer.telemetry import log, logger
+from consumer.telemetry import log, logger, prime_metrics
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.broker import (
@@ -75,6 +75,7 @@ class Consumer(Daemon):
         super().__init__(settings, logger)
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
+        prime_metrics(self.metrics, registry)
         self.database = Database(settings)
         self.reconciler = Reconciler(
             settings, registry, self.metrics, self.database, worker_id=self.worker_id

@@ -22,14 +22,14 @@ from typing import Any
 
 import psycopg
 
-from dispatcher.publisher import Publisher, PublishOutcome
+from dispatcher.publisher import PUBLISH_FAILURE_REASONS, Publisher, PublishOutcome
 from outbox import store
 from outbox.backoff import jittered
 from outbox.broker import BrokerUnavailable, Topology
 from outbox.connections import DatabaseBounds, deadline
-from outbox.daemon import Daemon, is_transient
+from outbox.daemon import PEERS, Daemon, is_transient
 from outbox.errors import TransientDatabaseError
-from outbox.metrics import DispatcherMetrics
+from outbox.metrics import DispatcherMetrics, prime
 from outbox.settings import Settings, redact_url
 from outbox.store import AsyncStore, FailedPublish
 
@@ -61,6 +61,8 @@ class Dispatcher(Daemon):
     def __init__(self, settings: Settings, metrics: DispatcherMetrics | None = None) -> None:
         super().__init__(settings, logger)
         self.metrics = metrics or DispatcherMetrics.create()
+        prime(self.metrics.publish_failures, PUBLISH_FAILURE_REASONS)
+        prime(self.metrics.reconnects, PEERS)
         self._topology = Topology.from_settings(settings)
         # A batch's transaction stays open while its confirms are awaited.
         self.database_bounds = DatabaseBounds.from_settings(

@@ -97,6 +97,18 @@ def encode(row: ClaimedRow) -> Encoded:
     )
 
 
+# Every reason label classify() and publish() give: the dispatcher exports each at 0 from
+# its start, so the first failure of each is seen by rate().
+PUBLISH_FAILURE_REASONS = (
+    "unroutable",
+    "nacked",
+    "exchange_missing",
+    "confirm_timeout",
+    "connection_lost",
+    "unexpected",
+)
+
+
 def classify(error: BaseException) -> tuple[str, str]:
     """(reason label, error text) for a failed publish. The text names the broker's
     reply, never the message."""

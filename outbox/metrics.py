@@ -1,12 +1,19 @@
 """Every Prometheus metric effect-outbox exports, in one place, behind one prefix.
 
-Labels are tool, state, outcome and reason: bounded sets. Never ids, never inputs.
-Each daemon builds its metrics on its own ``CollectorRegistry`` so tests can run
-several in one process.
+Labels are tool, state, outcome, result, reason, check and peer: bounded sets. Never
+ids, never inputs. Each daemon builds its metrics on its own ``CollectorRegistry`` so
+tests can run several in one process.
+
+A labelled counter exports nothing until its first event, and Prometheus then sees a
+series born at 1: ``rate()`` and ``increase()`` read that first event as 0, so the first
+dead letter or tampered row would never reach an alert. Each daemon therefore calls
+:func:`prime` at start for every closed set of label values it can report.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -55,6 +62,13 @@ class MetricNames:
     CONSUMER_RECONNECTS = f"{PREFIX}_consumer_reconnects"
     TAMPERED = f"{PREFIX}_consumer_tampered"
     OPERATIONS = f"{PREFIX}_operations"
+
+
+def prime(metric: Counter | Histogram, *values: Iterable[str]) -> None:
+    """Export every combination of ``values`` (one iterable per label, in label order)
+    at 0 now, before its first event."""
+    for combination in itertools.product(*values):
+        metric.labels(*combination)
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,8 @@ class ConsumerMetrics:
             deliveries=Counter(
                 names.CONSUMER_DELIVERIES,
                 "Messages handled, by result: processed, duplicate, invalid, awaiting_approval, "
-                "retry_later (the database was away or too slow: the message comes back)",
+                "tampered, escalated, retry_later (the database was away or too slow: the "
+                "message comes back)",
                 ["result"],
                 registry=registry,
             ),

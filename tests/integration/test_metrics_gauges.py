@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import psycopg
-from prometheus_client.parser import text_string_to_metric_families
 
 from outbox import OperationState, Registry, Settings, record_decision
 
 from support.consume_helpers import in_state, running_consumer
 from support.dispatch_helpers import record_many, running_dispatcher
+from support.scraping import Samples, scrape
 from support.waiting import eventually
 
 S = OperationState
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-"""Every sample of one scrape as (name, labels) -> value."""
-ALLOWED_LABELS = {"tool", "state", "outcome", "reason", "result", "peer", "le"}
-
-
-def scrape(port: int | None) -> Samples:
-    assert port is not None
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): float(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+ALLOWED_LABELS = {"tool", "state", "outcome", "reason", "result", "peer", "check", "le"}
 
 
 def operations_gauge(samples: Samples) -> dict[str, float]:
