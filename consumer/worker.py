@@ -82,6 +82,9 @@ class Consumer(Daemon):
         )
         self._topology = Topology.from_settings(settings)
         self._broker_ready = False
+        # Whether the session being ended had been established: only the loss of one is
+        # a reconnect (a connect that fails is not), as the dispatcher counts them.
+        self._session_established = False
         self._handlers: set[asyncio.Task[Any]] = set()
         # Group commit: the deliveries in hand share their claim transaction and their
         # outcome transaction, instead of two transactions each.
@@ -159,7 +162,9 @@ class Consumer(Daemon):
 
     def _session_lost(self, peer: str) -> None:
         self._broker_ready = False
-        self.metrics.reconnects.inc()
+        if self._session_established:
+            self.metrics.reconnects.inc()
+        self._session_established = False
 
     async def _consume_session(self) -> None:
         # Each address of a cluster in turn, each with its own connect deadline (so
@@ -174,6 +179,7 @@ class Consumer(Daemon):
             async with asyncio.timeout(SESSION_SETUP_SECONDS):
                 declared, tag = await self._start_consuming(connection, closed)
             self._broker_ready = True
+            self._session_established = True
             self.log(logging.INFO, "session_ready", "session ready")
             stop = asyncio.ensure_future(self.wait_for_stop())
             lost = asyncio.ensure_future(closed.wait())

@@ -205,7 +205,8 @@ class ConsumerMetrics:
             ),
             reconnects=Counter(
                 names.CONSUMER_RECONNECTS,
-                "Broker sessions lost and re-established",
+                "Broker sessions lost after they were established (failed connects are not "
+                "counted)",
                 registry=registry,
             ),
             tampered=Counter(

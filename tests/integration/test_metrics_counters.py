@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from pydantic import SecretStr
+
 from consumer.policy import AttemptOutcome
 from consumer.telemetry import (
     DEAD_LETTER_REASONS,
@@ -15,14 +18,21 @@ from consumer.telemetry import (
     ESCALATION_REASONS,
     RECONCILIATION_RESULTS,
 )
+from consumer.worker import Consumer
 from dispatcher.publisher import PUBLISH_FAILURE_REASONS
-from outbox import Registry, Settings
+from harness.proxy import tcp_proxy_for, url_through
+from outbox import OperationState, Registry, Settings
 from outbox.daemon import PEERS
 from outbox.decisions import TAMPER_CHECKS
 
-from support.consume_helpers import running_consumer
-from support.dispatch_helpers import running_dispatcher
+from support.consume_helpers import in_state, running_consumer
+from support.dispatch_helpers import counter_value, record_one, running_dispatcher
+from support.logs import records_of
+from support.ports import closed_port
 from support.scraping import Samples, label_sets, scrape, value
+from support.waiting import eventually
+
+S = OperationState
 
 
 def pairs(tools: set[str], values: set[str]) -> set[tuple[str, ...]]:
@@ -86,3 +96,50 @@ async def test_every_closed_label_set_is_exported_at_zero_before_the_first_event
     assert all_zero(
         d, "outbox_dispatcher_publish_failures_total", "outbox_dispatcher_reconnects_total"
     )
+
+
+async def test_connect_attempts_that_fail_are_not_counted_as_reconnects(
+    settings: Settings, registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    unreachable = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
+    consumer = Consumer(settings.model_copy(update={"amqp_url": SecretStr(unreachable)}), registry)
+    task = asyncio.create_task(consumer.run())
+    try:
+
+        async def tried_three_times() -> bool:
+            return len(records_of(caplog, "consumer.session_lost")) >= 3
+
+        await eventually(tried_three_times, within=20, what="three failed broker connects")
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, timeout=20)
+
+    # The counter's meaning, as the dispatcher's: sessions lost, not connect attempts.
+    assert counter_value(consumer, "outbox_consumer_reconnects_total") == 0.0
+
+
+async def test_a_lost_broker_session_is_one_reconnect_for_either_daemon(
+    settings: Settings, registry: Registry, database_url: str, amqp_server_url: str
+) -> None:
+    async with tcp_proxy_for(amqp_server_url, 5672) as proxy:
+        through = settings.model_copy(
+            update={"amqp_url": SecretStr(url_through(amqp_server_url, proxy.port))}
+        )
+        async with (
+            running_dispatcher(through) as dispatcher,
+            running_consumer(through, registry) as consumer,
+        ):
+            assert proxy.cut() == 2
+            # Something to publish and execute: both must have a session again for it.
+            operation_id = record_one(database_url, registry)
+            await eventually(
+                in_state(database_url, operation_id, S.COMMITTED),
+                within=30,
+                what="committed after both reconnected",
+            )
+            reconnects = (
+                counter_value(dispatcher, "outbox_dispatcher_reconnects_total", peer="broker"),
+                counter_value(consumer, "outbox_consumer_reconnects_total"),
+            )
+
+    assert reconnects == (1.0, 1.0)
