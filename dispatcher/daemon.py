@@ -231,7 +231,7 @@ class Dispatcher(Daemon):
         observe = self.metrics.commit_to_confirm.observe
         for row in outcome.published:
             per_tool[row.tool_name] = per_tool.get(row.tool_name, 0) + 1
-            observe(row.ready_seconds + confirmed_after)
+            observe(row.waited_seconds + confirmed_after)
         for tool, count in per_tool.items():
             self.metrics.published.labels(tool).inc(count)
         if outcome.failed:

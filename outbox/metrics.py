@@ -120,7 +120,8 @@ class DispatcherMetrics:
             ),
             commit_to_confirm=Histogram(
                 names.DISPATCHER_COMMIT_TO_CONFIRM,
-                "From the outbox row becoming available to the broker's confirm",
+                "From the outbox row's commit to the broker's confirm, failed publishes and "
+                "their backoff included",
                 buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),

@@ -227,8 +227,7 @@ WITH claimed AS (
     FOR UPDATE SKIP LOCKED
 )
 SELECT c.id, c.operation_id, c.routing_key, c.headers, c.publish_attempts,
-       EXTRACT(EPOCH FROM clock_timestamp() - greatest(c.created_at, c.available_at))::float8
-           AS ready_seconds,
+       EXTRACT(EPOCH FROM clock_timestamp() - c.created_at)::float8 AS waited_seconds,
        o.tool_name, o.tool_version, o.input_fingerprint
 FROM claimed c
 -- One primary-key probe per claimed row: the LIMIT keeps the planner from flattening

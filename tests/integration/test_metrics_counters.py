@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import psycopg
 import pytest
 from pydantic import SecretStr
 
@@ -19,6 +20,7 @@ from consumer.telemetry import (
     RECONCILIATION_RESULTS,
 )
 from consumer.worker import Consumer
+from dispatcher.daemon import Dispatcher
 from dispatcher.publisher import PUBLISH_FAILURE_REASONS
 from harness.proxy import tcp_proxy_for, url_through
 from outbox import OperationState, Registry, Settings
@@ -26,13 +28,21 @@ from outbox.daemon import PEERS
 from outbox.decisions import TAMPER_CHECKS
 
 from support.consume_helpers import in_state, running_consumer
-from support.dispatch_helpers import counter_value, record_one, running_dispatcher
+from support.dispatch_helpers import counter_value, record_many, record_one, running_dispatcher
 from support.logs import records_of
 from support.ports import closed_port
 from support.scraping import Samples, label_sets, scrape, value
 from support.waiting import eventually
 
 S = OperationState
+
+
+def backdate(database_url: str, statement: str) -> None:
+    """As the test's superuser, triggers off: rows as an hour of history left them."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SET LOCAL session_replication_role = replica")
+        connection.execute(statement)
+        connection.commit()
 
 
 def pairs(tools: set[str], values: set[str]) -> set[tuple[str, ...]]:
@@ -143,3 +153,23 @@ async def test_a_lost_broker_session_is_one_reconnect_for_either_daemon(
             )
 
     assert reconnects == (1.0, 1.0)
+
+
+async def test_publish_latency_counts_from_the_decision_not_from_the_last_failed_publish(
+    settings: Settings, registry: Registry, database_url: str
+) -> None:
+    await asyncio.to_thread(record_many, database_url, registry, 1)
+    # A row whose publishes failed for an hour: written then, available again only now.
+    backdate(
+        database_url,
+        "UPDATE outbox SET created_at = now() - interval '1 hour', available_at = now(), "
+        "publish_attempts = 12, last_error = 'unroutable: broker returned the message'",
+    )
+    dispatcher = Dispatcher(settings)
+
+    report = await dispatcher.drain()
+
+    assert report.published == 1
+    name = "outbox_dispatcher_commit_to_confirm_seconds"
+    assert counter_value(dispatcher, f"{name}_count") == 1.0
+    assert counter_value(dispatcher, f"{name}_sum") >= 3600
