@@ -21,7 +21,7 @@ from uuid import UUID
 from consumer import policy
 from consumer.database import Database, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
-from consumer.telemetry import log, span_attributes
+from consumer.telemetry import log, observe_outcome, span_attributes
 from outbox import store, tracing
 from outbox.contracts import Registry, ToolContract
 from outbox.daemon import is_transient_database_error
@@ -182,7 +182,8 @@ class Reconciler(Stoppable):
         operation: Operation,
         contract: ToolContract[Any],
         decision: Transition | Escalation | Deferral,
-    ) -> None:
+    ) -> Operation | None:
+        """Write ``decision``; returns where a transition left the operation."""
         if isinstance(decision, Deferral):
             await runner.run(
                 store.defer_reconciliation(
@@ -196,7 +197,8 @@ class Reconciler(Stoppable):
             await runner.run(transition_plan(operation, decision.transition))
             self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
         else:
-            await runner.run(transition_plan(operation, decision))
+            return await runner.run(transition_plan(operation, decision))
+        return None
 
     async def _look_up(self, operation: Operation, contract: ToolContract[Any]) -> None:
         """Ask the provider under the reconciler's lease, then write what the answer
@@ -247,7 +249,7 @@ class Reconciler(Stoppable):
         try:
             async with self.database.transaction() as connection:
                 runner = await AsyncStore.on(connection)
-                await self._apply(runner, operation, contract, decision)
+                moved = await self._apply(runner, operation, contract, decision)
         except IllegalTransition as fenced:
             log(
                 logging.WARNING,
@@ -256,6 +258,9 @@ class Reconciler(Stoppable):
                 id=operation.display_id,
                 reason=type(fenced).__name__,
             )
+            return
+        if moved is not None:
+            observe_outcome(self.metrics, moved)
 
 
 def _raised_at(error: BaseException) -> str:

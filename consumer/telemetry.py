@@ -14,6 +14,7 @@ from outbox.fingerprint_key import keyed_fingerprint
 from outbox.logs import log_fields
 from outbox.metrics import ConsumerMetrics, prime
 from outbox.models import Operation
+from outbox.states import OperationState
 
 # The closed sets of label values the consumer reports (tests/unit/test_metric_labels.py
 # keeps the literals in the code inside them). Each is exported at 0 from the start.
@@ -36,6 +37,9 @@ DEAD_LETTER_REASONS = (
 RECONCILIATION_RESULTS = ("committed", "not_found", "still_unknown")
 # The policy's reasons, and the two the checks and the stale sweep give themselves.
 ESCALATION_REASONS = (*(str(reason) for reason in EscalationReason), "tampered", "undeliverable")
+# The outcomes whose time from the decision is observed; an escalation is counted by
+# outbox_escalations_total and waits for a person, so it is not timed.
+TIMED_OUTCOMES = frozenset({OperationState.COMMITTED, OperationState.REJECTED})
 
 # One logger for the whole consumer, under the name every one of its lines has carried
 # (logger=consumer.worker) since the reconciler lived in the worker: filters match on it.
@@ -73,6 +77,16 @@ def prime_metrics(metrics: ConsumerMetrics, registry: Registry) -> None:
     prime(metrics.dead_lettered, DEAD_LETTER_REASONS)
     prime(metrics.effect_attempts, tools, [str(outcome) for outcome in AttemptOutcome])
     prime(metrics.effect_duration, tools)
+    prime(metrics.decision_to_outcome, tools)
     prime(metrics.reconciliations, looked_up, RECONCILIATION_RESULTS)
     prime(metrics.escalations, tools, ESCALATION_REASONS)
     prime(metrics.tampered, tools, TAMPER_CHECKS)
+
+
+def observe_outcome(metrics: ConsumerMetrics, moved: Operation) -> None:
+    """The time from the decision to the outcome just recorded for ``moved``, if it is
+    one that is timed. Both ends are the database's clock: the operation's creation and
+    the transaction that moved it."""
+    if moved.state in TIMED_OUTCOMES:
+        waited = (moved.updated_at - moved.created_at).total_seconds()
+        metrics.decision_to_outcome.labels(moved.tool_name).observe(max(0.0, waited))

@@ -436,6 +436,39 @@ WITH denied AS (
 )
 SELECT id AS operation_id FROM moved
 
+-- ==== outbox.store.gauges: what waits to be executed, for the consumer's gauges
+
+-- name: execution_gauges
+-- The age of the oldest operation ready to execute (prepared, due, its message published, its latest event not an approval wait or denial) and how many wait for an approval.
+SELECT
+    COALESCE((
+        SELECT EXTRACT(EPOCH FROM clock_timestamp() - o.next_attempt_at)
+        FROM operations o
+        WHERE o.state = 'prepared'
+          AND o.next_attempt_at <= clock_timestamp()
+          -- Still to be published is the dispatcher's backlog, not the consumers'.
+          AND NOT EXISTS (
+              SELECT 1 FROM outbox b WHERE b.operation_id = o.id AND b.published_at IS NULL
+          )
+          AND NOT EXISTS (
+              SELECT 1 FROM operation_events e
+              WHERE e.id = (SELECT max(x.id) FROM operation_events x WHERE x.operation_id = o.id)
+                AND e.name IN ('operation.approval_required', 'operation.approval_denied')
+          )
+        ORDER BY o.next_attempt_at
+        LIMIT 1
+    ), 0)::float8 AS oldest_ready_age_seconds,
+    (
+        SELECT count(*)
+        FROM operations o
+        WHERE o.state = 'prepared' AND o.requires_approval
+          AND EXISTS (
+              SELECT 1 FROM operation_events e
+              WHERE e.id = (SELECT max(x.id) FROM operation_events x WHERE x.operation_id = o.id)
+                AND e.name IN ('operation.approval_required', 'operation.approval_denied')
+          )
+    )::bigint AS awaiting_approval
+
 -- ==== outbox.store.operator: `outbox ops`, `outbox approvals`, `outbox stats`
 
 -- name: list_operation_summaries

@@ -7,6 +7,7 @@ checks that they hold every value the code reports)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 
 import psycopg
 import pytest
@@ -31,6 +32,7 @@ from support.consume_helpers import in_state, running_consumer
 from support.dispatch_helpers import counter_value, record_many, record_one, running_dispatcher
 from support.logs import records_of
 from support.ports import closed_port
+from support.sample_tools import Ledger
 from support.scraping import Samples, label_sets, scrape, value
 from support.waiting import eventually
 
@@ -84,9 +86,8 @@ async def test_every_closed_label_set_is_exported_at_zero_before_the_first_event
     assert label_sets(c, "outbox_escalations_total", "tool", "reason") == pairs(
         tools, set(ESCALATION_REASONS)
     )
-    assert label_sets(c, "outbox_effect_duration_seconds_count", "tool") == {
-        (tool,) for tool in tools
-    }
+    for histogram in ("outbox_effect_duration_seconds", "outbox_decision_to_outcome_seconds"):
+        assert label_sets(c, f"{histogram}_count", "tool") == {(tool,) for tool in tools}
     assert value(c, "outbox_consumer_reconnects_total") == 0.0
     assert label_sets(d, "outbox_dispatcher_publish_failures_total", "reason") == {
         (reason,) for reason in PUBLISH_FAILURE_REASONS
@@ -173,3 +174,58 @@ async def test_publish_latency_counts_from_the_decision_not_from_the_last_failed
     name = "outbox_dispatcher_commit_to_confirm_seconds"
     assert counter_value(dispatcher, f"{name}_count") == 1.0
     assert counter_value(dispatcher, f"{name}_sum") >= 3600
+
+
+async def test_the_time_from_decision_to_outcome_is_observed_per_tool(
+    settings: Settings, registry: Registry, ledger: Ledger, database_url: str
+) -> None:
+    # Two decisions made an hour ago: one will be refused, one confirmed.
+    record_one(database_url, registry, payment_id="pay_1")
+    record_one(database_url, registry, payment_id="pay_2")
+    backdate(database_url, "UPDATE operations SET created_at = now() - interval '1 hour'")
+    ledger.faults = ["reject"]
+    async with (
+        running_dispatcher(settings),
+        running_consumer(settings, registry) as consumer,
+    ):
+
+        async def both_recorded() -> bool:
+            return (
+                counter_value(
+                    consumer, "outbox_decision_to_outcome_seconds_count", tool="send_refund"
+                )
+                == 2.0
+            )
+
+        await eventually(both_recorded, within=30, what="two outcomes observed")
+
+    total = counter_value(consumer, "outbox_decision_to_outcome_seconds_sum", tool="send_refund")
+    assert total >= 2 * 3600
+    assert (
+        counter_value(
+            consumer, "outbox_effect_attempts_total", tool="send_refund", outcome="rejected"
+        )
+        == 1.0
+    )
+
+
+async def test_both_daemons_export_process_platform_and_build_information(
+    settings: Settings, registry: Registry
+) -> None:
+    async with (
+        running_dispatcher(settings) as dispatcher,
+        running_consumer(settings, registry) as consumer,
+    ):
+        scrapes = [
+            await asyncio.to_thread(scrape, daemon.metrics_port)
+            for daemon in (dispatcher, consumer)
+        ]
+
+    version = importlib.metadata.version("effect-outbox")
+    for samples in scrapes:
+        assert value(samples, "outbox_build_info", version=version) == 1.0
+        resident = value(samples, "process_resident_memory_bytes")
+        assert resident is not None
+        assert resident > 0
+        assert value(samples, "process_cpu_seconds_total") is not None
+        assert label_sets(samples, "python_info", "implementation") == {("CPython",)}

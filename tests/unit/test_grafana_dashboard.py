@@ -176,10 +176,11 @@ def test_the_dashboard_is_identified_and_laid_out() -> None:
         "Overview",
         "Throughput",
         "Latency",
-        "Backlog",
+        "Backlog and execution",
         "Unknown outcomes and reconciliations",
         "Escalations and dead letters",
-        "Reconnects",
+        "Connections",
+        "Processes",
     ]
     cells: dict[tuple[int, int], str] = {}
     for panel in DASHBOARD["panels"]:
