@@ -20,7 +20,7 @@
 --                      transition_operation, requeue_stale_prepared,
 --                      claim_reconciliation_batch, lease_for_reconciliation,
 --                      defer_reconciliation, escalate_undeliverable,
---                      reject_denied_operations, fingerprint_key
+--                      reject_denied_operations, fingerprint_key, execution_gauges
 --   outbox_operator    the `outbox ops` and `outbox approvals` commands and `outbox
 --                      console` (console_operations_page, console_operation_approvals,
 --                      console_login): reads, plus transition_operation (resolve) and

@@ -14,7 +14,7 @@ from consumer.batching import Batcher
 from consumer.claims import Claimed
 from consumer.database import Database, transition_plan
 from consumer.policy import LEASE_LOST_BEFORE_CALL, Attempt, AttemptOutcome
-from consumer.telemetry import log, span_attributes
+from consumer.telemetry import log, observe_outcome, span_attributes
 from outbox import store, tracing
 from outbox.errors import IllegalTransition
 from outbox.metrics import ConsumerMetrics
@@ -131,16 +131,20 @@ class Effects:
             )
         committed = await self.database.run(store.commit_many(effects))
         for claimed, attempt in done:
-            if claimed.operation.id not in committed:
+            moved = committed.get(claimed.operation.id)
+            if moved is None:
                 # Fenced or moved meanwhile: the single-row write finds out which, and logs it.
                 await self._record_one(claimed, attempt)
+            else:
+                observe_outcome(self.metrics, moved)
         return [None] * len(done)
 
     async def _record_one(self, claimed: Claimed, attempt: Attempt) -> None:
         operation = claimed.operation
         move = policy.after_attempt(operation, claimed.contract, attempt)
         try:
-            await self.database.run(transition_plan(operation, move))
+            moved = await self.database.run(transition_plan(operation, move))
+            observe_outcome(self.metrics, moved)
             if move.then is not None:
                 # The effect may have happened and no lookup can tell: a person decides.
                 self.metrics.escalations.labels(claimed.contract.name, str(move.then.reason)).inc()

@@ -21,7 +21,7 @@ from uuid import UUID
 from consumer import policy
 from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
-from consumer.telemetry import log, span_attributes
+from consumer.telemetry import log, observe_outcome, span_attributes
 from outbox import store, tracing
 from outbox.bounds import is_unreadable
 from outbox.contracts import Registry, ToolContract
@@ -187,7 +187,8 @@ class Reconciler(Stoppable):
         operation: Operation,
         contract: ToolContract[Any],
         decision: Transition | Escalation | Deferral,
-    ) -> None:
+    ) -> Operation | None:
+        """Write ``decision``; returns where a transition left the operation."""
         if isinstance(decision, Deferral):
             await runner.run(
                 store.defer_reconciliation(
@@ -201,7 +202,8 @@ class Reconciler(Stoppable):
             await runner.run(transition_plan(operation, decision.transition))
             self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
         else:
-            await runner.run(transition_plan(operation, decision))
+            return await runner.run(transition_plan(operation, decision))
+        return None
 
     async def _look_up(self, operation: Operation, contract: ToolContract[Any]) -> None:
         """Ask the provider under the reconciler's lease, then write what the answer
@@ -252,7 +254,7 @@ class Reconciler(Stoppable):
         try:
             async with self.database.transaction() as connection:
                 runner = await AsyncStore.on(connection)
-                await self._apply(runner, operation, contract, decision)
+                moved = await self._apply(runner, operation, contract, decision)
         except IllegalTransition as fenced:
             log(
                 logging.WARNING,
@@ -261,6 +263,9 @@ class Reconciler(Stoppable):
                 id=operation.display_id,
                 reason=type(fenced).__name__,
             )
+            return
+        if moved is not None:
+            observe_outcome(self.metrics, moved)
 
 
 def _raised_at(error: BaseException) -> str:

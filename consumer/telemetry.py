@@ -1,15 +1,53 @@
-"""The consumer's log lines and span attributes, shared by the worker and the reconciler."""
+"""The consumer's log lines, span attributes and metric label values, shared by the
+worker, the claims, the effects and the reconciler."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from consumer.policy import AttemptOutcome, EscalationReason
 from outbox import tracing
-from outbox.contracts import ToolContract
+from outbox.contracts import Registry, ToolContract
+from outbox.decisions import TAMPER_CHECKS
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.logs import log_fields
+from outbox.metrics import ConsumerMetrics, prime
 from outbox.models import Operation
+from outbox.states import OperationState
+
+# The closed sets of label values the consumer reports (tests/unit/test_metric_labels.py
+# keeps the literals in the code inside them). Each is exported at 0 from the start.
+DELIVERY_RESULTS = (
+    "processed",
+    "duplicate",
+    "invalid",
+    "awaiting_approval",
+    "tampered",
+    "escalated",
+    "unreadable",
+    "retry_later",
+)
+DEAD_LETTER_REASONS = (
+    "oversized",
+    "malformed",
+    "unknown_operation",
+    "fingerprint_mismatch",
+    "unknown_tool",
+)
+RECONCILIATION_RESULTS = ("committed", "not_found", "still_unknown")
+# The policy's reasons, and the two the checks and the stale sweep give themselves.
+ESCALATION_REASONS = (
+    *(str(reason) for reason in EscalationReason),
+    "tampered",
+    "undeliverable",
+    "unreadable",
+)
+# The stored values the consumer may find unreadable (bounds.load's marker).
+UNREADABLE_COLUMNS = ("input",)
+# The outcomes whose time from the decision is observed; an escalation is counted by
+# outbox_escalations_total and waits for a person, so it is not timed.
+TIMED_OUTCOMES = frozenset({OperationState.COMMITTED, OperationState.REJECTED})
 
 # One logger for the whole consumer, under the name every one of its lines has carried
 # (logger=consumer.worker) since the reconciler lived in the worker: filters match on it.
@@ -36,3 +74,28 @@ def span_attributes(
             fingerprint_key, operation.input_fingerprint
         )
     return attributes
+
+
+def prime_metrics(metrics: ConsumerMetrics, registry: Registry) -> None:
+    """Export every label set this consumer can report at 0, before its first event:
+    for the tools it runs, and the results and reasons that do not name a tool."""
+    tools = sorted({contract.name for contract in registry})
+    looked_up = sorted({contract.name for contract in registry if contract.reconcile})
+    prime(metrics.deliveries, DELIVERY_RESULTS)
+    prime(metrics.dead_lettered, DEAD_LETTER_REASONS)
+    prime(metrics.effect_attempts, tools, [str(outcome) for outcome in AttemptOutcome])
+    prime(metrics.effect_duration, tools)
+    prime(metrics.decision_to_outcome, tools)
+    prime(metrics.reconciliations, looked_up, RECONCILIATION_RESULTS)
+    prime(metrics.escalations, tools, ESCALATION_REASONS)
+    prime(metrics.tampered, tools, TAMPER_CHECKS)
+    prime(metrics.unreadable, tools, UNREADABLE_COLUMNS)
+
+
+def observe_outcome(metrics: ConsumerMetrics, moved: Operation) -> None:
+    """The time from the decision to the outcome just recorded for ``moved``, if it is
+    one that is timed. Both ends are the database's clock: the operation's creation and
+    the transaction that moved it."""
+    if moved.state in TIMED_OUTCOMES:
+        waited = (moved.updated_at - moved.created_at).total_seconds()
+        metrics.decision_to_outcome.labels(moved.tool_name).observe(max(0.0, waited))

@@ -30,9 +30,10 @@ from consumer.acks import Settlement, Settlements
 from consumer.claims import Claimed, Claims, Skip
 from consumer.database import APPLICATION_NAME, Database
 from consumer.effects import Effects
+from consumer.gauges import ExecutionGauges
 from consumer.policy import Attempt
 from consumer.reconciler import Reconciler
-from consumer.telemetry import log, logger
+from consumer.telemetry import log, logger, prime_metrics
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.broker import (
@@ -75,12 +76,18 @@ class Consumer(Daemon):
         super().__init__(settings, logger)
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
+        prime_metrics(self.metrics, registry)
         self.database = Database(settings)
         self.reconciler = Reconciler(
             settings, registry, self.metrics, self.database, worker_id=self.worker_id
         )
+        self.gauges = ExecutionGauges(self.metrics, self.database)
         self._topology = Topology.from_settings(settings)
         self._broker_ready = False
+        self.metrics.broker_connected.set(0)
+        # Whether the session being ended had been established: only the loss of one is
+        # a reconnect (a connect that fails is not), as the dispatcher counts them.
+        self._session_established = False
         self._handlers: set[asyncio.Task[Any]] = set()
         # Group commit: the deliveries in hand share their claim transaction and their
         # outcome transaction, instead of two transactions each.
@@ -96,6 +103,7 @@ class Consumer(Daemon):
         """Take no new deliveries and stop reconciling; the effects in hand finish."""
         super().stop()
         self.reconciler.stop()
+        self.gauges.stop()
 
     async def close(self) -> None:
         await self.database.close()
@@ -115,7 +123,10 @@ class Consumer(Daemon):
                 **self.database.bounds.fields(),
             ):
                 await self._require_schema()
-                reconciler = asyncio.create_task(self.reconciler.run())
+                beside = [
+                    asyncio.create_task(self.reconciler.run()),
+                    asyncio.create_task(self.gauges.run()),
+                ]
                 try:
                     await self.keep_sessions(self._consume_session, self._session_lost)
                     # Stopped between sessions: what a lost session left in hand still
@@ -123,9 +134,11 @@ class Consumer(Daemon):
                     if self._handlers:
                         await asyncio.gather(*self._handlers, return_exceptions=True)
                 finally:
-                    reconciler.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await reconciler
+                    for task in beside:
+                        task.cancel()
+                    for task in beside:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
         finally:
             await self.close()
 
@@ -156,9 +169,15 @@ class Consumer(Daemon):
                 raise SchemaMissing()
             return
 
+    def _set_broker_ready(self, ready: bool) -> None:
+        self._broker_ready = ready
+        self.metrics.broker_connected.set(1 if ready else 0)
+
     def _session_lost(self, peer: str) -> None:
-        self._broker_ready = False
-        self.metrics.reconnects.inc()
+        self._set_broker_ready(False)
+        if self._session_established:
+            self.metrics.reconnects.inc()
+        self._session_established = False
 
     async def _consume_session(self) -> None:
         # Each address of a cluster in turn, each with its own connect deadline (so
@@ -172,7 +191,8 @@ class Consumer(Daemon):
         async with connection:
             async with asyncio.timeout(SESSION_SETUP_SECONDS):
                 declared, tag = await self._start_consuming(connection, closed)
-            self._broker_ready = True
+            self._set_broker_ready(True)
+            self._session_established = True
             self.log(logging.INFO, "session_ready", "session ready")
             stop = asyncio.ensure_future(self.wait_for_stop())
             lost = asyncio.ensure_future(closed.wait())
@@ -181,7 +201,7 @@ class Consumer(Daemon):
             finally:
                 stop.cancel()
                 lost.cancel()
-            self._broker_ready = False
+            self._set_broker_ready(False)
             if closed.is_set() and not self.stopping:
                 raise aiormq.exceptions.AMQPConnectionError(
                     "the broker closed the connection or the channel, or cancelled the consumer"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,14 +23,14 @@ from typing import Any
 
 import psycopg
 
-from dispatcher.publisher import Publisher, PublishOutcome
+from dispatcher.publisher import PUBLISH_FAILURE_REASONS, Publisher, PublishOutcome
 from outbox import store
 from outbox.backoff import jittered
 from outbox.broker import BrokerUnavailable, Topology
 from outbox.connections import DatabaseBounds, deadline
-from outbox.daemon import Daemon, is_transient
-from outbox.errors import TransientDatabaseError
-from outbox.metrics import DispatcherMetrics
+from outbox.daemon import PEERS, Daemon, is_transient
+from outbox.errors import OutboxError, TransientDatabaseError
+from outbox.metrics import QUEUES, DispatcherMetrics, prime
 from outbox.settings import Settings, redact_url
 from outbox.store import AsyncStore, FailedPublish
 
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9464
 APPLICATION_NAME = "outbox-dispatcher"
-BACKLOG_REFRESH_SECONDS = 5.0
+# The backlog, operations by state and queue depths: how often they are read.
+GAUGE_REFRESH_SECONDS = 5.0
 RETENTION_BATCH = 1000
 RETENTION_INTERVAL_SECONDS = 60.0
 
@@ -61,6 +63,9 @@ class Dispatcher(Daemon):
     def __init__(self, settings: Settings, metrics: DispatcherMetrics | None = None) -> None:
         super().__init__(settings, logger)
         self.metrics = metrics or DispatcherMetrics.create()
+        prime(self.metrics.publish_failures, PUBLISH_FAILURE_REASONS)
+        prime(self.metrics.reconnects, PEERS)
+        self._broker_session(False)
         self._topology = Topology.from_settings(settings)
         # A batch's transaction stays open while its confirms are awaited.
         self.database_bounds = DatabaseBounds.from_settings(
@@ -69,7 +74,6 @@ class Dispatcher(Daemon):
         self._wake = asyncio.Event()
         self._healthy = False
         self._last_tick = 0.0
-        self._last_backlog_refresh = 0.0
 
     # --- control ---------------------------------------------------------------------
 
@@ -89,13 +93,18 @@ class Dispatcher(Daemon):
             queue=self._topology.queue,
             **self.database_bounds.fields(),
         ):
-            retention = asyncio.create_task(self._retention_loop())
+            beside = [
+                asyncio.create_task(self._retention_loop()),
+                asyncio.create_task(self._gauges_loop()),
+            ]
             try:
                 await self.keep_sessions(self._session, self._session_lost)
             finally:
-                retention.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await retention
+                for task in beside:
+                    task.cancel()
+                for task in beside:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def drain(self) -> DrainReport:
         """Publish until no row is available, then return (``outbox dispatcher --once``)."""
@@ -106,7 +115,15 @@ class Dispatcher(Daemon):
 
     def _session_lost(self, peer: str) -> None:
         self._healthy = False
+        self._broker_session(False)
         self.metrics.reconnects.labels(peer).inc()
+
+    def _broker_session(self, held: bool) -> None:
+        """Whether a broker session is held; without one the queue depths are unknown."""
+        self.metrics.broker_connected.set(1 if held else 0)
+        if not held:
+            for queue in QUEUES:
+                self.metrics.queue_messages.labels(queue).set(math.nan)
 
     async def _session(self) -> None:
         async with (
@@ -117,16 +134,22 @@ class Dispatcher(Daemon):
                 store.listen_outbox_pending()
             )
             notifications = asyncio.create_task(self._forward_notifications(listener))
+            # Beside the batches, never in their way: a broker that stalls a passive
+            # declare must not hold up a publish (which has its own confirm timeout).
+            depths = asyncio.create_task(self._queue_depths_loop(publisher))
             self._healthy = True
+            self._broker_session(True)
             self.log(logging.INFO, "session_ready", "session ready")
             try:
                 while not self.stopping:
                     self._last_tick = asyncio.get_running_loop().time()
                     self._wake.clear()
                     await self._drain_available(databases, publisher, _Tally())
-                    await self._refresh_backlog(databases[0])
                     await self._wait_for_work(notifications)
             finally:
+                depths.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await depths
                 notifications.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     try:
@@ -229,7 +252,7 @@ class Dispatcher(Daemon):
         observe = self.metrics.commit_to_confirm.observe
         for row in outcome.published:
             per_tool[row.tool_name] = per_tool.get(row.tool_name, 0) + 1
-            observe(row.ready_seconds + confirmed_after)
+            observe(row.waited_seconds + confirmed_after)
         for tool, count in per_tool.items():
             self.metrics.published.labels(tool).inc(count)
         if outcome.failed:
@@ -252,11 +275,52 @@ class Dispatcher(Daemon):
 
     # --- housekeeping ----------------------------------------------------------------
 
-    async def _refresh_backlog(self, database: psycopg.AsyncConnection[Any]) -> None:
-        now = asyncio.get_running_loop().time()
-        if now - self._last_backlog_refresh < BACKLOG_REFRESH_SECONDS:
-            return
-        await self.refresh_backlog(database)
+    async def _queue_depths_loop(self, publisher: Publisher) -> None:
+        """Read the queue depths every few seconds for as long as the session lasts. A
+        failed read makes them unknown (NaN) until the next one; a lost broker is the
+        batches' to find and the session's to end."""
+        while not self.stopping:
+            try:
+                depths = await publisher.queue_depths()
+            except Exception as error:
+                depths = dict.fromkeys(QUEUES, math.nan)
+                self.log(
+                    logging.WARNING if is_transient(error) else logging.ERROR,
+                    "queue_depths_failed",
+                    "reading the queue depths failed; the next turn retries",
+                    error=type(error).__name__,
+                )
+            for queue, messages in depths.items():
+                self.metrics.queue_messages.labels(queue).set(messages)
+            await self._sleep(GAUGE_REFRESH_SECONDS)
+
+    async def _gauges_loop(self) -> None:
+        """Read the backlog and the operations by state every few seconds, on a database
+        connection of their own: they stay true while the broker session is away, which
+        is when the backlog grows. A failed read keeps the last values and a new
+        connection is opened at the next turn; nothing ends the loop but the stop."""
+        database: psycopg.AsyncConnection[Any] | None = None
+        try:
+            while not self.stopping:
+                try:
+                    if database is None or database.closed:
+                        database = await self._open_database(autocommit=False)
+                    await self.refresh_backlog(database)
+                except Exception as error:
+                    if database is not None:
+                        await database.close()
+                        database = None
+                    expected = isinstance(error, OutboxError) or is_transient(error)
+                    self.log(
+                        logging.WARNING if expected else logging.ERROR,
+                        "gauges_failed",
+                        "reading the backlog gauges failed; the next turn retries",
+                        error=type(error).__name__,
+                    )
+                await self._sleep(GAUGE_REFRESH_SECONDS)
+        finally:
+            if database is not None:
+                await database.close()
 
     async def refresh_backlog(self, database: psycopg.AsyncConnection[Any]) -> store.Backlog:
         async with deadline(database, self.database_bounds.transaction), database.transaction():
@@ -267,7 +331,6 @@ class Dispatcher(Daemon):
         self.metrics.oldest_pending_age.set(backlog.oldest_age_seconds)
         for state, count in by_state.items():
             self.metrics.operations.labels(str(state)).set(count)
-        self._last_backlog_refresh = asyncio.get_running_loop().time()
         return backlog
 
     async def prune(self) -> int:
@@ -327,11 +390,14 @@ class Dispatcher(Daemon):
 
     async def _connect_database(self, *, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
         async def connect() -> psycopg.AsyncConnection[Any]:
-            return await psycopg.AsyncConnection.connect(
-                self.settings.libpq_url,
-                autocommit=autocommit,
-                application_name=APPLICATION_NAME,
-                **self.database_bounds.libpq_parameters(),
-            )
+            return await self._open_database(autocommit=autocommit)
 
         return await self.connect_with_retry(connect, "database")
+
+    async def _open_database(self, *, autocommit: bool) -> psycopg.AsyncConnection[Any]:
+        return await psycopg.AsyncConnection.connect(
+            self.settings.libpq_url,
+            autocommit=autocommit,
+            application_name=APPLICATION_NAME,
+            **self.database_bounds.libpq_parameters(),
+        )

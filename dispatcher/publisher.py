@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,12 +25,14 @@ from outbox.broker import (
     CONTENT_TYPE,
     MESSAGE_TYPE,
     SESSION_SETUP_SECONDS,
+    BrokerUnavailable,
     Topology,
     broker_urls,
     establish_topology,
     message_id,
 )
 from outbox.broker import connect as connect_to_broker
+from outbox.metrics import QUEUES
 from outbox.store import ClaimedRow
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,18 @@ def encode(row: ClaimedRow) -> Encoded:
     )
 
 
+# Every reason label classify() and publish() give: the dispatcher exports each at 0 from
+# its start, so the first failure of each is seen by rate().
+PUBLISH_FAILURE_REASONS = (
+    "unroutable",
+    "nacked",
+    "exchange_missing",
+    "confirm_timeout",
+    "connection_lost",
+    "unexpected",
+)
+
+
 def classify(error: BaseException) -> tuple[str, str]:
     """(reason label, error text) for a failed publish. The text names the broker's
     reply, never the message."""
@@ -135,6 +150,7 @@ class Publisher:
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._exchange: AbstractExchange | None = None
+        self._depth_channel: AbstractChannel | None = None
 
     async def connect(self) -> None:
         try:
@@ -161,12 +177,37 @@ class Publisher:
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
-        self._channel = self._exchange = None
+        self._channel = self._depth_channel = self._exchange = None
         if connection is not None and not connection.is_closed:
             try:
                 await asyncio.wait_for(connection.close(), timeout=5)
             except (TimeoutError, *_CONNECTION_ERRORS, aiormq.exceptions.AMQPError):
                 logger.debug("broker connection did not close cleanly")
+
+    async def queue_depths(self) -> dict[str, float]:
+        """Messages ready in the work queue and in the dead-letter queue (by the labels of
+        :data:`outbox.metrics.QUEUES`), from passive declares on a channel of their own:
+        a queue deleted meanwhile closes that channel, never the one that publishes. NaN
+        for a queue the broker does not have."""
+        connection = self._connection
+        if connection is None or connection.is_closed:
+            # aio-pika opens no channel on a closed connection (a RuntimeError): this is
+            # the lost session the next publish would find too.
+            raise BrokerUnavailable("the broker connection is closed")
+        names = (self._topology.queue, self._topology.dead_letter_queue)
+        depths: dict[str, float] = {}
+        async with asyncio.timeout(SESSION_SETUP_SECONDS):
+            for queue, name in zip(QUEUES, names, strict=True):
+                if self._depth_channel is None or self._depth_channel.is_closed:
+                    self._depth_channel = await connection.channel(publisher_confirms=False)
+                try:
+                    declared = await self._depth_channel.declare_queue(name, passive=True)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    depths[queue] = math.nan
+                    self._depth_channel = None
+                    continue
+                depths[queue] = float(declared.declaration_result.message_count or 0)
+        return depths
 
     async def _underlay(self) -> aiormq.Channel:
         assert self._channel is not None

@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 import aiormq.exceptions
 import psycopg
@@ -34,6 +34,7 @@ from outbox.signals import Stoppable
 
 T = TypeVar("T")
 Peer = Literal["database", "broker"]
+PEERS: tuple[Peer, ...] = get_args(Peer)
 
 # A database that went away or restarted: what the store raises, what psycopg raises
 # outside the store, and what SQLAlchemy raises when it cannot even open a connection.

@@ -91,6 +91,20 @@ def prepare_decision(
     )
 
 
+# Every check derive_intent can name as failed (the ``check`` label of
+# outbox_consumer_tampered_total, and the operation.tampered event's attribute).
+TAMPER_CHECKS = (
+    "tool_mismatch",
+    "side_effect_mismatch",
+    "input_invalid",
+    "fingerprint_mismatch",
+    "input_not_canonical",
+    "approval_flag_mismatch",
+    "input_unreadable",
+    "input_too_large",
+)
+
+
 @dataclass(frozen=True)
 class DerivedIntent:
     """What the consumer derives from a stored operation and its contract, trusting

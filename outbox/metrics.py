@@ -1,15 +1,32 @@
 """Every Prometheus metric effect-outbox exports, in one place, behind one prefix.
 
-Labels are tool, state, outcome and reason: bounded sets. Never ids, never inputs.
-Each daemon builds its metrics on its own ``CollectorRegistry`` so tests can run
-several in one process.
+Labels are tool, state, outcome, result, reason, check, peer, queue and version:
+bounded sets. Never ids, never inputs. Each daemon builds its metrics on its own
+``CollectorRegistry`` so tests can run several in one process; each registry also
+carries the process and platform collectors (CPU, memory, file descriptors, the Python
+version) and ``outbox_build_info``.
+
+A labelled counter exports nothing until its first event, and Prometheus then sees a
+series born at 1: ``rate()`` and ``increase()`` read that first event as 0, so the first
+dead letter or tampered row would never reach an alert. Each daemon therefore calls
+:func:`prime` at start for every closed set of label values it can report.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 PREFIX = "outbox"
 
@@ -35,6 +52,12 @@ LATENCY_BUCKETS = (
     60.0,
 )
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 200, 500, 1000, 2000, 5000)
+# From a decision to its outcome: milliseconds when all is well (the README's p50 18 ms),
+# minutes behind a backlog or a retry's backoff, up to an hour when lookups settle it.
+DECISION_BUCKETS = (*LATENCY_BUCKETS[2:], 300.0, 900.0, 3600.0)
+
+# The queues whose depth the dispatcher exports, by role: label values, never names.
+QUEUES = ("operations", "dead_letter")
 
 
 class MetricNames:
@@ -55,12 +78,51 @@ class MetricNames:
     CONSUMER_RECONNECTS = f"{PREFIX}_consumer_reconnects"
     TAMPERED = f"{PREFIX}_consumer_tampered"
     UNREADABLE = f"{PREFIX}_consumer_unreadable"
+    DECISION_TO_OUTCOME = f"{PREFIX}_decision_to_outcome_seconds"
+    OLDEST_READY_OPERATION_AGE = f"{PREFIX}_oldest_ready_operation_age_seconds"
+    OPERATIONS_AWAITING_APPROVAL = f"{PREFIX}_operations_awaiting_approval"
     OPERATIONS = f"{PREFIX}_operations"
+    QUEUE_MESSAGES = f"{PREFIX}_queue_messages"
+    BROKER_CONNECTED = f"{PREFIX}_broker_connected"
+    BUILD_INFO = f"{PREFIX}_build_info"
+
+
+def prime(metric: Counter | Histogram, *values: Iterable[str]) -> None:
+    """Export every combination of ``values`` (one iterable per label, in label order)
+    at 0 now, before its first event."""
+    for combination in itertools.product(*values):
+        metric.labels(*combination)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("effect-outbox")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree that is not installed
+        return "unknown"
+
+
+def _about_the_daemon(registry: CollectorRegistry) -> Gauge:
+    """What both daemons export about themselves: process and platform, the version, and
+    (returned) whether they hold a broker session."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    Gauge(
+        MetricNames.BUILD_INFO,
+        "The running effect-outbox version (always 1)",
+        ["version"],
+        registry=registry,
+    ).labels(version()).set(1)
+    return Gauge(
+        MetricNames.BROKER_CONNECTED,
+        "1 while this daemon holds a RabbitMQ session, 0 while it has none",
+        registry=registry,
+    )
 
 
 @dataclass(frozen=True)
 class DispatcherMetrics:
     registry: CollectorRegistry
+    broker_connected: Gauge
     backlog: Gauge
     oldest_pending_age: Gauge
     published: Counter
@@ -70,6 +132,7 @@ class DispatcherMetrics:
     retention_deleted: Counter
     reconnects: Counter
     operations: Gauge
+    queue_messages: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DispatcherMetrics:
@@ -77,9 +140,10 @@ class DispatcherMetrics:
         names = MetricNames
         return cls(
             registry=registry,
+            broker_connected=_about_the_daemon(registry),
             backlog=Gauge(
                 names.DISPATCHER_BACKLOG,
-                "Outbox rows not yet published (refreshed every few seconds)",
+                "Outbox rows not yet published (read from Postgres every few seconds)",
                 registry=registry,
             ),
             oldest_pending_age=Gauge(
@@ -107,7 +171,8 @@ class DispatcherMetrics:
             ),
             commit_to_confirm=Histogram(
                 names.DISPATCHER_COMMIT_TO_CONFIRM,
-                "From the outbox row becoming available to the broker's confirm",
+                "From the outbox row's commit to the broker's confirm, failed publishes and "
+                "their backoff included",
                 buckets=LATENCY_BUCKETS,
                 registry=registry,
             ),
@@ -130,12 +195,21 @@ class DispatcherMetrics:
                 ["state"],
                 registry=registry,
             ),
+            # The dispatcher's too, so a depth is seen while every consumer is down;
+            # NaN until read, and while the broker session is away.
+            queue_messages=Gauge(
+                names.QUEUE_MESSAGES,
+                "Messages ready in a queue: operations (the work queue) or dead_letter",
+                ["queue"],
+                registry=registry,
+            ),
         )
 
 
 @dataclass(frozen=True)
 class ConsumerMetrics:
     registry: CollectorRegistry
+    broker_connected: Gauge
     deliveries: Counter
     dead_lettered: Counter
     effect_attempts: Counter
@@ -145,6 +219,9 @@ class ConsumerMetrics:
     reconnects: Counter
     tampered: Counter
     unreadable: Counter
+    decision_to_outcome: Histogram
+    oldest_ready_age: Gauge
+    awaiting_approval: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
@@ -152,10 +229,12 @@ class ConsumerMetrics:
         names = MetricNames
         return cls(
             registry=registry,
+            broker_connected=_about_the_daemon(registry),
             deliveries=Counter(
                 names.CONSUMER_DELIVERIES,
                 "Messages handled, by result: processed, duplicate, invalid, awaiting_approval, "
-                "retry_later (the database was away or too slow: the message comes back)",
+                "tampered, escalated, retry_later (the database was away or too slow: the "
+                "message comes back)",
                 ["result"],
                 registry=registry,
             ),
@@ -192,7 +271,8 @@ class ConsumerMetrics:
             ),
             reconnects=Counter(
                 names.CONSUMER_RECONNECTS,
-                "Broker sessions lost and re-established",
+                "Broker sessions lost after they were established (failed connects are not "
+                "counted: see outbox_broker_connected)",
                 registry=registry,
             ),
             tampered=Counter(
@@ -207,6 +287,27 @@ class ConsumerMetrics:
                 "Stored values no reader may parse (too large, too deep, malformed): the "
                 "operation is never executed, it is escalated; by tool and column",
                 ["tool", "column"],
+                registry=registry,
+            ),
+            decision_to_outcome=Histogram(
+                names.DECISION_TO_OUTCOME,
+                "From the decision's commit to the outcome the consumer recorded (committed "
+                "or rejected), by the database's clock",
+                ["tool"],
+                buckets=DECISION_BUCKETS,
+                registry=registry,
+            ),
+            # Every consumer replica reads the same tables: aggregate with max().
+            oldest_ready_age=Gauge(
+                names.OLDEST_READY_OPERATION_AGE,
+                "How long the oldest operation ready to execute (prepared, due, its message "
+                "published, not waiting for an approval) has waited; 0 when none",
+                registry=registry,
+            ),
+            awaiting_approval=Gauge(
+                names.OPERATIONS_AWAITING_APPROVAL,
+                "Prepared operations waiting for a person's approval (or denied, within the "
+                "grace before they end rejected)",
                 registry=registry,
             ),
         )

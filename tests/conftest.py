@@ -15,7 +15,7 @@ from outbox.broker import Topology, delete_topology
 from outbox.sandbox.scratch import ScratchDatabase, new_tag, topology_named
 from outbox.settings import libpq_url, sqlalchemy_url
 
-from support import rabbit_cluster, services
+from support import prometheus, rabbit_cluster, services
 from support.sample_tools import Ledger, build_registry
 
 
@@ -127,7 +127,8 @@ REQUIRE_RABBITMQCTL = "OUTBOX_TEST_REQUIRE_RABBITMQCTL"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Broker-fault tests drive the local broker with rabbitmqctl; the cluster test starts
     nodes of its own with rabbitmq-server; the console's browser tests drive Debian's
-    chromium through chromedriver. Where those are absent the tests are skipped,
+    chromium through chromedriver; the alert and dashboard tests run Debian's promtool
+    and prometheus. Where those are absent the tests are skipped,
     unless the run demands them (.ci/run sets OUTBOX_TEST_REQUIRE_RABBITMQCTL): then
     they run and fail, rather than pass by not running."""
     if os.environ.get(REQUIRE_RABBITMQCTL):
@@ -138,6 +139,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         "browser": None
         if all(os.access(p, os.X_OK) for p in ("/usr/bin/chromium", "/usr/bin/chromedriver"))
         else "chromium or chromium-driver (apt-get install chromium chromium-driver)",
+        "prometheus": None if prometheus.installed() else f"prometheus ({prometheus.INSTALL_HINT})",
     }
     for item in items:
         for marker, absent in missing.items():

@@ -228,8 +228,7 @@ SELECT c.id, c.operation_id, c.routing_key,
                  AND c.headers ->> 'traceparent' ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
             THEN c.headers ->> 'traceparent' END AS traceparent,
        c.publish_attempts,
-       EXTRACT(EPOCH FROM clock_timestamp() - greatest(c.created_at, c.available_at))::float8
-           AS ready_seconds,
+       EXTRACT(EPOCH FROM clock_timestamp() - c.created_at)::float8 AS waited_seconds,
        o.tool_name, o.tool_version, o.input_fingerprint
 FROM claimed c
 -- One primary-key probe per claimed row: the LIMIT keeps the planner from flattening
@@ -437,6 +436,39 @@ WITH denied AS (
     FROM moved
 )
 SELECT id AS operation_id FROM moved
+
+-- ==== outbox.store.gauges: what waits to be executed, for the consumer's gauges
+
+-- name: execution_gauges
+-- The age of the oldest operation ready to execute (prepared, due, its message published, its latest event not an approval wait or denial) and how many wait for an approval.
+SELECT
+    COALESCE((
+        SELECT EXTRACT(EPOCH FROM clock_timestamp() - o.next_attempt_at)
+        FROM operations o
+        WHERE o.state = 'prepared'
+          AND o.next_attempt_at <= clock_timestamp()
+          -- Still to be published is the dispatcher's backlog, not the consumers'.
+          AND NOT EXISTS (
+              SELECT 1 FROM outbox b WHERE b.operation_id = o.id AND b.published_at IS NULL
+          )
+          AND NOT EXISTS (
+              SELECT 1 FROM operation_events e
+              WHERE e.id = (SELECT max(x.id) FROM operation_events x WHERE x.operation_id = o.id)
+                AND e.name IN ('operation.approval_required', 'operation.approval_denied')
+          )
+        ORDER BY o.next_attempt_at
+        LIMIT 1
+    ), 0)::float8 AS oldest_ready_age_seconds,
+    (
+        SELECT count(*)
+        FROM operations o
+        WHERE o.state = 'prepared' AND o.requires_approval
+          AND EXISTS (
+              SELECT 1 FROM operation_events e
+              WHERE e.id = (SELECT max(x.id) FROM operation_events x WHERE x.operation_id = o.id)
+                AND e.name IN ('operation.approval_required', 'operation.approval_denied')
+          )
+    )::bigint AS awaiting_approval
 
 -- ==== outbox.store.operator: `outbox ops`, `outbox approvals`, `outbox stats`
 

@@ -8,6 +8,7 @@
 - :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
+- :mod:`~outbox.store.gauges`: what waits to be executed, for the consumer's gauges;
 - :mod:`~outbox.store.evidence`: checking the lifecycle events' hash chain;
 - :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions;
 - :mod:`~outbox.store.console`: the operator console's keyset pages and approval history.
@@ -65,6 +66,7 @@ from outbox.store.dispatch import (
     outbox_backlog,
 )
 from outbox.store.evidence import BrokenLink, ChainReport, verify_chain
+from outbox.store.gauges import ExecutionBacklog, execution_gauges
 from outbox.store.operations import (
     ConfirmedEffect,
     NewDecision,
@@ -123,6 +125,7 @@ __all__ = [
     "ConfirmedEffect",
     "ConsoleLogin",
     "Cursor",
+    "ExecutionBacklog",
     "FailedPublish",
     "NewDecision",
     "OperationFilter",
@@ -154,6 +157,7 @@ __all__ = [
     "drop_database",
     "escalate_undeliverable",
     "events",
+    "execution_gauges",
     "find_operation",
     "find_operations",
     "fingerprint_key",

@@ -32,8 +32,9 @@ class ClaimedRow(NamedTuple):
     SQL checks it: a dispatcher never parses a row's headers)."""
     publish_attempts: int
     """Failed publishes of this row so far."""
-    ready_seconds: float
-    """How long the row has been available, by the database's clock, at claim time."""
+    waited_seconds: float
+    """How long since the row was written, by the database's clock, at claim time: the
+    backoff of failed publishes does not restart it."""
     tool_name: str
     tool_version: int
     input_fingerprint: str

@@ -119,6 +119,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "lease_for_reconciliation",
         "defer_reconciliation",
         "schema_is_current",
+        "execution_gauges",
     },
     OPERATOR: {
         "list_operation_summaries",
@@ -685,6 +686,8 @@ def test_the_consumer_executes_reconciles_and_escalates(
     check = run(consumer, outbox_store.check_approval(waiting.id))
     assert check.status is ApprovalStatus.MISSING
     run(consumer, outbox_store.append_event(waiting, EventName.APPROVAL_REQUIRED, {}))
+    # Its gauges of what waits: to be executed, and for an approval.
+    assert run(consumer, outbox_store.execution_gauges()).awaiting_approval == 1
     # Claim and execute: prepared -> in_flight -> committed.
     committed = advance(consumer, executed, S.IN_FLIGHT, S.COMMITTED)
     # The reconciler: requeue a lost message, lease an unknown outcome, defer a lookup,

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
+from uuid import UUID
 
 import psycopg
 
@@ -33,6 +34,22 @@ def record_many(
                         decision_key=f"call_{n}",
                     )
         return outbox_ids(connection)
+
+
+def record_one(
+    database_url: str, registry: Registry, *, payment_id: str = "pay_1", amount_cents: int = 1250
+) -> UUID:
+    """Record one refund decision, committed; returns its operation id."""
+    with psycopg.connect(database_url) as connection:
+        recorded = record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": payment_id, "amount_cents": amount_cents},
+            run_id="run",
+        )
+        connection.commit()
+    return recorded.operation.id
 
 
 def outbox_ids(connection: psycopg.Connection[Any]) -> list[int]:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from consumer.policy import AttemptOutcome
-from outbox.metrics import ConsumerMetrics, DispatcherMetrics
+from outbox.metrics import QUEUES, ConsumerMetrics, DispatcherMetrics
 from outbox.states import OperationState
 
 # Prometheus adds these to every series it scrapes, and makes `up` for every target.
@@ -35,6 +35,7 @@ PROMETHEUS_SERIES: Mapping[str, frozenset[str]] = {"up": frozenset()}
 KNOWN_VALUES: Mapping[tuple[str, str], frozenset[str]] = {
     ("outbox_operations", "state"): frozenset(str(state) for state in OperationState),
     ("outbox_effect_attempts_total", "outcome"): frozenset(str(o) for o in AttemptOutcome),
+    ("outbox_queue_messages", "queue"): frozenset(QUEUES),
 }
 
 

@@ -57,9 +57,13 @@ def in_repository(container_path: str) -> Path:
     raise AssertionError(f"{container_path} is not under a volume of the prometheus service")
 
 
-def prometheus_config() -> dict[str, Any]:
+def config_file() -> Path:
     [flag] = [a for a in SERVICES["prometheus"]["command"] if a.startswith("--config.file=")]
-    config: dict[str, Any] = yaml.safe_load(in_repository(flag.split("=", 1)[1]).read_text())
+    return in_repository(flag.split("=", 1)[1])
+
+
+def prometheus_config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(config_file().read_text())
     return config
 
 
@@ -106,7 +110,8 @@ def test_prometheus_scrapes_each_daemon_on_its_metrics_port() -> None:
 
 
 def test_the_alert_rules_are_loaded_and_well_formed() -> None:
-    rule_files = [in_repository(path) for path in prometheus_config()["rule_files"]]
+    # Prometheus reads a relative rule file next to its config.
+    rule_files = [config_file().parent / path for path in prometheus_config()["rule_files"]]
     assert rule_files == [ROOT / "deploy" / "prometheus" / "alerts.yml"]
     groups = yaml.safe_load(rule_files[0].read_text())["groups"]
     rules = [rule for group in groups for rule in group["rules"]]

@@ -32,7 +32,7 @@ def row(**overrides: object) -> ClaimedRow:
         "routing_key": "send_refund.v1",
         "traceparent": None,
         "publish_attempts": 0,
-        "ready_seconds": 0.001,
+        "waited_seconds": 0.001,
         "tool_name": "send_refund",
         "tool_version": 3,
         "input_fingerprint": "ab" * 32,

@@ -159,6 +159,14 @@ def test_the_dashboard_shows_every_exported_metric() -> None:
     assert names - shown_metrics == set()
 
 
+@pytest.mark.parametrize("key", sorted(QUERIES))
+def test_every_window_follows_grafanas_step(key: str) -> None:
+    # A fixed [5m] skips samples once a panel's step is longer than five minutes; the
+    # time range's own $__range is for the "in range" stats.
+    windows = re.findall(r"\[([^\]]*)\]", QUERIES[key])
+    assert set(windows) <= {"$__rate_interval", "$__range"}, windows
+
+
 def test_the_dashboard_is_identified_and_laid_out() -> None:
     assert DASHBOARD["uid"] == "effect-outbox"
     assert DASHBOARD["title"] == "effect-outbox"
@@ -168,10 +176,11 @@ def test_the_dashboard_is_identified_and_laid_out() -> None:
         "Overview",
         "Throughput",
         "Latency",
-        "Backlog",
+        "Backlog and execution",
         "Unknown outcomes and reconciliations",
         "Escalations and dead letters",
-        "Reconnects",
+        "Connections",
+        "Processes",
     ]
     cells: dict[tuple[int, int], str] = {}
     for panel in DASHBOARD["panels"]:

@@ -1,0 +1,52 @@
+"""The consumer's gauges of what waits to be executed, read from Postgres on a loop of
+their own beside the deliveries and the reconciler: a consumer cut off from the broker
+(when ready operations wait longest) still reports them."""
+
+from __future__ import annotations
+
+import logging
+
+from consumer.database import Database
+from consumer.telemetry import log
+from outbox import store
+from outbox.daemon import is_transient_database_error
+from outbox.errors import OutboxError
+from outbox.metrics import ConsumerMetrics
+from outbox.signals import Stoppable
+
+REFRESH_SECONDS = 5.0
+
+
+class ExecutionGauges(Stoppable):
+    """The age of the oldest operation ready to execute, and the approvals waiting."""
+
+    def __init__(
+        self, metrics: ConsumerMetrics, database: Database, *, every: float = REFRESH_SECONDS
+    ) -> None:
+        super().__init__()
+        self.metrics = metrics
+        self.database = database
+        self.every = every
+
+    async def refresh(self) -> store.ExecutionBacklog:
+        backlog = await self.database.run(store.execution_gauges())
+        self.metrics.oldest_ready_age.set(backlog.oldest_ready_age_seconds)
+        self.metrics.awaiting_approval.set(backlog.awaiting_approval)
+        return backlog
+
+    async def run(self) -> None:
+        """Refresh until :meth:`stop`. A failed read leaves the last values in place (an
+        outage of the database is what the deliveries' retry_later shows) and is tried
+        again at the next turn; nothing ends the loop but the stop."""
+        while not self.stopping:
+            try:
+                await self.refresh()
+            except Exception as error:
+                expected = isinstance(error, OutboxError) or is_transient_database_error(error)
+                log(
+                    logging.WARNING if expected else logging.ERROR,
+                    "consumer.gauges_failed",
+                    "reading the execution gauges failed; the next turn retries",
+                    error=type(error).__name__,
+                )
+            await self._sleep(self.every)
