@@ -112,11 +112,14 @@ def test_a_node_lost_under_both_daemons_loses_and_duplicates_nothing(
 
         record_many(system.database_url, system.registry, BEFORE, run_id="before")
         committed(KILL_AFTER_COMMITTED, within=30)
+        # Read as the fault begins: a graceful stop tells the clients first and takes
+        # seconds to halt the node, and the daemons, already on a survivor by then, may
+        # finish every decision before it returns.
+        at_kill = states(system.database_url)
         if ending == "killed":
             cluster.kill(first)  # a crash: sockets reset, no word to clients or peers
         else:
             cluster.stop(first)  # an operator's stop: clients are told, then the node halts
-        at_kill = states(system.database_url)
         record_many(system.database_url, system.registry, AFTER, run_id="after")
 
         for daemon in daemons:
