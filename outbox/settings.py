@@ -12,9 +12,10 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -250,6 +251,7 @@ class Settings(BaseSettings):
                 "or postgresql+psycopg:// (psycopg 3)"
             )
         _check_libpq_reads(value.get_secret_value())
+        _check_database_hosts(value.get_secret_value())
         return value
 
     @field_validator("amqp_url")
@@ -457,6 +459,61 @@ def _check_libpq_reads(url: str) -> None:
             raise ValueError(f"libpq reads the {key} of this URL differently; {_ENCODE_IT}")
 
 
+# What a URL naming several hosts must ask libpq for: a daemon that landed on a standby
+# (libpq's default, "any", takes the first host that answers) would fail every write
+# there, and reconnect to that same standby each time.
+WRITABLE_SESSION_ATTRS = ("read-write", "primary")
+
+
+@dataclass(frozen=True)
+class DatabaseHost:
+    host: str
+    port: int | None
+
+
+def database_hosts(url: str) -> list[DatabaseHost]:
+    """The hosts of a libpq URL, in the order libpq tries them: one, or the several of
+    the multi-host form ``postgresql://u@h1:5432,h2:5432/db``. A host with no port has
+    None (libpq's default, 5432, or the URL's ``port`` parameter). Raises ValueError
+    naming the host by its place, never quoting the URL."""
+    places = urlsplit(libpq_url(url)).netloc.rpartition("@")[2].split(",")
+    hosts = []
+    for number, place in enumerate(places, start=1):
+        where = f"host {number} of {len(places)}" if len(places) > 1 else "the host"
+        host, port = place, ""
+        if place.startswith("["):  # [IPv6]:port
+            host, _, rest = place[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif ":" in place:
+            host, _, port = place.rpartition(":")
+        if not host and len(places) > 1:
+            raise ValueError(f"{where} is empty")
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{where}: the port is not a number from 1 to 65535")
+        hosts.append(DatabaseHost(host=host, port=int(port) if port else None))
+    return hosts
+
+
+def _host_and_port(host: DatabaseHost) -> str:
+    name = f"[{host.host}]" if ":" in host.host else host.host  # an IPv6 address
+    return f"{name}:{host.port}" if host.port else name
+
+
+def _check_database_hosts(url: str) -> None:
+    """Several hosts are checked one by one and named by place ("host 2 of 2"), as the
+    broker addresses are; a host list must ask for the writable one."""
+    hosts = database_hosts(url)
+    if len(hosts) == 1:
+        return
+    attrs = dict(parse_qsl(urlsplit(url).query)).get("target_session_attrs")
+    if attrs not in WRITABLE_SESSION_ATTRS:
+        raise ValueError(
+            f"the URL names {len(hosts)} hosts without ?target_session_attrs=read-write: "
+            "libpq would connect to the first that answers, a standby included, where every "
+            "write fails. Add target_session_attrs=read-write (or primary)"
+        )
+
+
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment, with explicit values (CLI flags) on top: what every
     command runs on. An ``OUTBOX_*`` variable nothing reads is refused first (a typo is
@@ -483,10 +540,17 @@ def _problem(error: Any) -> str:
 
 
 def sqlalchemy_url(url: str) -> str:
-    """The URL with the psycopg 3 driver named, as SQLAlchemy wants it."""
+    """The URL with the psycopg 3 driver named, as SQLAlchemy wants it. SQLAlchemy reads
+    one host in the URL's authority; several go to its ``host=`` query parameters, which
+    its psycopg dialect hands to libpq as the same host list."""
     parts = urlsplit(url)
     if parts.scheme in ("postgresql", "postgres"):
         parts = parts._replace(scheme="postgresql+psycopg")
+    credentials, at, netloc = parts.netloc.rpartition("@")
+    if "," in netloc:
+        hosts = [("host", _host_and_port(h)) for h in database_hosts(url)]
+        query = urlencode([*hosts, *parse_qsl(parts.query)], safe=":[]")
+        parts = parts._replace(netloc=f"{credentials}{at}", query=query)
     return urlunsplit(parts)
 
 
