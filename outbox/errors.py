@@ -90,6 +90,13 @@ class TransientDatabaseError(DatabaseError):
     """The database failed in a way that a new transaction may not: retry the transaction."""
 
 
+class ReadOnlyDatabase(TransientDatabaseError):
+    """The server took no write: it is a standby, or a primary demoted by a failover.
+    The connection must be dropped, so that the next one finds the writable host (a URL
+    naming several hosts with ``target_session_attrs=read-write``); retrying on it would
+    fail the same way forever."""
+
+
 _TRANSIENT_SQLSTATE_CLASSES = ("08", "40", "53", "57")
 
 
@@ -142,6 +149,11 @@ def _translate(action: str, driver_error: psycopg.Error) -> OutboxError:
     if constraint in ("operations_legal_transition", "operations_terminal"):
         return IllegalTransition(
             f"{action}: the database refused it: {diag.message_primary or 'illegal transition'}"
+        )
+    if isinstance(driver_error, psycopg.errors.ReadOnlySqlTransaction):
+        return ReadOnlyDatabase(
+            f"{action}: the server is read-only (SQLSTATE 25006: a standby, or a demoted "
+            "primary); reconnecting finds the writable host"
         )
     if isinstance(driver_error, psycopg.OperationalError) or sqlstate.startswith(
         _TRANSIENT_SQLSTATE_CLASSES

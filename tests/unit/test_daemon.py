@@ -15,7 +15,14 @@ from prometheus_client import CollectorRegistry
 from outbox.backoff import Backoff
 from outbox.broker import BrokerUnavailable
 from outbox.daemon import Daemon, failed_peer, is_transient, is_transient_database_error
-from outbox.errors import ConfigurationError, DatabaseError, SchemaMissing, TransientDatabaseError
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseError,
+    ReadOnlyDatabase,
+    SchemaMissing,
+    TransientDatabaseError,
+    wrap_database_errors,
+)
 from outbox.settings import Settings
 
 from support.logs import logged
@@ -58,6 +65,21 @@ def test_transient_failures_are_named_with_the_peer_they_came_from(
 def test_refusals_and_bugs_are_not_transient(error: BaseException) -> None:
     assert not is_transient(error)
     assert not is_transient_database_error(error)
+
+
+def test_a_read_only_server_is_a_transient_failure_of_its_own() -> None:
+    """A standby, or a primary a failover demoted: a new connection (to the writable host
+    of the URL's list) cures it, the one in hand never will."""
+    with (
+        pytest.raises(ReadOnlyDatabase) as refused,
+        wrap_database_errors("transition_operation"),
+    ):
+        raise psycopg.errors.ReadOnlySqlTransaction(
+            "cannot execute UPDATE in a read-only transaction"
+        )
+
+    assert is_transient_database_error(refused.value)
+    assert "SQLSTATE 25006" in str(refused.value)
 
 
 def test_backoff_doubles_up_to_its_ceiling_within_the_jitter() -> None:
