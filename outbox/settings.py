@@ -37,6 +37,8 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "OUTBOX_CONSOLE_PROXY_HEADER": "outbox console: the trusted proxy's identity header",
     "OUTBOX_CONSOLE_TRUSTED_PROXIES": "outbox console: the trusted proxy's addresses",
     "OUTBOX_CONSOLE_HOSTS": "outbox console: the host names it answers to",
+    "OUTBOX_CALLBACK_SECRETS": "provider callbacks: the secrets, provider:secret[,...]",
+    "OUTBOX_CALLBACK_SECRETS_FILE": "provider callbacks: a file of provider:secret lines",
     "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
     "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
     "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
