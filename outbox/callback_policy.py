@@ -79,10 +79,12 @@ class CallbackReport:
         )
 
 
-ReadPayload = Callable[[Mapping[str, Any]], CallbackReport | None]
-"""A verified JSON payload -> its report, or None for an event that reports no effect
-(answered 2xx and counted as ignored). Raising ``ValueError`` or ``KeyError`` refuses
-it as malformed."""
+ReadPayload = Callable[[Mapping[str, Any], str], CallbackReport | None]
+"""A verified JSON payload and its delivery id (Standard Webhooks' ``webhook-id``, the
+same on every retry of one message; "" for a scheme that sends none, such as Stripe's,
+whose event id is in the payload) -> its report, or None for an event that reports no
+effect (answered 2xx and counted as ignored). Raising ``ValueError``, ``KeyError`` or
+``TypeError`` refuses it as malformed."""
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ DURATION_SETTINGS = (
     "reconcile_interval",
     "requeue_stale_after",
     "approval_denial_grace",
+    "callback_tolerance",
 )
 # The server-side bounds and the client's transaction deadline: each must end before the
 # lease does (docs/design.md section 9), or a session whose client went silent could
@@ -234,6 +235,18 @@ class Settings(BaseSettings):
         default="INFO", description="log level"
     )
     log_format: Literal["logfmt", "json"] = Field(default="logfmt", description="log line format")
+    # Provider callbacks (`outbox callbacks serve`, outbox.callbacks.CallbackReceiver).
+    callback_tolerance: float = Field(
+        default=300.0,
+        description="seconds a callback's signed timestamp may be from now, either way: the "
+        "replay window (at most 300, standardwebhooks' own)",
+    )
+    callback_max_body: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="bytes of a callback's body read at most; a larger one is refused (413)",
+    )
     # Off by default: a daemon that declares what it does not find turns a mistyped
     # name into a new queue nobody reads, and it looks healthy doing so.
     declare_topology: bool = Field(
@@ -283,6 +296,17 @@ class Settings(BaseSettings):
                 f"{seconds:g} s is too short: give {MIN_SECONDS:g} or more (seconds; zero or "
                 "less is no wait at all, and a loop that waits less than a millisecond only "
                 "spins a core)"
+            )
+        return value
+
+    @field_validator("callback_tolerance")
+    @classmethod
+    def _within_the_librarys_window(cls, value: float) -> float:
+        # After _a_real_duration: a number of seconds by now. standardwebhooks refuses a
+        # timestamp more than 5 minutes away whatever is asked of it.
+        if value > 300.0:
+            raise ValueError(
+                f"{value:g} s is longer than the 300 s standardwebhooks allows: give 300 or less"
             )
         return value
 

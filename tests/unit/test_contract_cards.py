@@ -41,7 +41,7 @@ async def reconcile(tool_input: Ping, ctx: ExecutionContext) -> Reconciliation:
     return NotFound()
 
 
-def read_nothing(payload: Any) -> CallbackReport | None:
+def read_nothing(payload: Any, delivery: str) -> CallbackReport | None:
     return None
 
 

@@ -554,7 +554,7 @@ def test_a_model_that_sets_extra_itself_is_advertised_as_it_says() -> None:
 # --- callback policies -------------------------------------------------------------------
 
 
-def read_nothing(payload: Any) -> CallbackReport | None:
+def read_nothing(payload: Any, delivery: str) -> CallbackReport | None:
     return None
 
 
