@@ -52,6 +52,9 @@ from outbox.webhooks import (
 # A provider's event is a few KiB; Stripe's largest are tens. The limit is what one
 # request can make this process buffer before its signature is checked.
 DEFAULT_MAX_BODY = 256 * 1024
+# What a refused callback is answered with. A provider retries every 4xx and 5xx on its
+# own schedule, so the status says what is wrong, for whoever reads its delivery log.
+REFUSED_STATUS = {"signature": 400, "timestamp": 400, "too_large": 413, "malformed": 422}
 
 
 @dataclass(frozen=True)

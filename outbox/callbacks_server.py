@@ -25,7 +25,7 @@ import psycopg.errors
 
 from outbox import store
 from outbox.callback_policy import CallbackStatus
-from outbox.callbacks import CallbackReceiver, Received, record_callback_async
+from outbox.callbacks import REFUSED_STATUS, CallbackReceiver, Received, record_callback_async
 from outbox.cli import add_setting_flags
 from outbox.connections import DatabaseBounds, SessionPool
 from outbox.contracts import Registry
@@ -43,9 +43,6 @@ logger = logging.getLogger("outbox.callbacks")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8750
 APPLICATION_NAME = "outbox-callbacks"
-# What a refusal answers: a provider retries every 4xx and 5xx on its own schedule, so
-# the code says what is wrong, for the person reading the provider's delivery log.
-_REFUSED_STATUS = {"signature": 400, "timestamp": 400, "too_large": 413, "malformed": 422}
 
 
 @dataclass
@@ -109,7 +106,7 @@ def create_app(service: CallbackService) -> Any:
                     provider=provider,
                     reason=refused.reason,
                 )
-                return JSONResponse({"error": refused.reason}, _REFUSED_STATUS[refused.reason])
+                return JSONResponse({"error": refused.reason}, REFUSED_STATUS[refused.reason])
             except (DatabaseError, psycopg.Error, OSError) as failed:
                 answer: Response = _database_failed(service, provider, failed)
                 return answer

@@ -41,6 +41,7 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "OUTBOX_CALLBACK_SECRETS_FILE": "provider callbacks: a file of provider:secret lines",
     "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
     "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
+    "OUTBOX_SANDBOX_CALLBACK_WAIT": "the payment sandbox's example tools: the email callback wait",
     "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
     "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
     "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
