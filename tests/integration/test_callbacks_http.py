@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from outbox import OperationState, Registry, Settings
+from outbox.cli import run_command
 from outbox.metrics import MetricNames
 
 from support.callback_helpers import (
@@ -23,6 +24,7 @@ from support.callback_helpers import (
     PAYMENTS_ROTATED,
     PAYMENTS_SECRET,
     SECRETS,
+    TICKETS_SECRET,
     Receiving,
     callback_registry,
     event,
@@ -325,3 +327,55 @@ def test_a_database_that_is_away_is_a_503_the_provider_retries(
 
     assert (answer.status_code, answer.json()) == (503, {"error": "unavailable"})
     assert inbox(database_url) == []
+
+
+# --- the command's refusals, before it serves anything --------------------------------
+
+
+def serve(monkeypatch: pytest.MonkeyPatch, database_url: str, **environ: str) -> int:
+    monkeypatch.delenv("OUTBOX_CALLBACK_SECRETS", raising=False)
+    monkeypatch.delenv("OUTBOX_CALLBACK_SECRETS_FILE", raising=False)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    for name, setting in environ.items():
+        monkeypatch.setenv(name, setting)
+    return run_command(["callbacks", "serve", "--tools", "outbox.sandbox.tools", "--port", "0"])
+
+
+def test_serve_refuses_to_start_without_a_secret_for_each_provider(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], database_url: str
+) -> None:
+    code = serve(
+        monkeypatch, database_url, OUTBOX_CALLBACK_SECRETS=f"sandbox-payments:{PAYMENTS_SECRET}"
+    )
+
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no secret for the callbacks of sandbox-email" in err
+    assert PAYMENTS_SECRET not in err
+
+
+def test_serve_refuses_a_secret_no_contract_declares(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], database_url: str
+) -> None:
+    secrets = (
+        f"sandbox-payments:{PAYMENTS_SECRET},sandbox-email:{FOREIGN_SECRET},"
+        f"sandbox-emial:{TICKETS_SECRET}"
+    )
+
+    code = serve(monkeypatch, database_url, OUTBOX_CALLBACK_SECRETS=secrets)
+
+    assert code == 2
+    assert "secrets are configured for sandbox-emial, which no registered contract" in (
+        capsys.readouterr().err
+    )
+
+
+def test_serve_refuses_a_database_without_the_inbox(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], empty_database_url: str
+) -> None:
+    secrets = f"sandbox-payments:{PAYMENTS_SECRET},sandbox-email:{FOREIGN_SECRET}"
+
+    code = serve(monkeypatch, empty_database_url, OUTBOX_CALLBACK_SECRETS=secrets)
+
+    assert code == 1
+    assert "run `outbox migrate --roles`" in capsys.readouterr().err
