@@ -398,13 +398,15 @@ def after_callback(
     if callback.status is CallbackStatus.PENDING or operation.state is S.ESCALATED:
         return _EVIDENCE
     if callback.status is CallbackStatus.COMMITTED:
-        return _after_success(operation, callback, settles=policy.settles_unknown)
+        return _after_success(operation, contract, callback, settles=policy.settles_unknown)
     return _after_failure(
         operation, callback, definitive=policy.failure_definitive, success=success_reported
     )
 
 
-def _after_success(operation: Operation, callback: Callback, *, settles: bool) -> CallbackDecision:
+def _after_success(
+    operation: Operation, contract: ToolContract[Any], callback: Callback, *, settles: bool
+) -> CallbackDecision:
     state = operation.state
     if state is S.OUTCOME_UNKNOWN:
         if not settles:
@@ -425,7 +427,16 @@ def _after_success(operation: Operation, callback: Callback, *, settles: bool) -
             return _CONFIRMED
         return CallbackDecision(CallbackOutcome.CONTRADICTED, contradiction="reference_differs")
     if state is S.PREPARED:
-        # An effect nobody accounts for, about to be attempted again: a second one.
+        if operation.effect_possible and contract.side_effect in (
+            SideEffect.IDEMPOTENT_WRITE,
+            SideEffect.DEDUPLICATED_WRITE,
+        ):
+            # Sent back after an unknown outcome because its class lets it repeat: the
+            # retry meets the same effect (same input, or the same key inside its
+            # window), and the callback says what it will find.
+            return _EVIDENCE
+        # An effect nobody accounts for (never attempted, never sent, proven absent, or a
+        # person said "not committed"), about to be attempted again: a second one.
         return _contradicted(operation, callback, "success_for_prepared")
     return CallbackDecision(CallbackOutcome.CONTRADICTED, contradiction="success_for_rejected")
 

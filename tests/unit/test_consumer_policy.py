@@ -860,6 +860,45 @@ def test_a_success_for_a_prepared_operation_is_escalated_as_a_contradiction() ->
     assert decision.move.attributes["callback"] == 41
 
 
+@pytest.mark.parametrize(
+    "side_effect", [SideEffect.IDEMPOTENT_WRITE, SideEffect.DEDUPLICATED_WRITE]
+)
+def test_a_success_for_a_blind_retry_the_class_allows_is_evidence_not_a_contradiction(
+    side_effect: SideEffect,
+) -> None:
+    # The earlier attempt's outcome was unknown and its class let it be sent again: the
+    # retry meets the same effect (same input, or same key), so nobody is unaccounted for.
+    retried = at(S.PREPARED, attempts=1, effect_possible=True, side_effect=side_effect)
+
+    decision = after_callback(
+        retried, with_callbacks(side_effect, settles=True, lookup=False), callback("committed"),
+        success_reported=False,
+    )  # fmt: skip
+
+    assert decision == CallbackDecision(CallbackOutcome.EVIDENCE)
+
+
+@pytest.mark.parametrize(
+    ("side_effect", "effect_possible"),
+    [
+        (SideEffect.NON_REPEATABLE_WRITE, True),  # an operator said "not committed"
+        (SideEffect.DEDUPLICATED_WRITE, False),  # a lookup proved it absent
+        (SideEffect.IDEMPOTENT_WRITE, False),  # never attempted, or never sent
+    ],
+)
+def test_a_success_for_a_prepared_operation_nothing_explains_is_a_contradiction(
+    side_effect: SideEffect, effect_possible: bool
+) -> None:
+    prepared = at(S.PREPARED, attempts=1, effect_possible=effect_possible, side_effect=side_effect)
+
+    decision = after_callback(
+        prepared, with_callbacks(side_effect), callback("committed"), success_reported=False
+    )
+
+    assert decision is not None
+    assert decision.contradiction == "success_for_prepared"
+
+
 def test_a_success_contradicts_a_rejected_operation_and_leaves_it_rejected() -> None:
     decision = after_callback(
         at(S.REJECTED), with_callbacks(settles=True), callback("committed"), success_reported=False
