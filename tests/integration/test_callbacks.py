@@ -28,6 +28,7 @@ from outbox.store import Store
 
 from support.callback_helpers import (
     PAYMENTS,
+    SECRETS,
     TICKETS,
     Receiving,
     callback_registry,
@@ -39,7 +40,7 @@ from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value
 from support.logins import Login, group_logins
 from support.ops_helpers import Ops
-from support.sample_tools import Ledger
+from support.sample_tools import Ledger, refund_contract
 
 S = OperationState
 LATER = timedelta(hours=1)
@@ -112,7 +113,9 @@ async def world_for(
         registry,
     )
     try:
-        with receiving(settings, login("outbox_callbacks"), registry) as server:
+        declared = registry.callback_providers()
+        secrets = {name: keys for name, keys in SECRETS.items() if name in declared}
+        with receiving(settings, login("outbox_callbacks"), registry, secrets) as server:
             yield World(server, consumer, Ops(database_url, registry), database_url, ledger)
     finally:
         await consumer.close()
@@ -307,6 +310,30 @@ async def test_a_success_for_a_prepared_operation_is_escalated_never_retried(
         )
         == 1
     )
+
+
+async def test_a_success_for_a_blind_retry_its_class_allows_is_evidence(
+    settings: Settings, login: Login, database_url: str, ledger: Ledger
+) -> None:
+    # A deduplicated write with no lookup: after its unknown outcome the reconciler sends
+    # it back to replay the same key; the provider's success for the first request then
+    # says what the replay will find, and is no contradiction.
+    blind = dataclasses.replace(
+        refund_contract(ledger), reconcile=None, callbacks=CallbackPolicy(PAYMENTS, True)
+    )
+    registry = Registry()
+    registry.register(blind)
+    async with world_for(settings, login, database_url, ledger, registry) as world:
+        operation = world.unknown(due=True)
+        await world.reconcile()
+        assert world.ops.get(operation.id).state is S.PREPARED
+
+        world.send("payments", event("effect.committed", operation.id))
+        await world.reconcile()
+
+        assert world.ops.get(operation.id).state is S.PREPARED
+        assert world.outcomes(operation.id) == ["evidence"]
+        assert "operation.contradicted" not in world.ops.event_names(operation.id)
 
 
 async def test_a_success_for_a_rejected_operation_is_a_contradiction_and_stays_rejected(
