@@ -38,6 +38,7 @@ import socketserver
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -176,6 +177,7 @@ class _Email:
     id: str
     to: str
     subject: str
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,11 @@ class SandboxState:
                 ],
                 "refunds_by_payment": by_payment,
                 "refunds_by_key": {key: len(ids) for key, ids in self._refund_ids_by_key.items()},
+                # Emails take no key: the reference their sender passed (the operation id,
+                # for the example tool) is what tells two sends of one decision apart.
+                "emails_by_reference": dict(
+                    Counter(email.reference for email in self._emails if email.reference)
+                ),
                 "totals": {"refunds": len(refunds), "emails": len(self._emails)},
             }
 
@@ -350,7 +357,7 @@ class SandboxState:
             refused = self._pre_commit_fault("emails")
             if refused is not None:
                 return refused
-            email = _Email(f"em_{secrets.token_hex(12)}", request.to, request.subject)
+            email = _Email(f"em_{secrets.token_hex(12)}", request.to, request.subject, reference)
             self._emails.append(email)
             self.webhooks.emit(EMAIL, *email_event("email.delivered", email.id, reference))
             drop = self._hits("emails", "drop_response")

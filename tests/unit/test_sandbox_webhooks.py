@@ -171,6 +171,9 @@ def test_an_accepted_email_is_reported_delivered_with_its_reference(
     assert (report.status, str(report.operation_id)) == (CallbackStatus.COMMITTED, reference)
     assert report.provider_reference == sent["id"]
     assert report.event_id == webhook.headers["webhook-id"]
+    # The ledger counts emails by that reference: one decision, one email, or not.
+    email(client, reference)
+    assert client.get("/ledger").json()["emails_by_reference"] == {reference: 2}
 
 
 def test_a_replayed_refund_sends_no_second_event(
