@@ -333,7 +333,14 @@ def test_the_provider_command_needs_the_secrets_it_signs_with(
     monkeypatch.delenv("OUTBOX_CALLBACK_SECRETS", raising=False)
     monkeypatch.delenv("OUTBOX_CALLBACK_SECRETS_FILE", raising=False)
 
-    code = cli.main(["--port", "0", "--webhook-url", "http://127.0.0.1:9"])
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        code = cli.main(["--port", "0", "--webhook-url", "http://127.0.0.1:9"])
+    finally:
+        # The command points the root logger at this test's captured stderr: put back
+        # what was there, or later lines go to a stream closed with this test.
+        root.handlers[:], root.level = handlers, level
 
     assert code == 2
     err = capsys.readouterr().err
