@@ -3,7 +3,7 @@
 -- Applied by `outbox migrate --roles`, after schema.sql, in the same transaction and
 -- under the same advisory lock. Idempotent: applying it again changes nothing.
 --
--- Four NOLOGIN group roles, one per component. Grant one to each login role a
+-- Five NOLOGIN group roles, one per component. Grant one to each login role a
 -- component connects as (`GRANT outbox_agent TO refund_agent_service;`). Each group
 -- gets exactly what the statements in outbox/sql/queries.sql that its component runs
 -- need, and nothing more:
@@ -25,7 +25,15 @@
 --                      console` (console_operations_page, console_operation_approvals,
 --                      console_login): reads, plus transition_operation (resolve) and
 --                      insert_approval;
---                      verify_event_chains (`outbox ops verify`) reads the chain heads
+--                      verify_event_chains (`outbox ops verify`) reads the chain heads;
+--                      operation_callbacks (`ops show`), list_callbacks (`outbox
+--                      callbacks list`)
+--   outbox_callbacks   `outbox callbacks` and record_callback(): record_callback
+--                      (EXECUTE on outbox_record_callback, its only write path and
+--                      its only privilege), schema_is_current (the catalog)
+--
+-- The consumer also applies provider callbacks: claim_callback_batch,
+-- operation_callbacks, apply_callback, lock_operation.
 --
 -- Not granted, because nothing needs it:
 -- - USAGE on the identity sequences of outbox and operation_events: an identity
@@ -54,7 +62,7 @@ DECLARE
     role_name text;
 BEGIN
     FOREACH role_name IN ARRAY ARRAY['outbox_agent', 'outbox_dispatcher', 'outbox_consumer',
-                                     'outbox_operator']
+                                     'outbox_operator', 'outbox_callbacks']
     LOOP
         IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = role_name) THEN
             BEGIN
@@ -74,7 +82,7 @@ DO $$
 BEGIN
     EXECUTE format(
         'GRANT USAGE ON SCHEMA %I TO outbox_agent, outbox_dispatcher, outbox_consumer, '
-        'outbox_operator',
+        'outbox_operator, outbox_callbacks',
         current_schema()
     );
 END;
@@ -84,8 +92,9 @@ $$;
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
-    outbox_deployment, operation_event_heads, operation_status
-    FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
+    outbox_deployment, operation_event_heads, operation_status, callbacks
+    FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
+         outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
 -- of an older roles.sql (and of this one), so what follows is all that is held.
 DO $$
@@ -99,9 +108,10 @@ BEGIN
         CROSS JOIN LATERAL aclexplode(a.attacl) p
         JOIN pg_roles g ON g.oid = p.grantee
         WHERE c.relnamespace = current_schema()::regnamespace
-          AND c.relname IN ('operations', 'outbox', 'operation_events', 'approvals')
+          AND c.relname IN ('operations', 'outbox', 'operation_events', 'approvals',
+                            'callbacks')
           AND g.rolname IN ('outbox_agent', 'outbox_dispatcher', 'outbox_consumer',
-                            'outbox_operator')
+                            'outbox_operator', 'outbox_callbacks')
     LOOP
         EXECUTE format('REVOKE %s (%I) ON %I FROM %I', held.privilege_type, held.attname,
                        held.relname, held.rolname);
@@ -110,7 +120,11 @@ END;
 $$;
 -- A new function is executable by PUBLIC; this one writes decisions, so only the agent.
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator;
+    text, boolean, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator,
+    outbox_callbacks;
+-- And this one records provider callbacks, so only the callbacks role.
+REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text)
+    FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
 
 -- No temporary tables for anyone by default in this database: a temporary table is
 -- searched before any schema for a relation, and so is the one object every login can
@@ -201,3 +215,21 @@ GRANT INSERT (id, operation_id, intent_hash, decision, approved_by, expires_at) 
 GRANT SELECT ON outbox_schema_version TO outbox_operator;
 -- `outbox ops verify` compares each chain with its head: reading only.
 GRANT SELECT ON operation_event_heads TO outbox_operator;
+
+-- The consumer applies provider callbacks (docs/design.md section 5, "Callbacks"): it reads
+-- the inbox (and locks the rows it applies: FOR UPDATE needs UPDATE) and writes one
+-- column, what it did with a callback; a trigger stamps the time and freezes the rest.
+GRANT SELECT ON callbacks TO outbox_consumer;
+GRANT UPDATE (outcome) ON callbacks TO outbox_consumer;
+-- Operators read the inbox: `outbox callbacks list`, `ops show`, the console.
+GRANT SELECT ON callbacks TO outbox_operator;
+
+-- The callbacks receiver (`outbox callbacks`, or record_callback() in a web app of the
+-- user's) records verified callbacks through outbox_record_callback (SECURITY DEFINER:
+-- an inbox row and, for an operation it finds, that operation's callback_received event)
+-- and holds nothing else: it reads no table, so it learns nothing of operations but
+-- whether the one a callback names exists, and writes nothing any other way. It is as
+-- trusted as the signatures it checks; what its callbacks can do is the contracts' to
+-- say, and the consumer's to apply.
+GRANT EXECUTE ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text)
+    TO outbox_callbacks;

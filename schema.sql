@@ -275,7 +275,8 @@ CREATE TRIGGER operations_guard_birth
 
 -- Which events each component may append, once roles.sql has created the groups: the
 -- agent only agent.completed (operation.prepared comes from outbox_record_decision
--- below); the consumer neither what records a decision nor what only a person does;
+-- below); the consumer neither what records a decision nor what only a person does,
+-- nor a provider's callback (outbox_record_callback writes that one, as the owner);
 -- operators (and the tables' owner, and superusers) anything. A role in no group may
 -- append nothing. Nested IFs for the reason given in outbox_guard_transition.
 --
@@ -314,7 +315,8 @@ BEGIN
     IF pg_has_role(current_user, 'outbox_consumer', 'MEMBER') THEN
         IF NEW.name NOT IN ('operation.prepared', 'operation.resolved',
                             'operation.approval_granted', 'operation.approval_denied',
-                            'operation.cancelled', 'agent.completed') THEN
+                            'operation.cancelled', 'agent.completed',
+                            'operation.callback_received') THEN
             RETURN NEW;
         END IF;
     ELSIF pg_has_role(current_user, 'outbox_agent', 'MEMBER') THEN
@@ -746,6 +748,133 @@ $$;
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
     text, boolean, jsonb) FROM PUBLIC;
 
+-- Version 7: provider callbacks (docs/design.md section 5, "Callbacks"). A verified
+-- webhook is evidence, never a command: kept once per provider and event id, with the
+-- operation it names (NULL when the database has none: unmatched), what it reports and
+-- the SHA-256 of its body, never the body. Written only through outbox_record_callback
+-- (below) by the outbox_callbacks role; the consumer, which holds the contracts, applies
+-- it and records its outcome, once.
+CREATE TABLE IF NOT EXISTS callbacks (
+    id                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    provider            text NOT NULL CHECK (provider ~ '^[a-z][a-z0-9_-]{0,63}$'),
+    -- Printable ASCII without a space: ids like evt_1NG8…, msg_2Lw…, UUIDs.
+    event_id            text NOT NULL CHECK (event_id ~ '^[!-~]{1,255}$'),
+    status              text NOT NULL CHECK (status IN ('committed', 'rejected', 'pending')),
+    -- What the callback named (its idempotency key), whether or not it exists here.
+    named_operation_id  uuid,
+    operation_id        uuid REFERENCES operations (id),
+    provider_reference  text CHECK (length(provider_reference) BETWEEN 1 AND 500
+                                    AND provider_reference !~ '[[:cntrl:]]'),
+    payload_digest      text NOT NULL CHECK (payload_digest ~ '^[0-9a-f]{64}$'),
+    received_at         timestamptz NOT NULL DEFAULT clock_timestamp(),
+    outcome             text CHECK (outcome IN ('settled', 'retry', 'confirmed', 'evidence',
+                                                'contradicted', 'unmatched')),
+    applied_at          timestamptz,
+    CONSTRAINT callbacks_event UNIQUE (provider, event_id),
+    CONSTRAINT callbacks_applied_once CHECK ((outcome IS NULL) = (applied_at IS NULL)),
+    CONSTRAINT callbacks_matched CHECK ((operation_id IS NULL) = (outcome IS NOT DISTINCT FROM 'unmatched'))
+);
+
+-- What the reconciler applies next, and an operation's callbacks in arrival order.
+CREATE INDEX IF NOT EXISTS callbacks_pending ON callbacks (id) WHERE applied_at IS NULL;
+CREATE INDEX IF NOT EXISTS callbacks_operation ON callbacks (operation_id, id);
+-- A callback may name its effect by the provider's reference alone (a refund that failed
+-- days later). Partial: an operation gets its entry only with the update that commits it.
+CREATE INDEX IF NOT EXISTS operations_provider_reference
+    ON operations (provider_reference) WHERE provider_reference IS NOT NULL;
+
+-- A callback is evidence: its times are the database's, and once written only its
+-- outcome may be set, once, to what the consumer did with it (applied_at stamped here).
+-- For everyone, the tables' owner included.
+CREATE OR REPLACE FUNCTION outbox_guard_callback() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        NEW.received_at := clock_timestamp();
+        NEW.applied_at := CASE WHEN NEW.outcome IS NULL THEN NULL ELSE NEW.received_at END;
+        RETURN NEW;
+    END IF;
+    IF (NEW.id, NEW.provider, NEW.event_id, NEW.status, NEW.named_operation_id,
+        NEW.operation_id, NEW.provider_reference, NEW.payload_digest, NEW.received_at)
+       IS DISTINCT FROM
+       (OLD.id, OLD.provider, OLD.event_id, OLD.status, OLD.named_operation_id,
+        OLD.operation_id, OLD.provider_reference, OLD.payload_digest, OLD.received_at) THEN
+        RAISE EXCEPTION 'callback %: what a provider reported cannot change', OLD.id
+            USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'callbacks_evidence_frozen';
+    END IF;
+    IF OLD.outcome IS NOT NULL OR NEW.outcome IS NULL OR NEW.outcome = 'unmatched' THEN
+        RAISE EXCEPTION 'callback %: its outcome is set once, when it is applied to its operation', OLD.id
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'callbacks_applied_once';
+    END IF;
+    NEW.applied_at := clock_timestamp();
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS callbacks_guard ON callbacks;
+CREATE TRIGGER callbacks_guard
+    BEFORE INSERT OR UPDATE ON callbacks
+    FOR EACH ROW EXECUTE FUNCTION outbox_guard_callback();
+
+-- The callbacks role's one write path (roles.sql grants outbox_callbacks EXECUTE on it
+-- and nothing else). Finds the operation the callback names, by id or else by the
+-- provider's reference, and takes a share lock on its row until the caller commits: the
+-- reconciler decides with that row locked, so a callback either lands before a decision
+-- (which then includes it) or waits for it (and is applied to what it wrote), and the
+-- reconciler's SKIP LOCKED scan passes over an operation whose callback is being
+-- recorded. Then the inbox row, once per (provider, event id): a redelivery writes
+-- nothing and says whether it carried the same body. A matched callback is also an
+-- operation.callback_received event in that operation's chain, with attributes this
+-- function builds from its own arguments. It moves no operation. Every value is bounded
+-- by the table's checks; the times are the database's.
+CREATE OR REPLACE FUNCTION outbox_record_callback(
+    p_provider text, p_event_id text, p_status text, p_operation_id uuid,
+    p_provider_reference text, p_payload_digest text
+) RETURNS TABLE (callback_id bigint, result text, matched_operation_id uuid,
+                 same_payload boolean)
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    matched uuid;
+    recorded bigint;
+    earlier record;
+BEGIN
+    IF p_operation_id IS NOT NULL THEN
+        SELECT o.id INTO matched FROM operations o WHERE o.id = p_operation_id FOR SHARE;
+    END IF;
+    IF matched IS NULL AND p_provider_reference IS NOT NULL THEN
+        SELECT o.id INTO matched FROM operations o
+        WHERE o.provider_reference = p_provider_reference
+        ORDER BY o.created_at, o.id
+        LIMIT 1
+        FOR SHARE;
+    END IF;
+    INSERT INTO callbacks AS c (provider, event_id, status, named_operation_id, operation_id,
+                                provider_reference, payload_digest, outcome)
+    VALUES (p_provider, p_event_id, p_status, p_operation_id, matched, p_provider_reference,
+            p_payload_digest, CASE WHEN matched IS NULL THEN 'unmatched' END)
+    ON CONFLICT (provider, event_id) DO NOTHING
+    RETURNING c.id INTO recorded;
+    IF recorded IS NULL THEN
+        SELECT c.id, c.operation_id, c.payload_digest INTO earlier
+        FROM callbacks c WHERE c.provider = p_provider AND c.event_id = p_event_id;
+        RETURN QUERY SELECT earlier.id, 'duplicate'::text, earlier.operation_id,
+                            earlier.payload_digest = p_payload_digest;
+        RETURN;
+    END IF;
+    IF matched IS NOT NULL THEN
+        INSERT INTO operation_events (operation_id, name, attributes)
+        VALUES (matched, 'operation.callback_received',
+                jsonb_strip_nulls(jsonb_build_object(
+                    'callback', recorded, 'provider', p_provider, 'status', p_status,
+                    'provider_reference', p_provider_reference)));
+    END IF;
+    RETURN QUERY SELECT recorded, CASE WHEN matched IS NULL THEN 'unmatched' ELSE 'recorded' END,
+                        matched, true;
+END;
+$$;
+-- A new function is executable by PUBLIC; roles.sql grants this one to outbox_callbacks.
+REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text) FROM PUBLIC;
+
 -- Pin the search_path of every function of this schema that has a body parsed at run
 -- time (plpgsql, or SQL in quotes): its unqualified names resolve in pg_catalog (always
 -- searched first), then this schema, and in pg_temp last, where a caller's temporary
@@ -775,3 +904,4 @@ INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (4) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (5) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (6) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (7) ON CONFLICT (version) DO NOTHING;

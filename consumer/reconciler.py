@@ -19,6 +19,7 @@ from typing import Any
 from uuid import UUID
 
 from consumer import policy
+from consumer.callbacks import Applied, Callbacks, success_reported
 from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
 from consumer.telemetry import log, observe_outcome, span_attributes
@@ -28,7 +29,7 @@ from outbox.contracts import Registry, ToolContract
 from outbox.daemon import is_transient_database_error
 from outbox.errors import IllegalTransition, OutboxError, ToolNotRegistered
 from outbox.metrics import ConsumerMetrics
-from outbox.models import Operation
+from outbox.models import Callback, Operation
 from outbox.outcomes import (
     ExecutionContext,
     Found,
@@ -63,6 +64,7 @@ class Reconciler(Stoppable):
         self.metrics = metrics
         self.database = database
         self.worker_id = worker_id
+        self.callbacks = Callbacks(registry, metrics, database, batch=settings.reconcile_batch)
 
     async def run(self) -> None:
         """Reconcile and sweep until :meth:`stop`, outliving any failed pass."""
@@ -139,35 +141,52 @@ class Reconciler(Stoppable):
         return requeued
 
     async def reconcile_once(self) -> int:
-        """One pass; returns how many operations it took up."""
+        """One pass: the callbacks inbox, then unknown outcomes and expired leases;
+        returns how many callbacks and operations it took up."""
+        applied_first = await self.callbacks.apply_pending()
         lookups: list[tuple[Operation, ToolContract[Any]]] = []
+        applied = Applied()
         async with self.database.transaction() as connection:
             runner = await AsyncStore.on(connection)
             await self.database.remember_fingerprint_key(runner)
             candidates = await runner.run(
                 store.claim_reconciliation_batch(self.settings.reconcile_batch)
             )
+            # Read after the rows were locked: a callback recorded from here on waits for
+            # this transaction, one recorded before it is decided with.
+            callbacks = await self.callbacks.pending_of(runner, candidates) if candidates else {}
             for operation in candidates:
                 try:
                     contract = self.registry.get(operation.tool_name, operation.tool_version)
                 except ToolNotRegistered:
                     continue  # a consumer that has the tool will take it
-                leased = await self._triage(runner, operation, contract)
+                leased = await self._triage(
+                    runner, operation, contract, callbacks.get(operation.id, []), applied
+                )
                 if leased is not None:
                     lookups.append((leased, contract))
+        applied.count(self.metrics)
         if lookups:
             await asyncio.gather(*(self._look_up(*lookup) for lookup in lookups))
-        return len(candidates)
+        return applied_first + len(candidates)
 
     async def _triage(
-        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        callbacks: list[Callback],
+        applied: Applied,
     ) -> Operation | None:
-        """Settle what the policy can without a lookup; returns the operation leased
-        for a lookup if it needs one."""
+        """Settle what the policy can without a lookup, the operation's callbacks first;
+        returns the operation leased for a lookup if it needs one."""
         if operation.state is S.IN_FLIGHT:
             operation = await runner.run(
                 transition_plan(operation, policy.after_lease_expired(operation))
             )
+        operation = await self.callbacks.settle(runner, operation, callbacks, applied)
+        if operation.state is not S.OUTCOME_UNKNOWN:
+            return None  # a callback settled it, sent it back, or handed it to a person
         if is_unreadable(operation.input) and operation.state is S.OUTCOME_UNKNOWN:
             # A lookup needs the input the effect was attempted with.
             await quarantine_unreadable(runner, self.metrics, operation, contract.name)
@@ -250,11 +269,29 @@ class Reconciler(Stoppable):
                 traced.set_attributes({"outbox.code": result.code})
             traced.set_status(not isinstance(result, StillUnknown), label)
         self.metrics.reconciliations.labels(contract.name, label).inc()
-        decision = policy.after_lookup(operation, contract, result)
+        decision: Transition | Escalation | Deferral | None = policy.after_lookup(
+            operation, contract, result
+        )
+        applied = Applied()
         try:
             async with self.database.transaction() as connection:
                 runner = await AsyncStore.on(connection)
-                moved = await self._apply(runner, operation, contract, decision)
+                if isinstance(result, NotFound) and contract.callbacks is not None:
+                    # Proof of absence, unless the provider reported the effect done.
+                    success = await self._reported_success(runner, operation, contract)
+                    if success is not None:
+                        await self.callbacks.write(
+                            runner,
+                            operation,
+                            contract,
+                            success,
+                            policy.contradicted_lookup(operation, success),
+                            applied,
+                        )
+                        decision = None
+                moved = None
+                if decision is not None:
+                    moved = await self._apply(runner, operation, contract, decision)
         except IllegalTransition as fenced:
             log(
                 logging.WARNING,
@@ -264,8 +301,21 @@ class Reconciler(Stoppable):
                 reason=type(fenced).__name__,
             )
             return
+        applied.count(self.metrics)
         if moved is not None:
             observe_outcome(self.metrics, moved)
+
+    async def _reported_success(
+        self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
+    ) -> Callback | None:
+        """A success callback of the contract's provider for ``operation``, read after its
+        row is locked: one recorded from here on waits for this transaction."""
+        await runner.run(store.lock_operation(operation.id))
+        callbacks = (await runner.run(store.callbacks_of([operation.id]))).get(operation.id, [])
+        for callback in callbacks:
+            if success_reported([callback], contract, but=-1):
+                return callback
+        return None
 
 
 def _raised_at(error: BaseException) -> str:

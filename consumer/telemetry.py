@@ -13,7 +13,7 @@ from outbox.decisions import TAMPER_CHECKS
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.logs import log_fields
 from outbox.metrics import ConsumerMetrics, prime
-from outbox.models import Operation
+from outbox.models import CallbackOutcome, Operation
 from outbox.states import OperationState
 
 # The closed sets of label values the consumer reports (tests/unit/test_metric_labels.py
@@ -42,6 +42,10 @@ ESCALATION_REASONS = (
     "tampered",
     "undeliverable",
     "unreadable",
+)
+# What the reconciler does with a provider callback; unmatched ones never reach it.
+CALLBACK_OUTCOMES = tuple(
+    str(outcome) for outcome in CallbackOutcome if outcome is not CallbackOutcome.UNMATCHED
 )
 # The stored values the consumer may find unreadable (bounds.load's marker).
 UNREADABLE_COLUMNS = ("input",)
@@ -90,6 +94,8 @@ def prime_metrics(metrics: ConsumerMetrics, registry: Registry) -> None:
     prime(metrics.escalations, tools, ESCALATION_REASONS)
     prime(metrics.tampered, tools, TAMPER_CHECKS)
     prime(metrics.unreadable, tools, UNREADABLE_COLUMNS)
+    prime(metrics.callbacks_applied, tools, CALLBACK_OUTCOMES)
+    prime(metrics.callbacks_contradicted, tools)
 
 
 def observe_outcome(metrics: ConsumerMetrics, moved: Operation) -> None:

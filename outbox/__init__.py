@@ -18,6 +18,13 @@ from outbox.awaiting import (
     get_outcome,
     get_outcome_async,
 )
+from outbox.callback_policy import (
+    CallbackPolicy,
+    CallbackProvider,
+    CallbackReport,
+    CallbackStatus,
+    Scheme,
+)
 from outbox.contracts import (
     ApprovalPolicy,
     OnUnknown,
@@ -76,6 +83,10 @@ __all__ = [
     "ApprovalCheck",
     "ApprovalPolicy",
     "ApprovalStatus",
+    "CallbackPolicy",
+    "CallbackProvider",
+    "CallbackReport",
+    "CallbackStatus",
     "ConfigurationError",
     "ContractRefused",
     "DatabaseError",
@@ -104,6 +115,7 @@ __all__ = [
     "Registry",
     "RetryPolicy",
     "SchemaMissing",
+    "Scheme",
     "Settings",
     "SideEffect",
     "StillUnknown",

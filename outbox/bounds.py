@@ -45,6 +45,12 @@ AGENT_ATTRIBUTE_KEY = re.compile(r"^agent\.[a-z][a-z0-9_]{0,63}$")
 # by a marker, never refused: the effect it reports has happened and must be recorded.
 MAX_RESULT_TEXT = 64 * 1024
 MAX_PROVIDER_REFERENCE = 500
+# A provider callback's event id (its deduplication key): printable ASCII without a
+# space, as providers' ids are (evt_…, msg_…, UUIDs). What a callback reports as the
+# provider's reference is refused beyond MAX_PROVIDER_REFERENCE or with a control
+# character, never cut: a cut reference would match another effect's.
+CALLBACK_EVENT_ID = re.compile(r"^[!-~]{1,255}$")
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # The longest a person's grant may last; the database refuses a later expiry.
 MAX_APPROVAL_TTL = timedelta(days=7)
 # What a reader decodes at all: above every bound the database keeps, so only a row

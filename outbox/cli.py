@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--roles",
         action="store_true",
         help="also apply roles.sql in the same transaction: create the NOLOGIN group roles "
-        "outbox_agent, outbox_dispatcher, outbox_consumer and outbox_operator if missing "
+        "outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator and "
+        "outbox_callbacks if missing "
         "(needs CREATEROLE the first time) and grant each exactly what its component runs",
     )
     migrate_parser.set_defaults(handler=cmd_migrate)

@@ -19,6 +19,7 @@ import pydantic
 import typing_extensions
 from pydantic import BaseModel
 
+from outbox.callback_policy import CallbackPolicy, CallbackProvider, policy_problems
 from outbox.errors import ContractRefused, ToolNotRegistered
 from outbox.outcomes import EffectResult, ExecutionContext, Reconciliation
 
@@ -166,6 +167,10 @@ class ToolContract(Generic[InputT]):
     """For writes: the effect only adds (a new record, a new message) and never overwrites
     or deletes anything. Only the tool's author can know this, so it is opt-in; without
     it a write is exported as possibly destructive, MCP's cautious default."""
+    callbacks: CallbackPolicy | None = None
+    """The provider's signed callbacks about this tool's effects, and how much they may
+    settle (docs/design.md section 5, "Callbacks"). None: no callback moves these
+    operations."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -238,6 +243,7 @@ class Registry:
         problems = contract_problems(contract)
         if contract.key in self._contracts:
             problems.append(f"tool {contract.label} is already registered")
+        problems.extend(self._provider_clashes(contract))
         if problems:
             raise ContractRefused(
                 f"tool {contract.label} refused: " + "; ".join(problems), problems=problems
@@ -260,6 +266,32 @@ class Registry:
 
     def describe(self) -> str:
         return ", ".join(c.label for c in self)
+
+    def callback_providers(self) -> dict[str, CallbackProvider]:
+        """Every provider whose callbacks some registered tool declares, by name."""
+        return {
+            contract.callbacks.provider.name: contract.callbacks.provider
+            for contract in self
+            if contract.callbacks is not None
+        }
+
+    def _provider_clashes(self, contract: ToolContract[Any]) -> list[str]:
+        """One route serves a provider, so its payloads can be verified and read one way
+        only: every contract that names it must name the same provider."""
+        policy = contract.callbacks
+        if not isinstance(policy, CallbackPolicy) or not isinstance(
+            policy.provider, CallbackProvider
+        ):
+            return []
+        return [
+            f"callback provider {policy.provider.name!r} is already declared by tool "
+            f"{other.label} with another scheme or reader; one route serves a provider, so "
+            "share one CallbackProvider between the tools it reports on"
+            for other in self
+            if other.callbacks is not None
+            and other.callbacks.provider.name == policy.provider.name
+            and other.callbacks.provider != policy.provider
+        ]
 
     def __iter__(self) -> Iterator[ToolContract[Any]]:
         return iter(sorted(self._contracts.values(), key=lambda c: c.key))
@@ -343,6 +375,12 @@ def contract_problems(contract: ToolContract[Any]) -> list[str]:
     elif contract.additive_only and contract.side_effect is SideEffect.READ_ONLY:
         problems.append(
             "additive_only applies only to writes; a read_only tool changes nothing to add to"
+        )
+    if contract.callbacks is not None:
+        problems.extend(
+            policy_problems(
+                contract.callbacks, read_only=contract.side_effect is SideEffect.READ_ONLY
+            )
         )
     return problems
 
@@ -435,12 +473,12 @@ def _contract_card(contract: ToolContract[Any]) -> str:
         ("Unknown outcome", _unknown_outcome_answer(contract)),
         ("Approval", _approval_answer(contract)),
         (
-            "Duplicate messages",
+            "Duplicate messages and callbacks",
             "a consumer claims the operation by its id (prepared -> in_flight, with a lease, "
             "committed before the call). A delivery whose claim fails (a redelivery, a "
             "republished message, a second consumer) is acked and counted as a duplicate, "
             "never executed. Messages carry no input: the consumer loads the operation from "
-            "Postgres and checks its fingerprint.",
+            "Postgres and checks its fingerprint. " + _callback_duplicates_answer(contract),
         ),
         ("Evidence", _evidence_answer(contract)),
     ]
@@ -517,11 +555,48 @@ def _after_unknown(contract: ToolContract[Any]) -> str:
 
 
 def _unknown_outcome_answer(contract: ToolContract[Any]) -> str:
+    answer = _unknown_outcome_without_callbacks(contract)
+    policy = contract.callbacks
+    if policy is None:
+        return answer
+    provider = policy.provider.name
+    success = (
+        f"a verified success callback from {provider} settles it (committed, with the "
+        "provider's reference, at any time before a person or a retry has it)"
+        if policy.settles_unknown
+        else f"a verified success callback from {provider} is evidence for a person, shown "
+        "in the timeline, and never settles it (a later lookup's NotFound then goes to a "
+        "person instead of a retry)"
+    )
+    failure = (
+        "a verified failure callback proves the effect absent, as a lookup's NotFound does: "
+        "back to prepared for another attempt with the same operation id, unless a success "
+        "was reported too (then escalated, contradicted)"
+        if policy.failure_definitive
+        else "a verified failure callback is evidence only"
+    )
+    return f"{answer} Callbacks: {success}; {failure}."
+
+
+def _waits_for_a_callback(contract: ToolContract[Any]) -> str:
+    """How an answer about an unknown outcome without a lookup starts, given the wait."""
+    policy = contract.callbacks
+    if policy is None or contract.reconcile is not None or policy.wait <= timedelta(0):
+        return ""
+    return (
+        f"after waiting up to {_duration(policy.wait)} for a verified callback from "
+        f"{policy.provider.name}, "
+    )
+
+
+def _unknown_outcome_without_callbacks(contract: ToolContract[Any]) -> str:
     retry = contract.retry
     escalate = "escalated to a person with the evidence"
+    waited = _waits_for_a_callback(contract)
     if contract.on_unknown is OnUnknown.ESCALATE:
+        when = waited or "at once "
         return (
-            "escalated at once to a person, with the evidence (on_unknown=escalate): nothing "
+            f"escalated {when}to a person, with the evidence (on_unknown=escalate): nothing "
             "is retried or looked up automatically."
         )
     if contract.reconcile is not None:
@@ -535,19 +610,19 @@ def _unknown_outcome_answer(contract: ToolContract[Any]) -> str:
     budget = f"{retry.max_attempts} attempts in all"
     if contract.side_effect in (SideEffect.READ_ONLY, SideEffect.IDEMPOTENT_WRITE):
         return (
-            "no reconcile(); repeating is safe for this class, so it goes back to prepared "
-            f"and is tried again with the same input and operation id, within {budget}; "
+            f"no reconcile(); {waited}repeating is safe for this class, so it goes back to "
+            f"prepared and is tried again with the same input and operation id, within {budget}; "
             f"past that, {escalate}."
         )
     if contract.side_effect is SideEffect.DEDUPLICATED_WRITE and contract.dedupe_window:
         return (
-            "no reconcile(); tried again with the same idempotency key while the key is "
-            f"inside the {_duration(contract.dedupe_window)} dedupe window (counted from the "
+            f"no reconcile(); {waited}tried again with the same idempotency key while the key "
+            f"is inside the {_duration(contract.dedupe_window)} dedupe window (counted from the "
             f"first attempt, less the {_duration(contract.deadline)} deadline), within "
             f"{budget}. Past the window or the budget the key may be pruned and is never "
             f"replayed: {escalate}."
         )
-    return f"no reconcile(): {escalate}."
+    return f"no reconcile(): {waited}{escalate}."
 
 
 def _approval_answer(contract: ToolContract[Any]) -> str:
@@ -576,12 +651,40 @@ def _evidence_answer(contract: ToolContract[Any]) -> str:
         else ""
     )
     approval = " The approval grant (approver, expiry)." if contract.approval.required else ""
+    callbacks = ""
+    if contract.callbacks is not None:
+        settled = (
+            ", and operation.reconciled result=committed method=callback when one settled "
+            "an unknown outcome"
+            if contract.callbacks.settles_unknown
+            else ""
+        )
+        callbacks = (
+            f" Verified callbacks from {contract.callbacks.provider.name}: each an "
+            "operation.callback_received event (its inbox id, status and provider reference) "
+            f"and a row of the callbacks inbox (event id, payload digest){settled}; one that "
+            "disagrees with the recorded ending is operation.contradicted."
+        )
     return (
         f"the provider reference and result returned by {found_by}, stored on the "
         "operation, and its append-only lifecycle events (operation.prepared, "
         "operation.attempted, then committed / rejected / outcome_unknown / escalated), "
-        f"each with attempt, policy and reason codes.{lookup}{approval} A person who "
-        "resolves an escalation records their name and evidence."
+        f"each with attempt, policy and reason codes.{lookup}{callbacks}{approval} A person "
+        "who resolves an escalation records their name and evidence."
+    )
+
+
+def _callback_duplicates_answer(contract: ToolContract[Any]) -> str:
+    if contract.callbacks is None:
+        return (
+            "No provider callbacks are declared: a callback naming one of these operations "
+            "is kept as evidence, never a move."
+        )
+    return (
+        f"Verified callbacks from {contract.callbacks.provider.name} are kept once by their "
+        "event id in the callbacks inbox: a redelivered one is answered 2xx and changes "
+        "nothing, and callbacks never move an operation backwards; one that arrives while "
+        "an attempt is in flight waits for that attempt's record."
     )
 
 

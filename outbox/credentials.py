@@ -26,9 +26,15 @@ class Credential:
 
 
 def parse_credentials(
-    text: str, *, variable: str, min_length: int, name: Callable[[str], str]
+    text: str,
+    *,
+    variable: str,
+    min_length: int,
+    name: Callable[[str], str],
+    kind: str = "token",
+    hint: str = " (`openssl rand -base64 32` makes one)",
 ) -> tuple[Credential, ...]:
-    """The ``name:token`` entries of ``text`` (separated by commas). ``name`` checks and
+    """The ``name:<kind>`` entries of ``text`` (separated by commas). ``name`` checks and
     returns an entry's name, or raises ConfigurationError saying what a name must be."""
     credentials: list[Credential] = []
     for number, entry in enumerate(part for part in text.split(",") if part.strip()):
@@ -36,18 +42,18 @@ def parse_credentials(
         # Errors say which entry, never what it holds: it is a secret.
         where = f"{variable} entry {number + 1}"
         if not colon:
-            raise ConfigurationError(f"{where} is not name:token")
+            raise ConfigurationError(f"{where} is not name:{kind}")
         try:
             checked = name(given)
         except ConfigurationError as error:
             raise ConfigurationError(f"{where}: {error}") from None
         if len(token) < min_length or token != token.strip():
             raise ConfigurationError(
-                f"{where}: the token must be at least {min_length} characters, without "
-                "surrounding spaces (`openssl rand -base64 32` makes one)"
+                f"{where}: the {kind} must be at least {min_length} characters, without "
+                f"surrounding spaces{hint}"
             )
         if any(c.token == token for c in credentials):
-            raise ConfigurationError(f"{where}: two entries share one token")
+            raise ConfigurationError(f"{where}: two entries share one {kind}")
         credentials.append(Credential(name=checked, token=token))
     return tuple(credentials)
 

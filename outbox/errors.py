@@ -62,6 +62,16 @@ class LeaseLost(IllegalTransition):
     """The lease token no longer matches: another worker owns this operation now."""
 
 
+class CallbackRefused(OutboxError):
+    """A provider callback was refused before anything was recorded."""
+
+    def __init__(self, reason: str, message: str | None = None) -> None:
+        # The reason is a metric label: signature, timestamp, too_large or malformed. The
+        # message names the check that failed, never a header or a byte of the body.
+        super().__init__(message or f"callback refused: {reason}", reason=reason)
+        self.reason = reason
+
+
 class ServiceUnavailable(OutboxError):
     """Postgres or RabbitMQ could not be reached."""
 

@@ -85,6 +85,13 @@ class MetricNames:
     QUEUE_MESSAGES = f"{PREFIX}_queue_messages"
     BROKER_CONNECTED = f"{PREFIX}_broker_connected"
     BUILD_INFO = f"{PREFIX}_build_info"
+    CALLBACKS_RECEIVED = f"{PREFIX}_callbacks_received"
+    CALLBACKS_DUPLICATES = f"{PREFIX}_callbacks_duplicates"
+    CALLBACKS_REFUSED = f"{PREFIX}_callbacks_refused"
+    CALLBACKS_UNMATCHED = f"{PREFIX}_callbacks_unmatched"
+    CALLBACKS_IGNORED = f"{PREFIX}_callbacks_ignored"
+    CALLBACKS_APPLIED = f"{PREFIX}_callbacks_applied"
+    CALLBACKS_CONTRADICTED = f"{PREFIX}_callbacks_contradicted"
 
 
 def prime(metric: Counter | Histogram, *values: Iterable[str]) -> None:
@@ -101,9 +108,9 @@ def version() -> str:
         return "unknown"
 
 
-def _about_the_daemon(registry: CollectorRegistry) -> Gauge:
-    """What both daemons export about themselves: process and platform, the version, and
-    (returned) whether they hold a broker session."""
+def _about_the_process(registry: CollectorRegistry) -> None:
+    """What every serving process exports about itself: process and platform, and the
+    version."""
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     Gauge(
@@ -112,6 +119,12 @@ def _about_the_daemon(registry: CollectorRegistry) -> Gauge:
         ["version"],
         registry=registry,
     ).labels(version()).set(1)
+
+
+def _about_the_daemon(registry: CollectorRegistry) -> Gauge:
+    """What both daemons export about themselves: :func:`_about_the_process`, and
+    (returned) whether they hold a broker session."""
+    _about_the_process(registry)
     return Gauge(
         MetricNames.BROKER_CONNECTED,
         "1 while this daemon holds a RabbitMQ session, 0 while it has none",
@@ -222,6 +235,8 @@ class ConsumerMetrics:
     decision_to_outcome: Histogram
     oldest_ready_age: Gauge
     awaiting_approval: Gauge
+    callbacks_applied: Counter
+    callbacks_contradicted: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
@@ -308,6 +323,79 @@ class ConsumerMetrics:
                 names.OPERATIONS_AWAITING_APPROVAL,
                 "Prepared operations waiting for a person's approval (or denied, within the "
                 "grace before they end rejected)",
+                registry=registry,
+            ),
+            callbacks_applied=Counter(
+                names.CALLBACKS_APPLIED,
+                "Provider callbacks the reconciler applied, by what they came to: settled, "
+                "retry, confirmed, evidence, contradicted",
+                ["tool", "outcome"],
+                registry=registry,
+            ),
+            callbacks_contradicted=Counter(
+                names.CALLBACKS_CONTRADICTED,
+                "Provider callbacks that disagree with how their operation ended (a success "
+                "for a rejected or prepared operation, another reference, a failure after "
+                "success): an effect nobody accounts for",
+                ["tool"],
+                registry=registry,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class CallbackMetrics:
+    """What `outbox callbacks serve` exports (labels: provider, status, reason, payload;
+    provider names come from the contracts, never from a request)."""
+
+    registry: CollectorRegistry
+    received: Counter
+    duplicates: Counter
+    refused: Counter
+    unmatched: Counter
+    ignored: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> CallbackMetrics:
+        registry = registry or CollectorRegistry()
+        _about_the_process(registry)
+        names = MetricNames
+        return cls(
+            registry=registry,
+            received=Counter(
+                names.CALLBACKS_RECEIVED,
+                "Verified provider callbacks recorded in the inbox for the first time (the "
+                "unmatched ones included), by what they report",
+                ["provider", "status"],
+                registry=registry,
+            ),
+            duplicates=Counter(
+                names.CALLBACKS_DUPLICATES,
+                "Verified callbacks whose event id the inbox already held: answered 2xx, "
+                "nothing changed; payload says whether the body was the same",
+                ["provider", "payload"],
+                registry=registry,
+            ),
+            refused=Counter(
+                names.CALLBACKS_REFUSED,
+                "Callbacks refused before anything was recorded, by reason: signature "
+                "(forged, another secret, malformed header), timestamp (outside the replay "
+                "window), too_large, malformed",
+                ["provider", "reason"],
+                registry=registry,
+            ),
+            unmatched=Counter(
+                names.CALLBACKS_UNMATCHED,
+                "Verified callbacks that name no operation of this database: kept, listed "
+                "by `outbox callbacks list --unmatched`",
+                ["provider"],
+                registry=registry,
+            ),
+            ignored=Counter(
+                names.CALLBACKS_IGNORED,
+                "Verified callbacks about no effect (events the provider's reader does not "
+                "map): answered 2xx, not recorded",
+                ["provider"],
                 registry=registry,
             ),
         )

@@ -10,6 +10,7 @@ from uuid import UUID
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from outbox.bounds import object_or_unreadable
+from outbox.callback_policy import CallbackStatus
 from outbox.contracts import SideEffect
 from outbox.fingerprint import sanitized
 from outbox.states import OperationState
@@ -133,3 +134,37 @@ class ApprovalCheck(_Record):
     @property
     def is_valid(self) -> bool:
         return self.status is ApprovalStatus.VALID
+
+
+class CallbackOutcome(StrEnum):
+    """What the consumer did with a callback (docs/design.md section 5, "Callbacks"); a
+    metric label value."""
+
+    SETTLED = "settled"
+    """An unknown outcome committed by it."""
+    RETRY = "retry"
+    """An unknown outcome proven absent by it: back to prepared."""
+    CONFIRMED = "confirmed"
+    """It agrees with the recorded ending."""
+    EVIDENCE = "evidence"
+    """Kept for a person; it moved nothing."""
+    CONTRADICTED = "contradicted"
+    """It disagrees with the recorded ending: operation.contradicted, a metric, an alert."""
+    UNMATCHED = "unmatched"
+    """It names no operation of this database."""
+
+
+class Callback(_Record):
+    """One verified provider callback, as the inbox keeps it: never its body."""
+
+    id: int
+    provider: str
+    event_id: str
+    status: CallbackStatus
+    named_operation_id: UUID | None
+    operation_id: UUID | None
+    provider_reference: str | None
+    payload_digest: str
+    received_at: datetime
+    outcome: CallbackOutcome | None
+    applied_at: datetime | None

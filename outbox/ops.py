@@ -43,6 +43,7 @@ from outbox.models import (
     ApprovalCheck,
     ApprovalDecision,
     ApprovalStatus,
+    Callback,
     Operation,
     OperationEvent,
     display_operation_id,
@@ -227,8 +228,34 @@ def _scalar(value: Any) -> str | int | float | bool | None:
     return json.dumps(value, sort_keys=True)
 
 
+def callbacks_text(callbacks: Sequence[Callback]) -> str:
+    """An operation's callbacks, in the order they came: what each reported, and what
+    the reconciler did with it. Every field a provider chose is escaped."""
+    head = f"callbacks ({len(callbacks)})"
+    if not callbacks:
+        return head
+    rows = [
+        [
+            str(c.id),
+            c.provider,
+            c.event_id,
+            str(c.status),
+            c.provider_reference or "-",
+            str(c.outcome) if c.outcome else "not applied yet",
+            stamp(c.received_at),
+        ]
+        for c in callbacks
+    ]
+    headers = ["ID", "PROVIDER", "EVENT", "STATUS", "REFERENCE", "OUTCOME", "RECEIVED"]
+    return "\n".join([head, *("  " + line for line in table(headers, rows).splitlines())])
+
+
 def show_text(
-    operation: Operation, events: Sequence[OperationEvent], approval: str | None, key: str
+    operation: Operation,
+    events: Sequence[OperationEvent],
+    approval: str | None,
+    key: str,
+    callbacks: Sequence[Callback] = (),
 ) -> str:
     header = [
         ("operation", operation.display_id),
@@ -255,6 +282,7 @@ def show_text(
         when, name = stamp(event.created_at), name.ljust(name_width)
         text = _attributes_text(event.name, event.attributes)
         lines.append(f"  {when}  {name}  {text}".rstrip())
+    lines += ["", callbacks_text(callbacks)]
     return "\n".join(lines)
 
 
@@ -356,11 +384,12 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
         key = runner.run(store.fingerprint_key())
         operation = runner.run(store.get_operation(operation_id))
         events = runner.run(store.events(operation_id))
+        callbacks = runner.run(store.callbacks_of([operation_id])).get(operation_id, [])
         approval = None
         if operation.requires_approval:
             check = runner.run(store.check_approval(operation_id))
             approval = approval_text(check, runner.run(store.approver_of(check)))
-    print(show_text(operation, events, approval, key))
+    print(show_text(operation, events, approval, key, callbacks))
     return 0
 
 
@@ -688,7 +717,8 @@ def add_commands(
         "one operation and its lifecycle timeline",
         "The operation's identity, tool, state, counters, provider reference and approval "
         "status, the validated input (JSON, control characters escaped), then every "
-        "lifecycle event with its time and attributes.",
+        "lifecycle event with its time and attributes, then every provider callback about "
+        "it and what was done with it.",
     )
     show.add_argument("operation_id", metavar="OP_ID", help="op_<uuid> or a bare uuid")
 

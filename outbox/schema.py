@@ -27,7 +27,13 @@ from outbox.store.runner import AsyncConnection, AsyncStore, Plan, Step, Store
 _MIGRATION_LOCK = 0x6F7574626F78
 
 # The NOLOGIN group roles roles.sql creates, one per component.
-ROLES = ("outbox_agent", "outbox_dispatcher", "outbox_consumer", "outbox_operator")
+ROLES = (
+    "outbox_agent",
+    "outbox_dispatcher",
+    "outbox_consumer",
+    "outbox_operator",
+    "outbox_callbacks",
+)
 
 
 def apply_schema(connection: psycopg.Connection[Any]) -> int:

@@ -38,8 +38,11 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "OUTBOX_CONSOLE_PROXY_HEADER": "outbox console: the trusted proxy's identity header",
     "OUTBOX_CONSOLE_TRUSTED_PROXIES": "outbox console: the trusted proxy's addresses",
     "OUTBOX_CONSOLE_HOSTS": "outbox console: the host names it answers to",
+    "OUTBOX_CALLBACK_SECRETS": "provider callbacks: the secrets, provider:secret[,...]",
+    "OUTBOX_CALLBACK_SECRETS_FILE": "provider callbacks: a file of provider:secret lines",
     "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
     "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
+    "OUTBOX_SANDBOX_CALLBACK_WAIT": "the payment sandbox's example tools: the email callback wait",
     "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
     "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
     "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
@@ -66,6 +69,7 @@ DURATION_SETTINGS = (
     "reconcile_interval",
     "requeue_stale_after",
     "approval_denial_grace",
+    "callback_tolerance",
 )
 # The server-side bounds and the client's transaction deadline: each must end before the
 # lease does (docs/design.md section 9), or a session whose client went silent could
@@ -233,6 +237,18 @@ class Settings(BaseSettings):
         default="INFO", description="log level"
     )
     log_format: Literal["logfmt", "json"] = Field(default="logfmt", description="log line format")
+    # Provider callbacks (`outbox callbacks serve`, outbox.callbacks.CallbackReceiver).
+    callback_tolerance: float = Field(
+        default=300.0,
+        description="seconds a callback's signed timestamp may be from now, either way: the "
+        "replay window (at most 300, standardwebhooks' own)",
+    )
+    callback_max_body: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="bytes of a callback's body read at most; a larger one is refused (413)",
+    )
     # Off by default: a daemon that declares what it does not find turns a mistyped
     # name into a new queue nobody reads, and it looks healthy doing so.
     declare_topology: bool = Field(
@@ -283,6 +299,17 @@ class Settings(BaseSettings):
                 f"{seconds:g} s is too short: give {MIN_SECONDS:g} or more (seconds; zero or "
                 "less is no wait at all, and a loop that waits less than a millisecond only "
                 "spins a core)"
+            )
+        return value
+
+    @field_validator("callback_tolerance")
+    @classmethod
+    def _within_the_librarys_window(cls, value: float) -> float:
+        # After _a_real_duration: a number of seconds by now. standardwebhooks refuses a
+        # timestamp more than 5 minutes away whatever is asked of it.
+        if value > 300.0:
+            raise ValueError(
+                f"{value:g} s is longer than the 300 s standardwebhooks allows: give 300 or less"
             )
         return value
 

@@ -85,3 +85,9 @@ class EventName(StrEnum):
     # The consumer dead-lettered a message of this operation (its reason in attributes):
     # evidence for the escalation once requeueing it keeps failing.
     DEAD_LETTERED = "operation.dead_lettered"
+    # A verified provider callback about this operation was recorded in the inbox (written
+    # by outbox_record_callback, never by a component): evidence, moving nothing.
+    CALLBACK_RECEIVED = "operation.callback_received"
+    # A provider callback disagrees with how the operation stands (a success for a
+    # rejected or prepared one, another reference, a failure after success): a person's.
+    CONTRADICTED = "operation.contradicted"

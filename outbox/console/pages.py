@@ -35,7 +35,7 @@ from outbox.console.rules import (
 from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
-from outbox.models import Approval, ApprovalCheck, Operation, OperationEvent
+from outbox.models import Approval, ApprovalCheck, Callback, Operation, OperationEvent
 from outbox.ops import _connect, stamp, stats_json, unreadable_text
 from outbox.settings import Settings
 from outbox.states import OperationState
@@ -212,6 +212,7 @@ class OperationView:
     approval: ApprovalCheck | None
     approvals: list[Approval]
     fingerprint_key: str
+    callbacks: list[Callback]
 
     def short(self, fingerprint: str) -> str:
         """The keyed short fingerprint, the one form a person reads anywhere."""
@@ -264,6 +265,7 @@ def load_operation(runner: Store, operation_id: UUID) -> OperationView:
         ),
         approvals=runner.run(store.operation_approvals(operation_id)),
         fingerprint_key=runner.run(store.fingerprint_key()),
+        callbacks=runner.run(store.callbacks_of([operation_id])).get(operation_id, []),
     )
 
 

@@ -27,14 +27,17 @@ from outbox.sandbox.provider import (
     Faults,
     SandboxProvider,
 )
+from outbox.sandbox.webhooks import EMAIL, PAYMENTS, WebhookTarget
 from outbox.settings import Settings, load_settings
+from outbox.webhooks import SECRETS_ENV, SECRETS_FILE_ENV, secrets_from_environment
 
 logger = logging.getLogger(__name__)
 
 DESCRIPTION = (
     "Serve a payment-provider sandbox over HTTP: POST /refunds (idempotency keys), "
     "GET /refunds?idempotency_key=, POST /emails (not idempotent), GET /ledger, and "
-    "/admin/faults to inject failures. Prints 'provider.listening host=... port=...' to "
+    "/admin/faults to inject failures; with --webhook-url, signed webhooks after each "
+    "refund and email. Prints 'provider.listening host=... port=...' to "
     "stderr once it accepts connections; SIGTERM or SIGINT stops it with exit code 0."
 )
 
@@ -49,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PAYMENT_AMOUNT_CENTS,
         help=f"captured amount of every payment [{DEFAULT_PAYMENT_AMOUNT_CENTS}]",
+    )
+    parser.add_argument(
+        "--webhook-url",
+        default=None,
+        metavar="URL",
+        help="send signed webhooks to URL/callbacks/<provider> (outbox callbacks serve), "
+        f"signed with the secrets of {SECRETS_ENV} or {SECRETS_FILE_ENV} "
+        "(sandbox-payments, sandbox-email) [none]",
     )
     parser.add_argument(
         "--faults",
@@ -112,6 +123,23 @@ def faults_from(args: argparse.Namespace) -> Faults:
         raise ConfigurationError(f"invalid faults: {problems}") from None
 
 
+def webhook_target(url: str | None) -> WebhookTarget | None:
+    """Where the webhooks go, signed with each sandbox provider's secrets from the
+    environment: the same variables `outbox callbacks serve` verifies them with."""
+    if not url:
+        return None
+    if not url.startswith(("http://", "https://")):
+        raise ConfigurationError("--webhook-url must be an http:// or https:// URL")
+    configured = secrets_from_environment()
+    missing = [name for name in (PAYMENTS.name, EMAIL.name) if name not in configured]
+    if missing:
+        raise ConfigurationError(
+            f"--webhook-url needs secrets for {', '.join(missing)}: set {SECRETS_ENV} "
+            f"(provider:secret,...) or {SECRETS_FILE_ENV}"
+        )
+    return WebhookTarget(url, {name: configured[name] for name in (PAYMENTS.name, EMAIL.name)})
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     faults = faults_from(args)
     if args.payment_amount_cents <= 0:
@@ -121,6 +149,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         port=args.port,
         payment_amount_cents=args.payment_amount_cents,
         faults=faults,
+        webhooks=webhook_target(args.webhook_url),
     )
     stop = threading.Event()
     received: list[int] = []

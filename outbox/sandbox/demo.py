@@ -1,11 +1,15 @@
-"""``outbox demo``: the lost refund response, twice.
+"""``outbox demo``: the lost refund response, twice, then a lost email answer.
 
 First a naive runtime that retries on any exception: the provider commits the refund,
 the response is lost to a timeout, the retry refunds again. Then the same fault under
 effect-outbox: the decision is recorded with its outbox row, the dispatcher publishes
 it, the consumer calls the provider with the operation id as the idempotency key, the
 timeout becomes ``outcome_unknown``, the reconciler looks the refund up and finds it.
-The provider's ledger is the evidence: two refunds, then one.
+The provider's ledger is the evidence: two refunds, then one. Last, an email, which no
+lookup can find: its answer is lost too, and the provider's signed delivery callback
+(verified and recorded by ``record_callback``, as ``outbox callbacks serve`` does)
+settles it, where a person would otherwise
+have had to.
 
 Everything runs against the local Postgres and RabbitMQ in a database and broker names
 of its own, with the daemons as real subprocesses; all of it is removed at the end, also
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -36,14 +42,18 @@ import psycopg
 from outbox import lifecycle, store
 from outbox.awaiting import Outcome, OutcomeStatus, await_outcome_sync
 from outbox.broker import connect as connect_to_broker
+from outbox.callbacks import CallbackReceiver
+from outbox.contracts import Registry
 from outbox.decisions import record_decision
 from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.loading import load_registry
 from outbox.models import Operation, OperationEvent
 from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
+from outbox.sandbox.receiver import LocalReceiver
 from outbox.sandbox.scratch import ScratchEnvironment
-from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.tools import CALLBACK_WAIT_ENV, REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.webhooks import EMAIL, PAYMENTS, WebhookTarget
 from outbox.settings import Settings, redact_amqp_urls, redact_url, with_database
 from outbox.store import Store
 
@@ -53,6 +63,12 @@ DEADLINE_SECONDS = 1.0
 # caller sees a timeout although the refund exists.
 SLOW_ANSWER_MS = 1100
 SETTLE_WITHIN_SECONDS = 60.0
+# How long the email's unknown outcome waits for its delivery callback before its
+# contract hands it to a person: longer than the scene needs, so the callback wins.
+CALLBACK_WAIT_SECONDS = 30.0
+# The webhook leaves the provider this long after the email: the consumer has recorded
+# the lost answer by then, as it would have with a real provider's minutes.
+WEBHOOK_DELAY_MS = 300
 # How long each service may take to answer before the demo says it is missing.
 SERVICE_CHECK_SECONDS = 5
 
@@ -66,7 +82,8 @@ def scratch_for(settings: Settings) -> ScratchEnvironment:
 def register(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         "demo",
-        help="watch a lost refund response: a naive retry refunds twice, effect-outbox once",
+        help="watch a lost refund response (a naive retry refunds twice, effect-outbox "
+        "once), then a lost email answer settled by its provider's callback",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -123,7 +140,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def tell_the_story(scratch: ScratchEnvironment) -> int:
-    say("effect-outbox demo: a refund whose response is lost in a timeout\n")
+    say("effect-outbox demo: a refund, then an email, whose answers are lost\n")
     daemons: list[DaemonProcess] = []
     with SandboxProvider(faults=Faults(delay_ms=SLOW_ANSWER_MS)) as provider:
         naive_refunds = naive_runtime(provider)
@@ -131,6 +148,8 @@ def tell_the_story(scratch: ScratchEnvironment) -> int:
         checkpoint()
         try:
             outbox_refunds = with_effect_outbox(scratch, provider, daemons)
+            checkpoint()
+            emails = settled_by_its_callback(scratch, provider, daemons)
         finally:
             # A second signal must not cut this short: the daemons would outlive us.
             with _signals_held():
@@ -138,11 +157,12 @@ def tell_the_story(scratch: ScratchEnvironment) -> int:
                     daemon.stop()
                 clean_up(scratch)
     checkpoint()
-    held = naive_refunds == 2 and outbox_refunds == 1
+    held = naive_refunds == 2 and outbox_refunds == 1 and emails == 1
     say(
-        "\nguarantee held: one decision, one effect."
+        "\nguarantee held: each decision one effect, settled without a person."
         if held
-        else f"\nGUARANTEE BROKEN: effect-outbox produced {outbox_refunds} refunds."
+        else f"\nGUARANTEE BROKEN: effect-outbox produced {outbox_refunds} refunds and "
+        f"{emails} settled emails."
     )
     return 0 if held else 1
 
@@ -244,36 +264,92 @@ def with_effect_outbox(
     scratch.create()
     say_created(scratch)
     provider.set_faults(delay_ms=SLOW_ANSWER_MS)
-    run_id = f"run_{uuid.uuid4().hex[:6]}"
     environment = daemon_environment(scratch.settings, provider)
     database_url = scratch.database_url
-    registry = load_registry([TOOLS_MODULE])
-    with psycopg.connect(database_url) as connection:
-        recorded = record_decision(
-            connection,
-            registry,
-            "send_refund",
-            {"payment_id": "pay_demo", "amount_cents": 2500, "reason": "parcel arrived damaged"},
-            run_id=run_id,
-            decision_key="call_demo_1",
-        )
-        connection.commit()
-    operation = recorded.operation
+    run_id, operation = decide(
+        database_url,
+        load_registry([TOOLS_MODULE]),
+        "send_refund",
+        {"payment_id": "pay_demo", "amount_cents": 2500, "reason": "parcel arrived damaged"},
+    )
     for module in ("dispatcher", "consumer"):
         checkpoint()
         daemons.append(start(module, environment))
     final = wait_until_settled(database_url, operation, daemons)
-    for daemon in daemons:
-        daemon.stop()
-    for event in events_of(database_url, operation):
-        say("   " + trace_line(event, operation))
-    outcome = "refund_confirmed" if final.status is OutcomeStatus.COMMITTED else str(final.status)
-    completed = lifecycle.agent_completed(run_id, outcome)
-    name, _, fields = completed.partition(" ")
-    say(f"   {name:<25} {fields}")
+    tell_the_trace(database_url, operation, run_id, final, "refund_confirmed")
     count = len(provider.ledger()["refunds"])
     say(f"   provider ledger: {count} refund for one decision")
     return count
+
+
+def settled_by_its_callback(
+    scratch: ScratchEnvironment, provider: SandboxProvider, daemons: list[DaemonProcess]
+) -> int:
+    """An email (no lookup exists for one) whose answer is lost: the provider's signed
+    delivery callback, verified and recorded by ``record_callback``, settles it. Returns
+    how many emails went out for the one decision, if it settled committed."""
+    say("\n3. an email whose answer is lost: the provider's signed callback settles it")
+    keys = demo_secrets()
+    registry = load_registry([TOOLS_MODULE])
+    receiver = CallbackReceiver(registry, keys)
+    with LocalReceiver(receiver, scratch.database_url) as local:
+        say(
+            f"   (callbacks verified and recorded at {local.url}/callbacks/<provider>, "
+            "as `outbox callbacks serve` does)"
+        )
+        provider.set_webhooks(WebhookTarget(local.url, keys))
+        provider.set_faults(delay_ms=0, drop_response_every=1, webhook_delay_ms=WEBHOOK_DELAY_MS)
+        run_id, operation = decide(
+            scratch.database_url,
+            registry,
+            "send_email",
+            {
+                "to": "customer@example.com",
+                "subject": "Your refund is on its way",
+                "body": "We refunded your damaged parcel.",
+            },
+        )
+        final = wait_until_settled(scratch.database_url, operation, daemons)
+        provider.set_webhooks(None)
+    tell_the_trace(scratch.database_url, operation, run_id, final, "email_confirmed")
+    emails = len(provider.ledger()["emails"])
+    say(
+        f"   provider log: {emails} email sent, its delivery reported by a signed callback; "
+        "no person needed"
+    )
+    return emails if final.status is OutcomeStatus.COMMITTED else 0
+
+
+def decide(
+    database_url: str, registry: Registry, tool: str, tool_input: dict[str, Any]
+) -> tuple[str, Operation]:
+    """What the agent does: record the decision, in a run of its own, and commit."""
+    run_id = f"run_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(database_url) as connection:
+        recorded = record_decision(
+            connection, registry, tool, tool_input, run_id=run_id, decision_key=f"call_{tool}"
+        )
+        connection.commit()
+    return run_id, recorded.operation
+
+
+def demo_secrets() -> dict[str, tuple[str]]:
+    """Fresh secrets for this run's webhooks, in each scheme's own format."""
+    return {
+        PAYMENTS.name: ("whsec_" + secrets.token_hex(24),),
+        EMAIL.name: ("whsec_" + base64.b64encode(secrets.token_bytes(32)).decode(),),
+    }
+
+
+def tell_the_trace(
+    database_url: str, operation: Operation, run_id: str, final: Outcome, confirmed: str
+) -> None:
+    for event in events_of(database_url, operation):
+        say("   " + trace_line(event, operation))
+    outcome = confirmed if final.status is OutcomeStatus.COMMITTED else str(final.status)
+    completed = lifecycle.agent_completed(run_id, outcome)
+    name, _, fields = completed.partition(" ")
+    say(f"   {name:<{TRACE_WIDTH}} {fields}")
 
 
 def say_created(scratch: ScratchEnvironment) -> None:
@@ -301,6 +377,7 @@ def daemon_environment(settings: Settings, provider: SandboxProvider) -> dict[st
         **daemon_settings.to_environment(),
         SANDBOX_URL_ENV: provider.url,
         REFUND_DEADLINE_ENV: str(DEADLINE_SECONDS),
+        CALLBACK_WAIT_ENV: str(CALLBACK_WAIT_SECONDS),
     }
 
 
@@ -339,11 +416,13 @@ def events_of(database_url: str, operation: Operation) -> list[OperationEvent]:
         return Store(connection).run(store.events(operation.id))
 
 
+TRACE_WIDTH = 27
 _SHOWN = {
     "operation.prepared": ("tool",),
     "operation.attempted": ("attempt",),
     "operation.outcome_unknown": ("reason",),
-    "operation.reconciled": ("result",),
+    "operation.callback_received": ("provider", "status"),
+    "operation.reconciled": ("result", "method"),
     "operation.committed": ("provider_reference",),
     "operation.reconcile_deferred": ("reason",),
     "operation.escalated": ("reason",),
@@ -357,7 +436,7 @@ def trace_line(event: OperationEvent, operation: Operation) -> str:
         value = event.attributes.get(key)
         if value is not None:
             fields[key] = value
-    return f"{event.name:<25} " + lifecycle.format_event("", fields).strip()
+    return f"{event.name:<{TRACE_WIDTH}} " + lifecycle.format_event("", fields).strip()
 
 
 def clean_up(scratch: ScratchEnvironment) -> None:

@@ -38,6 +38,7 @@ import socketserver
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -45,6 +46,17 @@ from typing import Any, Literal, cast
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from outbox.bounds import CONTROL_CHARACTER
+from outbox.sandbox.webhooks import (
+    EMAIL,
+    PAYMENTS,
+    STALE_SECONDS,
+    WebhookSender,
+    WebhookTarget,
+    email_event,
+    refund_event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +110,29 @@ class Faults(BaseModel):
     lookups_unavailable: bool = Field(
         default=False, description="answer 503 to GET /refunds?idempotency_key="
     )
+    # Webhooks (outbox.sandbox.webhooks): what the provider reports on its own, later.
+    webhook_drop_every: int = Field(
+        default=0, ge=0, description="send no webhook for every n-th event"
+    )
+    webhook_duplicate_every: int = Field(
+        default=0, ge=0, description="send every n-th event's webhook twice"
+    )
+    webhook_delay_ms: int = Field(
+        default=0, ge=0, description="hold each webhook this long before sending it"
+    )
+    webhook_reorder: int = Field(
+        default=0,
+        ge=0,
+        description="hold webhooks until this many wait, then send them newest first",
+    )
+    webhook_forge_every: int = Field(
+        default=0, ge=0, description="sign every n-th webhook with a secret nobody holds"
+    )
+    webhook_stale_every: int = Field(
+        default=0,
+        ge=0,
+        description=f"sign every n-th webhook {STALE_SECONDS // 60} minutes in the past",
+    )
 
 
 class _RefundRequest(BaseModel):
@@ -142,6 +177,7 @@ class _Email:
     id: str
     to: str
     subject: str
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +229,7 @@ class SandboxState:
         self._executing: dict[str, object] = {}
         self._emails: list[_Email] = []
         self._counters: dict[tuple[Kind, FaultName], int] = {}
+        self.webhooks = WebhookSender(faults)
 
     @property
     def faults(self) -> Faults:
@@ -212,6 +249,7 @@ class SandboxState:
                         self._counters.pop((kind, cast(FaultName, fault)), None)
             # Requests held by a delay re-read delay_ms: a lower one releases them now.
             self._changed.notify_all()
+            self.webhooks.update(faults, set(fields))
         logger.info(
             "provider.faults.set fields=%s",
             ",".join(sorted(fields)),
@@ -230,6 +268,7 @@ class SandboxState:
             self._counters.clear()
             self._random = _seeded(self._faults.seed)
             self._changed.notify_all()
+            self.webhooks.reset()
         logger.info("provider.reset", extra={"action": "provider.reset"})
 
     def set_stopping(self, stopping: bool) -> None:
@@ -256,6 +295,11 @@ class SandboxState:
                 ],
                 "refunds_by_payment": by_payment,
                 "refunds_by_key": {key: len(ids) for key, ids in self._refund_ids_by_key.items()},
+                # Emails take no key: the reference their sender passed (the operation id,
+                # for the example tool) is what tells two sends of one decision apart.
+                "emails_by_reference": dict(
+                    Counter(email.reference for email in self._emails if email.reference)
+                ),
                 "totals": {"refunds": len(refunds), "emails": len(self._emails)},
             }
 
@@ -300,17 +344,22 @@ class SandboxState:
             drop = self._hits("refunds", "drop_response")
         return Reply(status, dict(body), drop=drop, started=now, executing_key=key, token=token)
 
-    def post_email(self, raw: bytes) -> Reply:
+    def post_email(self, raw: bytes, reference: str | None = None) -> Reply:
         try:
             request = _EmailRequest.model_validate_json(raw)
         except ValidationError:
+            return _error(400, "invalid_request")
+        if reference is not None and (
+            not 1 <= len(reference) <= MAX_KEY_LENGTH or CONTROL_CHARACTER.search(reference)
+        ):
             return _error(400, "invalid_request")
         with self._lock:
             refused = self._pre_commit_fault("emails")
             if refused is not None:
                 return refused
-            email = _Email(f"em_{secrets.token_hex(12)}", request.to, request.subject)
+            email = _Email(f"em_{secrets.token_hex(12)}", request.to, request.subject, reference)
             self._emails.append(email)
+            self.webhooks.emit(EMAIL, *email_event("email.delivered", email.id, reference))
             drop = self._hits("emails", "drop_response")
             now = time.monotonic()
         logger.info(
@@ -362,6 +411,14 @@ class SandboxState:
                 key,
                 extra={"action": "provider.refund.declined"},
             )
+            failed = {
+                "status": "failed",
+                "failure_reason": "amount_exceeds_payment",
+                "payment_id": request.payment_id,
+                "amount_cents": request.amount_cents,
+                "idempotency_key": key,
+            }
+            self.webhooks.emit(PAYMENTS, *refund_event("refund.failed", failed))
             return 402, {"error": "amount_exceeds_payment"}
         refund = _Refund(
             id=f"re_{secrets.token_hex(12)}",
@@ -373,6 +430,7 @@ class SandboxState:
         self._refunds[refund.id] = refund
         self._refund_ids_by_key.setdefault(key, []).append(refund.id)
         self._refunded_cents[request.payment_id] = refunded + request.amount_cents
+        self.webhooks.emit(PAYMENTS, *refund_event("refund.succeeded", refund.as_json()))
         logger.info(
             "provider.refund.committed refund=%s key=%s",
             refund.id,
@@ -517,7 +575,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return _error(400, "invalid_request")
             return state.lookup_by_key(keys[0])
         if path == "/emails":
-            return state.post_email(body)
+            return state.post_email(body, self.headers.get("X-Reference"))
         if path == "/admin/faults" and method == "POST":
             return self._update_faults(state, body)
         if path == "/admin/faults":
@@ -589,10 +647,12 @@ class SandboxProvider:
         port: int = 0,
         payment_amount_cents: int = DEFAULT_PAYMENT_AMOUNT_CENTS,
         faults: Faults | None = None,
+        webhooks: WebhookTarget | None = None,
     ) -> None:
         self.host = host
         self._port = port
         self.state = SandboxState(payment_amount_cents, faults or Faults())
+        self.state.webhooks.configure(webhooks)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -627,6 +687,7 @@ class SandboxProvider:
             daemon=True,
         )
         self._thread.start()
+        self.state.webhooks.start()
         logger.info("provider.started port=%d", self._port, extra={"action": "provider.started"})
         return self._port
 
@@ -640,6 +701,7 @@ class SandboxProvider:
         server.shutdown()
         server.server_close()
         thread.join()
+        self.state.webhooks.stop()
         logger.info("provider.stopped port=%d", self._port, extra={"action": "provider.stopped"})
 
     def set_faults(self, **fields: Any) -> Faults:
@@ -653,6 +715,22 @@ class SandboxProvider:
 
     def executing_keys(self) -> list[str]:
         return self.state.executing_keys()
+
+    @property
+    def webhook_target(self) -> WebhookTarget | None:
+        return self.state.webhooks.target
+
+    def set_webhooks(self, target: WebhookTarget | None) -> None:
+        """Where to send webhooks from now on (None: nowhere), and the secrets to sign with."""
+        self.state.webhooks.configure(target)
+
+    def webhooks(self) -> list[dict[str, Any]]:
+        """Every webhook sent (each attempt, with the receiver's status) or dropped."""
+        return self.state.webhooks.log()
+
+    def webhooks_waiting(self) -> int:
+        """Webhooks held by a delay or a reorder window, not sent yet."""
+        return self.state.webhooks.waiting()
 
     def __enter__(self) -> SandboxProvider:
         self.start()

@@ -1,8 +1,10 @@
 """Example tools against the payment sandbox (:mod:`outbox.sandbox.provider`).
 
 ``send_refund`` is a deduplicated write with a lookup, ``get_refund`` a read, and
-``send_email`` a non-repeatable write that nobody can look up, so a person checks every
-unknown outcome. Run them with ``outbox consumer --tools outbox.sandbox.tools`` and read
+``send_email`` a non-repeatable write that nobody can look up: its provider's delivery
+callback settles an unknown outcome, and without one a person checks it. Both writes
+declare the sandbox's signed webhooks (:mod:`outbox.sandbox.webhooks`). Run them with
+``outbox consumer --tools outbox.sandbox.tools`` and read
 their cards with ``outbox contracts --tools outbox.sandbox.tools``.
 
 The sandbox's address comes from ``OUTBOX_SANDBOX_URL`` (default
@@ -20,6 +22,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from outbox.callback_policy import CallbackPolicy
 from outbox.contracts import (
     ApprovalPolicy,
     OnUnknown,
@@ -41,6 +44,7 @@ from outbox.outcomes import (
     Reconciliation,
     StillUnknown,
 )
+from outbox.sandbox.webhooks import EMAIL, PAYMENTS
 
 SANDBOX_URL_ENV = "OUTBOX_SANDBOX_URL"
 DEFAULT_SANDBOX_URL = "http://127.0.0.1:8600"
@@ -161,10 +165,17 @@ async def get_refund(lookup: RefundLookup, ctx: ExecutionContext) -> EffectResul
 
 
 async def send_email(email: EmailInput, ctx: ExecutionContext) -> EffectResult:
-    """POST /emails. The provider takes no idempotency key and offers no lookup."""
+    """POST /emails. The provider takes no idempotency key and offers no lookup; it echoes
+    the X-Reference header in its delivery webhook, which is how that names the
+    operation."""
     timeout = _timeout(ctx)
     async with http_outcomes(), _client_factory() as client:
-        response = await client.post("/emails", json=email.model_dump(), timeout=timeout)
+        response = await client.post(
+            "/emails",
+            json=email.model_dump(),
+            headers={"X-Reference": ctx.idempotency_key},
+            timeout=timeout,
+        )
     outcome_of_response(response)
     reference, result = _evidence(response_json(response))
     return EffectResult(provider_reference=reference, result=result)
@@ -184,12 +195,19 @@ def _evidence(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 REFUND_DEADLINE_ENV = "OUTBOX_SANDBOX_REFUND_DEADLINE"
+CALLBACK_WAIT_ENV = "OUTBOX_SANDBOX_CALLBACK_WAIT"
+DEFAULT_CALLBACK_WAIT_SECONDS = 60.0
 
 
 def build_registry() -> Registry:
     # The demo shortens the refund deadline (OUTBOX_SANDBOX_REFUND_DEADLINE, seconds) so
-    # that a slow answer becomes a timeout within seconds.
+    # that a slow answer becomes a timeout within seconds, and tests that expect an
+    # unknown email at a person at once set the wait for its callback
+    # (OUTBOX_SANDBOX_CALLBACK_WAIT, seconds) to 0.
     refund_deadline = float(os.environ.get(REFUND_DEADLINE_ENV, "5"))
+    callback_wait = timedelta(
+        seconds=float(os.environ.get(CALLBACK_WAIT_ENV, str(DEFAULT_CALLBACK_WAIT_SECONDS)))
+    )
     registry = Registry()
     registry.register(
         ToolContract(
@@ -208,6 +226,10 @@ def build_registry() -> Registry:
             ),
             approval=ApprovalPolicy.above("amount_cents", 50_000),
             deadline=timedelta(seconds=refund_deadline),
+            # The sandbox's refund.succeeded is signed and names the key: as good as the
+            # lookup's Found. Its refund.failed only says a request was declined; the
+            # lookup, not the callback, proves a refund absent.
+            callbacks=CallbackPolicy(PAYMENTS, settles_unknown=True),
             description="Refund amount_cents of a card payment to the customer, at most "
             "once per operation, through the payment sandbox.",
         )
@@ -242,8 +264,12 @@ def build_registry() -> Registry:
                 max_backoff=timedelta(seconds=10),
             ),
             deadline=timedelta(seconds=10),
-            description="Send one email to a customer. It cannot be looked up, so a person "
-            "checks every unknown outcome instead of a second email going out.",
+            # The provider's delivery webhook is the only evidence an email has: an unknown
+            # outcome waits for it, and it settles the outcome instead of a person.
+            callbacks=CallbackPolicy(EMAIL, settles_unknown=True, wait=callback_wait),
+            description="Send one email to a customer. It cannot be looked up: its delivery "
+            "callback settles an unknown outcome, and without one a person checks, instead "
+            "of a second email going out.",
         )
     )
     return registry

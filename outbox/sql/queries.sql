@@ -437,6 +437,56 @@ WITH denied AS (
 )
 SELECT id AS operation_id FROM moved
 
+-- ==== outbox.store.callbacks: the provider callbacks inbox (written by outbox_callbacks, applied by the consumer, read by operators)
+
+-- name: record_callback
+-- Record one verified callback through the callbacks role's one write path (outbox_record_callback in schema.sql): recorded, duplicate (with whether the body was the same) or unmatched, and the operation it names.
+SELECT callback_id, result, matched_operation_id AS operation_id, same_payload
+FROM outbox_record_callback(%(provider)s, %(event_id)s, %(status)s, %(operation_id)s,
+                            %(provider_reference)s, %(payload_digest)s)
+
+-- name: claim_callback_batch
+-- Lock callbacks not yet applied whose operation is not in flight and whose tool this consumer runs, with their operations (skipping rows another transaction holds: an operation being decided, or a callback being recorded), oldest first.
+SELECT c.id, c.provider, c.event_id, c.status, c.named_operation_id, c.operation_id,
+       c.provider_reference, c.payload_digest, c.received_at, c.outcome, c.applied_at
+FROM callbacks c
+JOIN operations o ON o.id = c.operation_id
+WHERE c.applied_at IS NULL
+  AND o.state <> 'in_flight'
+  AND o.tool_name || '.v' || o.tool_version = ANY(%(tools)s::text[])
+ORDER BY c.id
+LIMIT %(limit)s
+FOR UPDATE OF c, o SKIP LOCKED
+
+-- name: operation_callbacks
+-- Every callback recorded for these operations, in the order they came: what the reconciler consults before it decides, and what `ops show` lists.
+SELECT id, provider, event_id, status, named_operation_id, operation_id, provider_reference,
+       payload_digest, received_at, outcome, applied_at
+FROM callbacks
+WHERE operation_id = ANY(%(ids)s::uuid[])
+ORDER BY operation_id, id
+
+-- name: apply_callback
+-- Record what the consumer did with a callback (the trigger stamps applied_at, and refuses a second outcome).
+UPDATE callbacks SET outcome = %(outcome)s
+WHERE id = %(id)s AND outcome IS NULL
+RETURNING id
+
+-- name: lock_operation
+-- Lock one operation's row until the transaction ends, and read it: a decision that must see every callback committed before it (the next statement's snapshot) and block every one recorded after.
+SELECT * FROM operations WHERE id = %(id)s FOR UPDATE
+
+-- name: list_callbacks
+-- Callbacks for `outbox callbacks list`, newest first: all, or only those unmatched, not yet applied or contradicted, of one provider.
+SELECT id, provider, event_id, status, named_operation_id, operation_id, provider_reference,
+       payload_digest, received_at, outcome, applied_at
+FROM callbacks
+WHERE (%(outcome)s::text IS NULL OR outcome = %(outcome)s::text)
+  AND (NOT %(pending)s::boolean OR applied_at IS NULL)
+  AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
+ORDER BY id DESC
+LIMIT %(limit)s
+
 -- ==== outbox.store.gauges: what waits to be executed, for the consumer's gauges
 
 -- name: execution_gauges
@@ -640,10 +690,12 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest table and functions (version 5's evidence chain, version 6's bounds) and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox) and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
+       AND to_regclass('callbacks') IS NOT NULL
+       AND to_regproc('outbox_record_callback') IS NOT NULL
        AND EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
                    WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
                      AND a.attname = 'effect_possible' AND NOT a.attisdropped) AS is_current

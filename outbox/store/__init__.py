@@ -5,6 +5,7 @@
 - :mod:`~outbox.store.operations`: recording decisions, reading, claiming, committing
   and moving operations, shared by every component;
 - :mod:`~outbox.store.approvals`: granting, denying and checking approvals;
+- :mod:`~outbox.store.callbacks`: the provider callbacks inbox;
 - :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
@@ -42,6 +43,15 @@ from outbox.store.awaiting import (
     listen_operation_changes,
     operation_outcomes,
     operation_outcomes_changed,
+)
+from outbox.store.callbacks import (
+    CallbackReceipt,
+    callbacks_of,
+    claim_callback_batch,
+    list_callbacks,
+    lock_operation,
+    mark_callback,
+    record_callback,
 )
 from outbox.store.console import (
     ConsoleLogin,
@@ -120,6 +130,7 @@ __all__ = [
     "AsyncStore",
     "Backlog",
     "BrokenLink",
+    "CallbackReceipt",
     "ChainReport",
     "ClaimedRow",
     "ConfirmedEffect",
@@ -142,8 +153,10 @@ __all__ = [
     "apply_roles",
     "apply_schema",
     "approver_of",
+    "callbacks_of",
     "check_approval",
     "claim",
+    "claim_callback_batch",
     "claim_many",
     "claim_outbox_batch",
     "claim_reconciliation_batch",
@@ -163,9 +176,12 @@ __all__ = [
     "fingerprint_key",
     "get_operation",
     "lease_for_reconciliation",
+    "list_callbacks",
     "list_operation_summaries",
     "listen_operation_changes",
     "listen_outbox_pending",
+    "lock_operation",
+    "mark_callback",
     "mark_outbox_failed",
     "mark_outbox_published",
     "operation_approvals",
@@ -177,6 +193,7 @@ __all__ = [
     "outbox_backlog",
     "outbox_rows",
     "pending_approvals",
+    "record_callback",
     "record_decision",
     "reject_denied_operations",
     "requeue_stale_prepared",

@@ -40,7 +40,7 @@ def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
     )
 
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out, third = result.stdout.split("\n3. ", 1)
     assert "provider ledger: 2 refunds for one decision" in out
     assert "provider ledger: 1 refund for one decision" in out
     trace = [
@@ -62,8 +62,36 @@ def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
     assert re.search(r"operation\.outcome_unknown\s+id=op_\S+ reason=deadline_exceeded", out)
     assert re.search(r"operation\.reconciled\s+id=op_\S+ result=committed", out)
     assert re.search(r"agent\.completed\s+id=run_\w+ outcome=refund_confirmed", out)
-    assert "guarantee held" in out
+    assert_settled_by_its_callback(third)
+    assert "guarantee held" in third
     assert_removed(tag_of(out), postgres_server_url, amqp_server_url)
+
+
+def assert_settled_by_its_callback(third: str) -> None:
+    """The third scene: an email whose answer is lost, settled by the provider's signed
+    delivery callback (the contract would otherwise send it to a person)."""
+    assert third.startswith("an email whose answer is lost")
+    trace = [
+        line.split()[0] for line in third.splitlines() if re.match(r"^\s+(operation|agent)\.", line)
+    ]
+    # The callback may land while the attempt is still in flight (then it waits for the
+    # worker's record) or after: the evidence comes in either order, the ending not.
+    assert sorted(trace[2:4]) == ["operation.callback_received", "operation.outcome_unknown"]
+    assert trace[:2] + trace[4:] == [
+        "operation.prepared",
+        "operation.attempted",
+        "operation.reconciled",
+        "agent.completed",
+    ]
+    assert re.search(r"operation\.prepared\s+id=op_\S+ tool=send_email", third)
+    assert re.search(
+        r"operation\.callback_received\s+id=op_\S+ provider=sandbox-email status=committed",
+        third,
+    )
+    assert re.search(r"operation\.reconciled\s+id=op_\S+ result=committed method=callback", third)
+    assert re.search(r"agent\.completed\s+id=run_\w+ outcome=email_confirmed", third)
+    assert "operation.escalated" not in third
+    assert "provider log: 1 email sent, its delivery reported by a signed callback" in third
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)

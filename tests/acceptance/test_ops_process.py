@@ -33,7 +33,8 @@ def outbox(system: System, *argv: str) -> str:
 
 
 def timeline(show_output: str) -> list[str]:
-    events = show_output.split("\n\n", 1)[1].splitlines()[1:]
+    # Header, timeline, callbacks: blocks apart by a blank line.
+    events = show_output.split("\n\n")[1].splitlines()[1:]
     return [line.split()[1] for line in events]
 
 
@@ -110,8 +111,9 @@ def test_show_tells_how_a_lost_response_was_reconciled(settings: Settings) -> No
         "operation.outcome_unknown",
         "operation.reconciled",
     ]
-    reconciled = shown.splitlines()[-1]
+    reconciled = shown.split("\n\n")[1].splitlines()[-1]
     assert "result=committed" in reconciled
+    assert shown.split("\n\n")[2] == "callbacks (0)\n"  # no receiver ran in this test
     assert f"provider_reference={system.operation(op.id).provider_reference}" in reconciled
 
 

@@ -11,6 +11,7 @@ consumer makes its alert go pending. The table of expressions is printed (pytest
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -30,6 +31,7 @@ from outbox import (
     ToolContract,
     record_decision,
 )
+from outbox.sandbox.processes import python_module
 from outbox.sandbox.provider import Faults
 
 from support.prometheus import Prometheus, running_prometheus
@@ -72,11 +74,28 @@ def with_a_tool_no_consumer_runs(registry: Registry) -> Registry:
     return registry
 
 
-def metrics_port(daemon: Daemon) -> int:
-    line = daemon.wait_for_line("http.listening", within=60)
+def metrics_port(daemon: Daemon, marker: str = "http.listening") -> int:
+    line = daemon.wait_for_line(marker, within=60)
     match = re.search(r"\bport=(\d+)", line)
     assert match, line
     return int(match[1])
+
+
+CALLBACK_SECRETS = (
+    "sandbox-payments:whsec_live_test_payments_secret_01,"
+    "sandbox-email:whsec_" + base64.b64encode(b"live-test-email-secret-32-bytes!").decode()
+)
+
+
+def start_callbacks(system: System) -> Daemon:
+    """`outbox callbacks serve` for the sandbox's providers, on a free port."""
+    daemon = Daemon(
+        "callbacks",
+        {**system.environment, "OUTBOX_CALLBACK_SECRETS": CALLBACK_SECRETS},
+        command=python_module("outbox", "callbacks", "serve", "--port", "0"),
+    )
+    system.daemons.append(daemon)
+    return daemon
 
 
 def record_the_decisions(system: System) -> int:
@@ -178,15 +197,17 @@ def test_prometheus_sees_every_panel_the_first_dead_letter_and_a_stopped_consume
 ) -> None:
     with running_system(settings, faults=Faults(drop_response_every=7)) as system:
         dispatcher, consumer = system.start("dispatcher"), system.start("consumer")
+        callbacks = start_callbacks(system)
         targets = {
             "outbox-dispatcher": [f"127.0.0.1:{metrics_port(dispatcher)}"],
             "outbox-consumer": [f"127.0.0.1:{metrics_port(consumer)}"],
+            "outbox-callbacks": [f"127.0.0.1:{metrics_port(callbacks, 'callbacks.listening')}"],
         }
         with running_prometheus(tmp_path, targets, [ALERTS]) as prometheus:
             eventually_sync(
-                lambda: scalar(prometheus, 'count(up{job=~"outbox-.*"} == 1)') == 2,
+                lambda: scalar(prometheus, 'count(up{job=~"outbox-.*"} == 1)') == 3,
                 within=30,
-                what="both daemons scraped",
+                what="both daemons and the callbacks receiver scraped",
             )
             before = counter_series(prometheus)
 

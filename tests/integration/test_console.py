@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 from outbox import OperationState, Registry, Settings
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
+from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.console.app import MAX_BODY_BYTES, SECURITY_HEADERS, Console, create_app
 from outbox.console.config import LOOPBACK_HOSTS
 from outbox.console.security import COOKIE, LoginThrottle, Sessions
@@ -722,6 +723,30 @@ def test_the_operation_page_shows_timeline_card_and_approvals(
     assert "send_refund v1" in html
     assert "Refund part or all of a captured payment" in html  # the contract card
     assert 'id="resolve"' in html
+
+
+def test_the_operation_page_shows_its_provider_callbacks_escaped(
+    browser: TestClient, ops: Ops
+) -> None:
+    op = ops.at(S.ESCALATED)
+    report = CallbackReport(
+        event_id="evt_console",
+        status=CallbackStatus.COMMITTED,
+        operation_id=op.id,
+        provider_reference=f"re_{CANARY}",
+    )
+    receipt = ops.run(outbox_store.record_callback("payments", report, "f" * 64))
+
+    html = logged_in(browser).get(f"/operations/{op.display_id}").text
+
+    timeline = html.split('id="timeline"')[1].split("</table>")[0]
+    assert "operation.callback_received" in timeline
+    table = html.split('id="callbacks"')[1].split("</table>")[0]
+    assert f"<td>{receipt.callback_id}</td>" in table
+    assert "evt_console" in table
+    assert "not applied yet" in table
+    assert CANARY not in html  # a provider's text is escaped, never markup
+    assert "re_&lt;script&gt;" in table
 
 
 # --- the evidence chain ---------------------------------------------------------------------

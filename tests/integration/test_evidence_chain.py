@@ -455,7 +455,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     )
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_schema(connection) == 6
+        assert outbox_store.apply_schema(connection) == 7
     with psycopg.connect(database_url) as connection:
         assert outbox_store.schema_is_current(connection)
 
@@ -476,7 +476,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     ops.move(second, S.OUTCOME_UNKNOWN)
     chains = execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_schema(connection) == 6
+        assert outbox_store.apply_schema(connection) == 7
     assert (
         execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
         == chains

@@ -37,7 +37,7 @@ from support.logins import group_logins
 from support.waiting import eventually
 
 S = OperationState
-AGENT, DISPATCHER, CONSUMER, OPERATOR = outbox_store.ROLES
+AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_store.ROLES
 ENDINGS = {*TERMINAL_STATES, S.ESCALATED}
 
 # Keys and strings chosen to look like the runtime's own, to break a renderer, or to be

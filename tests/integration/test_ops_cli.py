@@ -16,6 +16,7 @@ import pytest
 
 from outbox import LeaseLost, Operation, OperationState, Registry
 from outbox import store as outbox_store
+from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.models import ApprovalStatus, OperationEvent
 
@@ -714,3 +715,117 @@ def test_resolution_evidence_and_resolver_are_kept_out_of_every_log_line(
         assert secret not in logged
         assert secret not in rendered(cli.caplog)
     assert resolved_event(ops, operation.id).attributes["by"] == person
+
+
+# --- provider callbacks: ops show, callbacks list ------------------------------------
+
+
+def callback(
+    ops: Ops,
+    operation_id: UUID | None,
+    event_id: str,
+    status: str,
+    reference: str | None = None,
+) -> outbox_store.CallbackReceipt:
+    report = CallbackReport(
+        event_id=event_id,
+        status=CallbackStatus(status),
+        operation_id=operation_id,
+        provider_reference=reference,
+    )
+    receipt: outbox_store.CallbackReceipt = ops.run(
+        outbox_store.record_callback("payments", report, "d" * 64)
+    )
+    return receipt
+
+
+def test_show_lists_the_callbacks_a_provider_sent_about_the_operation(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.COMMITTED)
+    first = callback(ops, operation.id, "evt_1", "pending")
+    second = callback(ops, operation.id, "evt_2", "committed", "re_found")
+
+    out = cli.ok("ops", "show", operation.display_id)
+
+    blocks = out.split("\n\n")
+    assert blocks[1].count("operation.callback_received") == 2
+    assert f"callback={first.callback_id}" in blocks[1]
+    section = blocks[2].splitlines()
+    assert section[0] == "callbacks (2)"
+    assert re.split(r"\s{2,}", section[1].strip()) == [
+        "ID",
+        "PROVIDER",
+        "EVENT",
+        "STATUS",
+        "REFERENCE",
+        "OUTCOME",
+        "RECEIVED",
+    ]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in section[2:]]
+    assert [row[:6] for row in rows] == [
+        [str(first.callback_id), "payments", "evt_1", "pending", "-", "not applied yet"],
+        [str(second.callback_id), "payments", "evt_2", "committed", "re_found", "not applied yet"],
+    ]
+
+
+def test_show_says_when_no_callback_came(cli: Cli, ops: Ops) -> None:
+    out = cli.ok("ops", "show", ops.at(S.PREPARED).display_id)
+    assert out.split("\n\n")[2] == "callbacks (0)\n"
+
+
+def test_callbacks_list_shows_the_inbox_newest_first_and_filters_it(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.COMMITTED)
+    stranger = uuid4()
+    matched = callback(ops, operation.id, "evt_a", "committed", "re_found")
+    unmatched = callback(ops, stranger, "evt_b", "rejected", "re_elsewhere")
+
+    everything = cli.ok("callbacks", "list").splitlines()
+    only_unmatched = cli.ok("callbacks", "list", "--unmatched").splitlines()
+    pending = json.loads(cli.ok("callbacks", "list", "--pending", "--json"))
+
+    assert [line.split()[0] for line in everything[1:]] == [
+        str(unmatched.callback_id),
+        str(matched.callback_id),
+    ]
+    assert everything[0].split() == [
+        "ID", "PROVIDER", "EVENT", "STATUS", "OPERATION", "REFERENCE", "OUTCOME", "RECEIVED",
+    ]  # fmt: skip
+    assert len(only_unmatched) == 2
+    row = re.split(r"\s{2,}", only_unmatched[1].strip())
+    # The operation it named, which this database does not have.
+    assert row[:7] == [
+        str(unmatched.callback_id),
+        "payments",
+        "evt_b",
+        "rejected",
+        f"op_{stranger} (unknown)",
+        "re_elsewhere",
+        "unmatched",
+    ]
+    assert [entry["event_id"] for entry in pending] == ["evt_a"]
+    assert pending[0]["operation_id"] == operation.display_id
+    assert pending[0]["outcome"] is None
+    assert set(pending[0]) == {
+        "id",
+        "provider",
+        "event_id",
+        "status",
+        "operation_id",
+        "named_operation_id",
+        "provider_reference",
+        "payload_digest",
+        "received_at",
+        "outcome",
+        "applied_at",
+    }
+
+
+def test_a_reference_a_provider_chose_in_a_callback_is_shown_escaped(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.COMMITTED)
+    callback(ops, operation.id, "evt_bidi", "committed", "re_\u202eevil")
+
+    for output in (
+        cli.ok("callbacks", "list"),
+        cli.ok("ops", "show", operation.display_id),
+    ):
+        assert terminal_controls(output) == []
+        assert "re_\\u202eevil" in output

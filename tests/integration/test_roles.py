@@ -44,9 +44,10 @@ from outbox import (
 )
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
+from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.errors import DatabaseError, DecisionConflict, SchemaMissing
-from outbox.models import ApprovalDecision, ApprovalStatus
+from outbox.models import ApprovalDecision, ApprovalStatus, CallbackOutcome
 from outbox.sql import QUERIES, roles_sql
 from outbox.states import EventName
 from outbox.store import Plan, Store
@@ -59,7 +60,7 @@ from support.sample_tools import Ledger
 
 S = OperationState
 LEASE = timedelta(seconds=60)
-AGENT, DISPATCHER, CONSUMER, OPERATOR = outbox_store.ROLES
+AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_store.ROLES
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 TABLES = (
     "operation_status",
@@ -70,6 +71,7 @@ TABLES = (
     "outbox_schema_version",
     "outbox_deployment",
     "operation_event_heads",
+    "callbacks",
 )
 
 # Not group roles: `outbox migrate` runs as the schema's owner, and the chaos harness
@@ -120,6 +122,11 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "defer_reconciliation",
         "schema_is_current",
         "execution_gauges",
+        # Applying provider callbacks (consumer/callbacks.py).
+        "claim_callback_batch",
+        "operation_callbacks",
+        "apply_callback",
+        "lock_operation",
     },
     OPERATOR: {
         "list_operation_summaries",
@@ -136,7 +143,12 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         # Short fingerprints are the keyed ones, and who decided an approval is shown.
         "fingerprint_key",
         "console_operation_approvals",
+        # `ops show` lists an operation's callbacks; `outbox callbacks list` the inbox.
+        "operation_callbacks",
+        "list_callbacks",
     },
+    # `outbox callbacks` and record_callback(): one write path, and the catalog at start.
+    CALLBACKS: {"record_callback", "schema_is_current"},
     MIGRATE: {
         "database_exists",
         "take_migration_lock",
@@ -163,6 +175,7 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "operation_events": {"SELECT"},
         "approvals": {"SELECT"},
         "outbox_deployment": {"SELECT"},
+        "callbacks": {"SELECT"},
     },
     OPERATOR: {
         "operations": {"SELECT"},
@@ -173,7 +186,10 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "outbox_deployment": {"SELECT"},
         # `outbox ops verify` compares each chain with its head.
         "operation_event_heads": {"SELECT"},
+        "callbacks": {"SELECT"},
     },
+    # No table at all: it writes through outbox_record_callback only.
+    CALLBACKS: {},
 }
 # Writes name only the columns a component chooses: never an id, a chain link, a birth
 # time, an intent column, a message's routing or headers, or an approval's time.
@@ -215,6 +231,8 @@ COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
         ("operations", "UPDATE"): _MOVES,
         ("outbox", "INSERT"): _QUEUE,
         ("operation_events", "INSERT"): _APPEND,
+        # What it did with a callback; the trigger stamps when, and freezes the rest.
+        ("callbacks", "UPDATE"): frozenset({"outcome"}),
     },
     OPERATOR: {
         ("operations", "UPDATE"): _MOVES,
@@ -248,6 +266,18 @@ FORGE_APPROVAL = (
     "FROM operations"
 )
 MARK_PUBLISHED = "UPDATE outbox SET published_at = now()"
+RECORD_CALLBACK = (
+    "SELECT * FROM outbox_record_callback('payments', 'evt_forged', 'committed', "
+    "(SELECT max(id::text)::uuid FROM operations), NULL, repeat('0', 64))"
+)
+RECORD_CALLBACK_BLIND = (
+    "SELECT * FROM outbox_record_callback('payments', 'evt_forged', 'committed', "
+    "gen_random_uuid(), NULL, repeat('0', 64))"
+)
+RECORD_DECISION_BLIND = (
+    "SELECT * FROM outbox_record_decision(gen_random_uuid(), 'forged', NULL, 'send_refund', "
+    "1, 'deduplicated_write', '{}', repeat('0', 64), false, '{}')"
+)
 EVERYONE_REFUSED = [
     # operation_events is evidence: its trigger refuses UPDATE and DELETE, but not
     # TRUNCATE, which fires no row triggers; only the missing grant stops that.
@@ -263,6 +293,13 @@ EVERYONE_REFUSED = [
     "UPDATE operation_event_heads SET events = events + 1",
     "DELETE FROM operation_event_heads",
     "INSERT INTO operation_event_heads SELECT gen_random_uuid(), 1, NULL, '\\x00'",
+    # The callbacks inbox: written only by outbox_record_callback, never deleted, and of
+    # a row only its outcome is ever set (by the consumer).
+    "INSERT INTO callbacks (provider, event_id, status, payload_digest) "
+    "VALUES ('payments', 'evt_typed', 'committed', repeat('0', 64))",
+    "DELETE FROM callbacks",
+    "TRUNCATE callbacks",
+    "UPDATE callbacks SET status = 'committed'",
 ]
 REFUSED: dict[str, list[str]] = {
     AGENT: [
@@ -275,6 +312,7 @@ REFUSED: dict[str, list[str]] = {
         "SELECT count(*) FROM outbox",
         "SELECT count(*) FROM operation_events",
         FORGE_APPROVAL,
+        RECORD_CALLBACK_BLIND,
     ],
     DISPATCHER: [
         TAMPER_OPERATION,
@@ -286,9 +324,34 @@ REFUSED: dict[str, list[str]] = {
         "SELECT count(*) FROM operation_events",
         "SELECT count(*) FROM approvals",
         FORGE_APPROVAL,
+        RECORD_CALLBACK,
     ],
-    CONSUMER: [FORGE_OPERATION, MARK_PUBLISHED, "DELETE FROM outbox", FORGE_APPROVAL],
-    OPERATOR: [FORGE_OPERATION, MARK_PUBLISHED, "DELETE FROM outbox"],
+    CONSUMER: [
+        FORGE_OPERATION,
+        MARK_PUBLISHED,
+        "DELETE FROM outbox",
+        FORGE_APPROVAL,
+        RECORD_CALLBACK,
+    ],
+    OPERATOR: [FORGE_OPERATION, MARK_PUBLISHED, "DELETE FROM outbox", RECORD_CALLBACK],
+    # The callbacks receiver learns nothing of operations and writes nothing but callbacks.
+    CALLBACKS: [
+        "SELECT count(*) FROM operations",
+        "SELECT count(*) FROM operation_status",
+        "SELECT count(*) FROM callbacks",
+        "SELECT count(*) FROM operation_events",
+        "SELECT count(*) FROM outbox",
+        "SELECT count(*) FROM approvals",
+        "SELECT count(*) FROM outbox_deployment",
+        TAMPER_OPERATION,
+        FORGE_OPERATION,
+        FORGE_OUTBOX_ROW,
+        FORGE_EVENT,
+        FORGE_APPROVAL,
+        MARK_PUBLISHED,
+        RECORD_DECISION_BLIND,
+        "UPDATE callbacks SET outcome = 'settled'",
+    ],
 }
 
 
@@ -410,7 +473,18 @@ def seeded(roles_database: str, registry: Registry) -> dict[str, Operation]:
             ttl=timedelta(hours=1),
         ),
     )
-    return {"waiting": waiting, "escalated": escalated(roles_database, registry)}
+    stuck = escalated(roles_database, registry)
+    run(
+        roles_database,
+        outbox_store.record_callback(
+            "payments",
+            CallbackReport(
+                event_id="evt_seed", status=CallbackStatus.PENDING, operation_id=stuck.id
+            ),
+            "0" * 64,
+        ),
+    )
+    return {"waiting": waiting, "escalated": stuck}
 
 
 # --- what roles.sql sets up ----------------------------------------------------------
@@ -522,10 +596,10 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 6 is applied" in result.stdout
+        assert "schema version 7 is applied" in result.stdout
         assert (
-            "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator are granted"
-            in result.stdout
+            "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator, "
+            "outbox_callbacks are granted" in result.stdout
         )
     assert execute_admin(database_url, *acl) == granted
     held_by = {table: f"{grants} {columns}" for table, grants, columns in granted}
@@ -536,7 +610,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 6
+            assert outbox_store.apply_schema(connection) == 7
             outbox_store.apply_roles(connection)
 
 
@@ -723,12 +797,58 @@ def test_the_consumer_executes_reconciles_and_escalates(
         operation=claimed, provider_reference="re_burst", result={}, attributes={}
     )
     assert run(consumer, outbox_store.commit_many([effect]))[burst.id].state is S.COMMITTED
+    # A provider's callback about it: claimed with its operation, read under the
+    # operation's lock, applied once.
+    run(
+        roles_database,
+        outbox_store.record_callback(
+            "payments",
+            CallbackReport(
+                event_id="evt_1",
+                status=CallbackStatus.COMMITTED,
+                operation_id=burst.id,
+                provider_reference="re_burst",
+            ),
+            "0" * 64,
+        ),
+    )
+    with psycopg.connect(consumer) as connection:
+        runner = Store(connection)
+        (callback,) = runner.run(outbox_store.claim_callback_batch(["send_refund.v1"], 10))
+        locked = runner.run(outbox_store.lock_operation(burst.id))
+        assert locked is not None
+        assert runner.run(outbox_store.callbacks_of([burst.id])) == {burst.id: [callback]}
+        runner.run(outbox_store.mark_callback(callback, CallbackOutcome.CONFIRMED))
+    assert execute_admin(roles_database, "SELECT outcome FROM callbacks") == [("confirmed",)]
 
     assert committed.state is S.COMMITTED
     assert requeued == [stale.id]
     assert due.id == unknown.id
     assert gave_up.state is S.ESCALATED
     assert queries_run_by(ran, consumer) == COMPONENT_QUERIES[CONSUMER]
+
+
+def test_the_callbacks_receiver_records_callbacks_and_nothing_else(
+    login: Login, registry: Registry, roles_database: str, ran: Ran
+) -> None:
+    receiver = login(CALLBACKS)
+    operation = new_operation(roles_database, registry)
+    before = execute_admin(roles_database, "SELECT state, lease_token FROM operations")
+
+    with psycopg.connect(receiver) as connection:
+        assert outbox_store.schema_is_current(connection)
+    report = CallbackReport(
+        event_id="evt_1", status=CallbackStatus.COMMITTED, operation_id=operation.id
+    )
+    first = run(receiver, outbox_store.record_callback("payments", report, "a" * 64))
+    again = run(receiver, outbox_store.record_callback("payments", report, "a" * 64))
+    stranger = CallbackReport(event_id="evt_2", status=CallbackStatus.REJECTED)
+    unmatched = run(receiver, outbox_store.record_callback("payments", stranger, "b" * 64))
+
+    assert (first.result, again.result, unmatched.result) == ("recorded", "duplicate", "unmatched")
+    assert execute_admin(roles_database, "SELECT state, lease_token FROM operations") == before
+    assert run(roles_database, outbox_store.verify_chain(operation.id)).intact
+    assert queries_run_by(ran, receiver) == COMPONENT_QUERIES[CALLBACKS]
 
 
 @pytest.mark.parametrize("target", [S.COMMITTED, S.REJECTED, S.PREPARED])
@@ -785,6 +905,7 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
             ]
         ),
         run_command(["approvals", "grant", waiting.display_id, "--by", "lead@example.com"]),
+        run_command(["callbacks", "list", "--unmatched"]),
     ]
     rows = run(operator, outbox_store.outbox_rows(waiting.id))
 

@@ -28,7 +28,7 @@ def test_applying_the_schema_again_is_harmless(
 
     for _ in range(2):
         with psycopg.connect(database_url) as connection:
-            assert store.apply_schema(connection) == 6
+            assert store.apply_schema(connection) == 7
 
     assert execute_admin(database_url, SCHEMA_OBJECTS) == before
     assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(1,)]
@@ -37,8 +37,8 @@ def test_applying_the_schema_again_is_harmless(
 def test_schema_version_is_none_on_an_empty_database(empty_database_url: str) -> None:
     with psycopg.connect(empty_database_url) as connection:
         assert store.schema_version(connection) is None
-        assert store.apply_schema(connection) == 6
-        assert store.schema_version(connection) == 6
+        assert store.apply_schema(connection) == 7
+        assert store.schema_version(connection) == 7
 
 
 def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> None:
@@ -51,7 +51,7 @@ def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> N
         assert not store.schema_is_current(connection)
 
     with psycopg.connect(database_url) as connection:
-        assert store.apply_schema(connection) == 6
+        assert store.apply_schema(connection) == 7
     with psycopg.connect(database_url) as connection:
         assert store.schema_is_current(connection)
 

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from consumer.policy import AttemptOutcome
-from outbox.metrics import QUEUES, ConsumerMetrics, DispatcherMetrics
+from outbox.metrics import QUEUES, CallbackMetrics, ConsumerMetrics, DispatcherMetrics
 from outbox.states import OperationState
 
 # Prometheus adds these to every series it scrapes, and makes `up` for every target.
@@ -40,7 +40,8 @@ KNOWN_VALUES: Mapping[tuple[str, str], frozenset[str]] = {
 
 
 def exported_series() -> dict[str, frozenset[str]]:
-    """Sample name -> label names, for every sample the dispatcher and consumer expose.
+    """Sample name -> label names, for every sample the dispatcher, the consumer and
+    `outbox callbacks serve` expose.
 
     A labelled metric exposes nothing until it has a child, so each gets one first (the
     registries are fresh and thrown away). ``le`` comes with the ``_bucket`` samples.
@@ -49,6 +50,7 @@ def exported_series() -> dict[str, frozenset[str]]:
     for metrics in (
         DispatcherMetrics.create(CollectorRegistry()),
         ConsumerMetrics.create(CollectorRegistry()),
+        CallbackMetrics.create(CollectorRegistry()),
     ):
         for attribute in dataclasses.fields(metrics):
             metric = getattr(metrics, attribute.name)

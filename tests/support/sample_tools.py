@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -112,18 +113,21 @@ def refund_contract(ledger: Ledger, version: int = 1) -> ToolContract[RefundInpu
     )
 
 
+def ticket_contract(ledger: Ledger, **options: Any) -> ToolContract[TicketInput]:
+    return ToolContract(
+        name="open_ticket",
+        version=1,
+        input_model=TicketInput,
+        side_effect=SideEffect.NON_REPEATABLE_WRITE,
+        execute=ledger.open_ticket,
+        on_unknown=OnUnknown.ESCALATE,
+        **options,
+    )
+
+
 def build_registry(ledger: Ledger | None = None) -> Registry:
     ledger = ledger or Ledger()
     registry = Registry()
     registry.register(refund_contract(ledger))
-    registry.register(
-        ToolContract(
-            name="open_ticket",
-            version=1,
-            input_model=TicketInput,
-            side_effect=SideEffect.NON_REPEATABLE_WRITE,
-            execute=ledger.open_ticket,
-            on_unknown=OnUnknown.ESCALATE,
-        )
-    )
+    registry.register(ticket_contract(ledger))
     return registry

@@ -17,7 +17,12 @@ from outbox import Operation, OperationState, Registry, Settings, record_decisio
 from outbox import store as outbox_store
 from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
-from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV, build_registry
+from outbox.sandbox.tools import (
+    CALLBACK_WAIT_ENV,
+    REFUND_DEADLINE_ENV,
+    SANDBOX_URL_ENV,
+    build_registry,
+)
 from outbox.store import Store
 
 from support.waiting import eventually_sync
@@ -112,7 +117,11 @@ def running_system(
     faults: Faults | None = None,
     refund_deadline: float = 1.0,
     payment_amount_cents: int = 100_000,
+    callback_wait: float = 0.0,
 ) -> Iterator[System]:
+    """The sandbox in process and what its daemons read. No callbacks receiver runs
+    unless a test starts one, so an unknown email waits ``callback_wait`` (none, by
+    default) for a callback before its contract sends it to a person."""
     with SandboxProvider(faults=faults, payment_amount_cents=payment_amount_cents) as provider:
         daemon = daemon_settings(
             settings,
@@ -133,6 +142,7 @@ def running_system(
             **daemon.to_environment(),
             SANDBOX_URL_ENV: provider.url,
             REFUND_DEADLINE_ENV: str(refund_deadline),
+            CALLBACK_WAIT_ENV: str(callback_wait),
         }
         system = System(settings=settings, provider=provider, environment=environment)
         try:

@@ -28,6 +28,7 @@ from outbox.bounds import (
     object_or_unreadable,
     unreadable_reason,
 )
+from outbox.callback_policy import PROVIDER_NAME
 from outbox.tracing import TRACEPARENT
 
 SCHEMA = (Path(__file__).resolve().parents[2] / "schema.sql").read_text(encoding="utf-8")
@@ -60,6 +61,12 @@ def test_the_schemas_numbers_are_the_ones_python_enforces() -> None:
     assert f"interval '{MAX_APPROVAL_TTL.days} days'" in _function("outbox_guard_approval")
     # The traceparent the outbox trigger admits is the one tracing accepts.
     assert TRACEPARENT.pattern in _function("outbox_guard_outbox_row")
+    # The callbacks inbox (its table's checks) admits what outbox.callbacks admits.
+    table = SCHEMA[SCHEMA.index("CREATE TABLE IF NOT EXISTS callbacks") :]
+    table = table[: table.index(");")]
+    assert f"'{bounds.CALLBACK_EVENT_ID.pattern}'" in table
+    assert f"BETWEEN 1 AND {MAX_PROVIDER_REFERENCE}" in table
+    assert f"'{PROVIDER_NAME.pattern}'" in table
     # Every bound the database keeps is below what a reader decodes at all.
     assert max(MAX_STORED_INPUT_TEXT, MAX_ATTRIBUTES_TEXT, MAX_RESULT_TEXT) < READ_LIMIT_BYTES
 

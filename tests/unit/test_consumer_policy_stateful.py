@@ -7,7 +7,9 @@ outcomes up. The provider can confirm, lose its answer, finish after the caller 
 refuse, be unreachable, forget a deduplication key once its window has passed, and be
 looked up (honestly: "not found" only when nothing landed and nothing is in progress).
 Workers and lookups stall or die at any step, time jumps past leases, and an operation is
-delivered again whenever it is prepared and due.
+delivered again whenever it is prepared and due. For the tools that declare them, the
+provider also reports each effect that happened in a signed success callback, at any
+step and as often as it likes, and the reconciler applies them as it does.
 
 After every step: the provider holds at most one effect per operation, a committed write
 has its effect, and no settled operation (committed, rejected, or handed to a person)
@@ -37,8 +39,9 @@ from pydantic import BaseModel
 
 from consumer import policy
 from consumer.policy import LEASE_LOST_BEFORE_CALL, Attempt, AttemptOutcome
+from outbox.callback_policy import CallbackPolicy, CallbackProvider, CallbackStatus, Scheme
 from outbox.contracts import OnUnknown, Registry, RetryPolicy, SideEffect, ToolContract
-from outbox.models import Operation
+from outbox.models import Callback, Operation
 from outbox.outcomes import (
     EffectResult,
     ExecutionContext,
@@ -77,15 +80,41 @@ async def looked_up_by_the_model(tool_input: Ticket, context: ExecutionContext) 
     raise AssertionError("the model plays the provider")
 
 
+# The provider's signed success callbacks, as the contracts that declare them take them:
+# they may settle an unknown outcome, and a tool without a lookup waits for one a while.
+REPORTS = CallbackProvider(name="model", scheme=Scheme.STRIPE, read=lambda payload, _: None)
+CALLED_BACK = CallbackPolicy(REPORTS, settles_unknown=True, wait=timedelta(seconds=16))
+
+
 def _contracts() -> dict[str, ToolContract[Ticket]]:
-    shapes = {
-        "read_only": (SideEffect.READ_ONLY, False, OnUnknown.RECONCILE),
-        "idempotent": (SideEffect.IDEMPOTENT_WRITE, False, OnUnknown.RECONCILE),
-        "idempotent_looked_up": (SideEffect.IDEMPOTENT_WRITE, True, OnUnknown.RECONCILE),
-        "deduplicated": (SideEffect.DEDUPLICATED_WRITE, False, OnUnknown.RECONCILE),
-        "deduplicated_looked_up": (SideEffect.DEDUPLICATED_WRITE, True, OnUnknown.RECONCILE),
-        "non_repeatable_looked_up": (SideEffect.NON_REPEATABLE_WRITE, True, OnUnknown.RECONCILE),
-        "non_repeatable_escalated": (SideEffect.NON_REPEATABLE_WRITE, False, OnUnknown.ESCALATE),
+    reconcile, escalate = OnUnknown.RECONCILE, OnUnknown.ESCALATE
+    shapes: dict[str, tuple[SideEffect, bool, OnUnknown, CallbackPolicy | None]] = {
+        "read_only": (SideEffect.READ_ONLY, False, reconcile, None),
+        "idempotent": (SideEffect.IDEMPOTENT_WRITE, False, reconcile, None),
+        "idempotent_looked_up": (SideEffect.IDEMPOTENT_WRITE, True, reconcile, None),
+        "deduplicated": (SideEffect.DEDUPLICATED_WRITE, False, reconcile, None),
+        "deduplicated_looked_up": (SideEffect.DEDUPLICATED_WRITE, True, reconcile, None),
+        "non_repeatable_looked_up": (SideEffect.NON_REPEATABLE_WRITE, True, reconcile, None),
+        "non_repeatable_escalated": (SideEffect.NON_REPEATABLE_WRITE, False, escalate, None),
+        "idempotent_called_back": (SideEffect.IDEMPOTENT_WRITE, False, reconcile, CALLED_BACK),
+        "deduplicated_called_back": (
+            SideEffect.DEDUPLICATED_WRITE,
+            False,
+            reconcile,
+            CALLED_BACK,
+        ),
+        "deduplicated_looked_up_called_back": (
+            SideEffect.DEDUPLICATED_WRITE,
+            True,
+            reconcile,
+            CALLED_BACK,
+        ),
+        "non_repeatable_called_back": (
+            SideEffect.NON_REPEATABLE_WRITE,
+            False,
+            escalate,
+            CALLED_BACK,
+        ),
     }
     # Registered, so the model only runs contracts the runtime accepts.
     registry = Registry()
@@ -102,9 +131,10 @@ def _contracts() -> dict[str, ToolContract[Ticket]]:
                 dedupe_window=WINDOW if side_effect is SideEffect.DEDUPLICATED_WRITE else None,
                 on_unknown=on_unknown,
                 deadline=DEADLINE,
+                callbacks=callbacks,
             )
         )
-        for name, (side_effect, lookup, on_unknown) in shapes.items()
+        for name, (side_effect, lookup, on_unknown, callbacks) in shapes.items()
     }
 
 
@@ -224,6 +254,10 @@ class System:
         self.lookups: list[Lookup] = []
         # When the policy last sent each operation back to prepared without a lookup.
         self.blind_retries: dict[uuid.UUID, datetime] = {}
+        # The provider's callbacks: recorded and not applied yet, and every one recorded.
+        self.inbox: list[Callback] = []
+        self.reported: dict[uuid.UUID, list[Callback]] = {}
+        self.contradictions: list[str] = []
 
     def decide(self, contract: ToolContract[Any]) -> uuid.UUID:
         operation_id = uuid.UUID(int=len(self.rows) + 1)
@@ -376,12 +410,66 @@ class System:
             )
         ]
 
+    def reportable(self) -> list[uuid.UUID]:
+        """Operations whose effect happened, of tools that declare the provider's callbacks:
+        an honest provider reports only those."""
+        return [
+            key
+            for key, contract in self.contracts.items()
+            if contract.callbacks is not None and self.provider.effects[key]
+        ]
+
+    def report(self, operation_id: uuid.UUID) -> None:
+        """The provider's success callback, recorded (at least once: again is a new event)."""
+        callback = Callback(
+            id=sum(map(len, self.reported.values())) + 1,
+            provider=REPORTS.name,
+            event_id=f"evt_{len(self.inbox)}",
+            status=CallbackStatus.COMMITTED,
+            named_operation_id=operation_id,
+            operation_id=operation_id,
+            provider_reference=f"ref_{operation_id.int}",
+            payload_digest="d" * 64,
+            received_at=self.now,
+            outcome=None,
+            applied_at=None,
+        )
+        self.inbox.append(callback)
+        self.reported.setdefault(operation_id, []).append(callback)
+
+    def apply_callbacks(self, operation_id: uuid.UUID | None = None) -> None:
+        """The reconciler's inbox pass (every operation), or its look at one operation's
+        callbacks before it decides about it; callbacks of operations in flight wait."""
+        for callback in list(self.inbox):
+            assert callback.operation_id is not None
+            if operation_id is not None and callback.operation_id != operation_id:
+                continue
+            row = self.rows[callback.operation_id]
+            contract = self.contracts[callback.operation_id]
+            others = [c for c in self.reported[row.id] if c.id != callback.id]
+            decision = policy.after_callback(
+                row,
+                contract,
+                callback,
+                success_reported=any(c.status is CallbackStatus.COMMITTED for c in others),
+            )
+            if decision is None:
+                continue
+            self.inbox.remove(callback)
+            if decision.contradiction is not None:
+                self.contradictions.append(f"{row.state}: {decision.contradiction}")
+            if decision.move is not None:
+                assert self.move(row, decision.move)
+
     def reconcile(self, operation_id: uuid.UUID) -> Lookup | None:
         """Triage as the reconciler does; returns the lookup it leased, if any."""
         row, contract = self.rows[operation_id], self.contracts[operation_id]
         if row.state is S.IN_FLIGHT:
             assert self.move(row, policy.after_lease_expired(row))
-            row = self.rows[operation_id]
+        self.apply_callbacks(operation_id)
+        row = self.rows[operation_id]
+        if row.state is not S.OUTCOME_UNKNOWN:
+            return None  # a callback settled it
         decision = policy.for_unknown_outcome(row, contract, now=self.now)
         if isinstance(decision, policy.LookUp):
             leased = self._update(
@@ -495,9 +583,25 @@ class ConsumerModel(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(+self.system.provider.in_progress)))
         self.system.provider.finish(key, lands=lands)
 
+    @precondition(lambda self: self.system.reportable())
+    @rule(data=st.data())
+    def provider_reports_an_effect(self, data: st.DataObject) -> None:
+        self.system.report(data.draw(st.sampled_from(self.system.reportable())))
+
+    @precondition(lambda self: self.system.inbox)
+    @rule()
+    def reconciler_applies_the_inbox(self) -> None:
+        self.system.apply_callbacks()
+
     @rule(seconds=st.sampled_from([1, 5, 16, 60, 150]))
     def time_passes(self, seconds: int) -> None:
         self.system.advance(timedelta(seconds=seconds))
+
+    @invariant()
+    def an_honest_providers_callbacks_contradict_nothing(self) -> None:
+        # Every callback here reports an effect that happened, with its own reference: a
+        # contradiction would be a false alarm that pages someone.
+        assert self.system.contradictions == []
 
     @invariant()
     def at_most_one_effect_per_operation(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from outbox.callback_policy import CallbackPolicy, CallbackProvider, CallbackReport, Scheme
 from outbox.cli import run_command
 from outbox.contracts import (
     ApprovalPolicy,
@@ -38,6 +39,13 @@ async def execute(tool_input: Ping, ctx: ExecutionContext) -> EffectResult:
 
 async def reconcile(tool_input: Ping, ctx: ExecutionContext) -> Reconciliation:
     return NotFound()
+
+
+def read_nothing(payload: Any, delivery: str) -> CallbackReport | None:
+    return None
+
+
+PAYMENTS = CallbackProvider(name="payments", scheme=Scheme.STRIPE, read=read_nothing)
 
 
 def contract(side_effect: SideEffect, **options: Any) -> ToolContract[Ping]:
@@ -84,7 +92,7 @@ def test_card_answers_the_eight_questions_in_order(side_effect: SideEffect) -> N
         ("4", "Errors"),
         ("5", "Unknown outcome"),
         ("6", "Approval"),
-        ("7", "Duplicate messages"),
+        ("7", "Duplicate messages and callbacks"),
         ("8", "Evidence"),
     ]
     assert all(len(line) <= 100 for line in card.splitlines())
@@ -222,6 +230,61 @@ def test_every_card_explains_operation_id_duplicates_and_evidence() -> None:
     assert "acked and counted as a duplicate, never executed" in card[7]
     assert "provider reference" in card[8]
     assert "lifecycle events" in card[8]
+
+
+def test_a_card_without_callbacks_says_none_move_its_operations() -> None:
+    card = answers(contract(SideEffect.IDEMPOTENT_WRITE).card())
+    assert "No provider callbacks are declared" in card[7]
+    assert "callback" not in card[5]
+    assert "callback" not in card[8]
+
+
+def test_a_callback_that_settles_waits_deduplicates_and_is_evidence() -> None:
+    tool = contract(
+        SideEffect.NON_REPEATABLE_WRITE,
+        on_unknown=OnUnknown.ESCALATE,
+        callbacks=CallbackPolicy(PAYMENTS, settles_unknown=True, wait=timedelta(minutes=2)),
+    )
+    card = answers(tool.card())
+    assert "after waiting up to 2m for a verified callback from payments" in card[5]
+    assert "escalated at once" not in card[5]
+    assert "a verified success callback from payments settles it (committed" in card[5]
+    assert "a verified failure callback is evidence only" in card[5]
+    assert "kept once by their event id" in card[7]
+    assert "answered 2xx and changes nothing" in card[7]
+    assert "never move an operation backwards" in card[7]
+    assert "waits for that attempt's record" in card[7]
+    assert "operation.callback_received" in card[8]
+    assert "operation.reconciled result=committed method=callback" in card[8]
+
+
+def test_a_callback_that_may_not_settle_is_evidence_for_a_person() -> None:
+    tool = contract(
+        SideEffect.DEDUPLICATED_WRITE,
+        reconcile=reconcile,
+        callbacks=CallbackPolicy(PAYMENTS),
+    )
+    card = answers(tool.card())
+    assert card[5].startswith("Unknown outcome: looked up with reconcile()")
+    assert "a verified success callback from payments is evidence for a person" in card[5]
+    assert "never settles it" in card[5]
+    # A lookup does not wait for a callback.
+    assert "waiting" not in card[5]
+    assert "method=callback" not in card[8]
+
+
+def test_a_definitive_failure_callback_authorises_a_retry_like_a_lookups_not_found() -> None:
+    tool = contract(
+        SideEffect.NON_REPEATABLE_WRITE,
+        reconcile=reconcile,
+        callbacks=CallbackPolicy(PAYMENTS, settles_unknown=True, failure_definitive=True),
+    )
+    card = answers(tool.card())
+    assert (
+        "a verified failure callback proves the effect absent, as a lookup's NotFound does: "
+        "back to prepared" in card[5]
+    )
+    assert "unless a success was reported too (then escalated, contradicted)" in card[5]
 
 
 # --- loading tools modules -------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Secret, SecretBytes, SecretStr
 from typing_extensions import TypedDict
 
+from outbox.callback_policy import CallbackPolicy, CallbackProvider, CallbackReport, Scheme
 from outbox.contracts import (
     ApprovalPolicy,
     OnUnknown,
@@ -548,3 +549,72 @@ def test_a_model_that_sets_extra_itself_is_advertised_as_it_says() -> None:
 
     assert contract.input_schema() == OpenOrderInput.model_json_schema()
     assert contract.input_schema()["additionalProperties"] is True
+
+
+# --- callback policies -------------------------------------------------------------------
+
+
+def read_nothing(payload: Any, delivery: str) -> CallbackReport | None:
+    return None
+
+
+PAYMENTS = CallbackProvider(name="payments", scheme=Scheme.STRIPE, read=read_nothing)
+
+
+def test_a_write_may_declare_its_providers_callbacks(registry: Registry) -> None:
+    policy = CallbackPolicy(PAYMENTS, settles_unknown=True, wait=timedelta(minutes=1))
+    registered = registry.register(refund_contract(callbacks=policy))
+
+    assert registered.callbacks is policy
+    assert refund_contract().callbacks is None
+
+
+def test_callbacks_on_a_read_only_tool_are_refused(registry: Registry) -> None:
+    contract = refund_contract(side_effect=SideEffect.READ_ONLY, callbacks=CallbackPolicy(PAYMENTS))
+    assert_refused(registry, contract, "callbacks", "read_only")
+
+
+def test_a_negative_wait_for_a_callback_is_refused(registry: Registry) -> None:
+    contract = refund_contract(callbacks=CallbackPolicy(PAYMENTS, wait=timedelta(seconds=-1)))
+    assert_refused(registry, contract, "wait", "negative")
+
+
+@pytest.mark.parametrize("name", ["", "Payments", "pay/ments", "pay.ments", "p" * 65, "1pay"])
+def test_a_provider_name_that_is_no_route_segment_is_refused(registry: Registry, name: str) -> None:
+    provider = CallbackProvider(name=name, scheme=Scheme.STANDARD_WEBHOOKS, read=read_nothing)
+    contract = refund_contract(callbacks=CallbackPolicy(provider))
+    assert_refused(registry, contract, "provider name must match")
+
+
+def test_callbacks_that_are_no_policy_are_refused(registry: Registry) -> None:
+    contract = refund_contract(callbacks=cast(Any, {"provider": "payments"}))
+    assert_refused(registry, contract, "callbacks must be a CallbackPolicy")
+
+
+def test_one_provider_read_two_ways_is_refused_naming_both_tools(registry: Registry) -> None:
+    registry.register(refund_contract(name="send_refund", callbacks=CallbackPolicy(PAYMENTS)))
+    other = CallbackProvider(name="payments", scheme=Scheme.STANDARD_WEBHOOKS, read=read_nothing)
+
+    message = assert_refused(
+        registry, refund_contract(name="send_payout", callbacks=CallbackPolicy(other)), "payments"
+    )
+    assert "send_refund" in message
+    assert "one route serves a provider" in message
+
+
+def test_tools_may_share_one_provider(registry: Registry) -> None:
+    registry.register(refund_contract(name="send_refund", callbacks=CallbackPolicy(PAYMENTS)))
+    registry.register(
+        refund_contract(name="send_payout", callbacks=CallbackPolicy(PAYMENTS, wait=timedelta(1)))
+    )
+
+    assert registry.callback_providers() == {"payments": PAYMENTS}
+
+
+def test_a_report_reads_an_idempotency_key_as_the_operation_it_names() -> None:
+    key = "0b6f1ab4-7a52-4e0c-9d59-3a43f3f1c2aa"
+    report = CallbackReport.for_key("evt_1", "committed", key, provider_reference="re_1")
+
+    assert str(report.operation_id) == key
+    assert report.status == "committed"
+    assert CallbackReport.for_key("evt_2", "pending", "not-a-uuid").operation_id is None

@@ -179,6 +179,7 @@ def test_the_dashboard_is_identified_and_laid_out() -> None:
         "Backlog and execution",
         "Unknown outcomes and reconciliations",
         "Escalations and dead letters",
+        "Callbacks",
         "Connections",
         "Processes",
     ]

@@ -21,6 +21,7 @@ from consumer.policy import AttemptOutcome
 from dispatcher.publisher import PUBLISH_FAILURE_REASONS
 from outbox.daemon import PEERS
 from outbox.decisions import TAMPER_CHECKS
+from outbox.models import CallbackOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = sorted((ROOT / "consumer").glob("*.py"))
@@ -35,6 +36,8 @@ LABELS: dict[str, tuple[tuple[str, ...] | None, ...]] = {
     "reconciliations": (None, telemetry.RECONCILIATION_RESULTS),
     "escalations": (None, telemetry.ESCALATION_REASONS),
     "tampered": (None, TAMPER_CHECKS),
+    "callbacks_applied": (None, telemetry.CALLBACK_OUTCOMES),
+    "callbacks_contradicted": (None,),
     "publish_failures": (PUBLISH_FAILURE_REASONS,),
     "reconnects": (PEERS,),
 }
@@ -67,6 +70,11 @@ def labels_calls() -> Iterator[tuple[str, str, list[ast.expr]]]:
 def test_the_scan_finds_the_labelled_calls() -> None:
     # Guards the scan itself: were it to match nothing, every check below would pass.
     assert {metric for _, metric, _ in labels_calls()} >= set(LABELS) - {"effect_attempts"}
+
+
+def test_every_callback_outcome_but_unmatched_is_primed() -> None:
+    # The reconciler never meets an unmatched callback: the inbox keeps it, applied.
+    assert set(telemetry.CALLBACK_OUTCOMES) == {str(o) for o in CallbackOutcome} - {"unmatched"}
 
 
 @pytest.mark.parametrize("metric", sorted(LABELS))

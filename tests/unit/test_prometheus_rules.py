@@ -20,7 +20,8 @@ import yaml
 from prometheus_client import generate_latest
 
 from consumer.telemetry import prime_metrics
-from outbox.metrics import ConsumerMetrics, DispatcherMetrics
+from outbox.callbacks_server import prime_callback_metrics
+from outbox.metrics import CallbackMetrics, ConsumerMetrics, DispatcherMetrics
 
 from support.prometheus import PROMETHEUS, promtool_version, run_promtool
 from support.sample_tools import build_registry
@@ -61,12 +62,16 @@ def test_the_shipped_config_loads_outside_compose_too() -> None:
     assert f"SUCCESS: {len(RULES)} rules found" in result.stdout
 
 
-@pytest.mark.parametrize("daemon", ["dispatcher", "consumer"])
+@pytest.mark.parametrize("daemon", ["dispatcher", "consumer", "callbacks"])
 def test_what_each_daemon_exposes_passes_promtools_lint(daemon: str) -> None:
     # Names, units, suffixes and help texts as Prometheus expects them, with every
-    # label set the consumer primes at start.
+    # label set the consumer and the callbacks receiver prime at start.
     if daemon == "dispatcher":
         exposition = generate_latest(DispatcherMetrics.create().registry)
+    elif daemon == "callbacks":
+        served = CallbackMetrics.create()
+        prime_callback_metrics(served, ["sandbox-payments", "sandbox-email"])
+        exposition = generate_latest(served.registry)
     else:
         metrics = ConsumerMetrics.create()
         prime_metrics(metrics, build_registry())

@@ -550,6 +550,7 @@ def test_reset_clears_the_books_and_keeps_the_faults(
         "emails": [],
         "refunds_by_payment": {},
         "refunds_by_key": {},
+        "emails_by_reference": {},
         "totals": {"refunds": 0, "emails": 0},
     }
     assert provider.faults.prune_keys_older_than_s == 3600.0

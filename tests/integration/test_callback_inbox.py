@@ -1,0 +1,260 @@
+"""The callbacks inbox (schema version 7): a verified callback is recorded once, by its
+provider's event id, through outbox_record_callback; it names its operation by id or by
+the provider's reference, leaves evidence in that operation's chain and moves nothing;
+one for no operation is kept as unmatched. docs/design.md section 5, "Callbacks"."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox import Operation, OperationState, Registry
+from outbox import store as outbox_store
+from outbox.callback_policy import CallbackReport, CallbackStatus
+from outbox.errors import DatabaseError
+from outbox.store import CallbackReceipt, Plan, Store
+
+from support.db_helpers import execute_admin
+from support.ops_helpers import Ops
+from support.waiting import eventually_sync
+
+S = OperationState
+
+
+def run(url: str, plan: Plan[Any]) -> Any:
+    with psycopg.connect(url) as connection:
+        return Store(connection).run(plan)
+
+
+def digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def new_operation(url: str, registry: Registry) -> Operation:
+    return Ops(url, registry).new()
+
+
+def record(
+    url: str,
+    operation_id: uuid.UUID | None,
+    *,
+    event_id: str = "evt_1",
+    provider: str = "payments",
+    status: CallbackStatus = CallbackStatus.COMMITTED,
+    reference: str | None = "re_1",
+    body: bytes = b'{"id": "evt_1"}',
+) -> CallbackReceipt:
+    report = CallbackReport(
+        event_id=event_id,
+        status=status,
+        operation_id=operation_id,
+        provider_reference=reference,
+    )
+    receipt: CallbackReceipt = run(
+        url, outbox_store.record_callback(provider, report, digest(body))
+    )
+    return receipt
+
+
+def inbox(url: str) -> list[tuple[Any, ...]]:
+    return execute_admin(
+        url,
+        "SELECT id, provider, event_id, status, named_operation_id, operation_id, "
+        "provider_reference, payload_digest, outcome, applied_at IS NOT NULL "
+        "FROM callbacks ORDER BY id",
+    )
+
+
+def event_names(url: str, operation_id: uuid.UUID) -> list[str]:
+    return [event.name for event in run(url, outbox_store.events(operation_id))]
+
+
+def test_a_callback_is_recorded_once_as_evidence_and_moves_nothing(
+    database_url: str, registry: Registry
+) -> None:
+    operation = new_operation(database_url, registry)
+
+    receipt = record(database_url, operation.id)
+
+    assert receipt.result == "recorded"
+    assert receipt.operation_id == operation.id
+    assert receipt.same_payload
+    [row] = inbox(database_url)
+    assert row == (
+        receipt.callback_id,
+        "payments",
+        "evt_1",
+        "committed",
+        operation.id,
+        operation.id,
+        "re_1",
+        digest(b'{"id": "evt_1"}'),
+        None,
+        False,
+    )
+    events = run(database_url, outbox_store.events(operation.id))
+    assert events[-1].name == "operation.callback_received"
+    assert events[-1].attributes == {
+        "callback": receipt.callback_id,
+        "provider": "payments",
+        "status": "committed",
+        "provider_reference": "re_1",
+    }
+    assert run(database_url, outbox_store.get_operation(operation.id)).state is S.PREPARED
+    assert run(database_url, outbox_store.verify_chain(operation.id)).intact
+
+
+def test_a_redelivered_callback_is_a_duplicate_and_changes_nothing(
+    database_url: str, registry: Registry
+) -> None:
+    operation = new_operation(database_url, registry)
+    first = record(database_url, operation.id)
+    rows, events = inbox(database_url), event_names(database_url, operation.id)
+
+    again = record(database_url, operation.id)
+
+    assert (again.result, again.callback_id, again.same_payload) == (
+        "duplicate",
+        first.callback_id,
+        True,
+    )
+    assert inbox(database_url) == rows
+    assert event_names(database_url, operation.id) == events
+
+
+def test_an_event_id_redelivered_with_another_body_says_so_and_changes_nothing(
+    database_url: str, registry: Registry
+) -> None:
+    operation = new_operation(database_url, registry)
+    record(database_url, operation.id)
+    rows = inbox(database_url)
+
+    other = record(
+        database_url, operation.id, status=CallbackStatus.REJECTED, body=b'{"id": "evt_1", "x": 1}'
+    )
+
+    assert (other.result, other.same_payload) == ("duplicate", False)
+    assert inbox(database_url) == rows
+
+
+def test_one_event_id_from_two_providers_is_two_callbacks(
+    database_url: str, registry: Registry
+) -> None:
+    operation = new_operation(database_url, registry)
+
+    first = record(database_url, operation.id, provider="payments")
+    second = record(database_url, operation.id, provider="email")
+
+    assert (first.result, second.result) == ("recorded", "recorded")
+    assert first.callback_id != second.callback_id
+
+
+def test_a_callback_for_no_operation_is_kept_as_unmatched(database_url: str) -> None:
+    stranger = uuid.uuid4()
+
+    receipt = record(database_url, stranger, reference="re_nobody")
+
+    assert (receipt.result, receipt.operation_id) == ("unmatched", None)
+    [row] = inbox(database_url)
+    assert row[4:6] == (stranger, None)
+    assert row[8:] == ("unmatched", True)
+    listed = run(database_url, outbox_store.list_callbacks(unmatched=True))
+    assert [(c.id, c.named_operation_id) for c in listed] == [(receipt.callback_id, stranger)]
+    assert execute_admin(database_url, "SELECT count(*) FROM operation_events") == [(0,)]
+
+
+def test_a_callback_names_its_operation_by_the_providers_reference(
+    database_url: str, registry: Registry
+) -> None:
+    operation = Ops(database_url, registry).at(S.COMMITTED)  # provider reference re_found
+
+    receipt = record(database_url, None, reference="re_found", status=CallbackStatus.REJECTED)
+
+    assert (receipt.result, receipt.operation_id) == ("recorded", operation.id)
+    assert event_names(database_url, operation.id)[-1] == "operation.callback_received"
+
+
+def test_an_operations_callbacks_are_read_in_the_order_they_came(
+    database_url: str, registry: Registry
+) -> None:
+    operation = new_operation(database_url, registry)
+    for number, status in enumerate((CallbackStatus.PENDING, CallbackStatus.COMMITTED)):
+        record(database_url, operation.id, event_id=f"evt_{number}", status=status)
+
+    found = run(database_url, outbox_store.callbacks_of([operation.id]))
+
+    assert [(c.event_id, c.status) for c in found[operation.id]] == [
+        ("evt_0", "pending"),
+        ("evt_1", "committed"),
+    ]
+
+
+def test_a_callback_waits_for_the_transaction_that_holds_its_operation(
+    database_url: str, registry: Registry
+) -> None:
+    """The lock protocol: the reconciler decides with the row locked; a callback that
+    comes meanwhile waits for that decision, and is recorded after it, never lost and
+    never decided around."""
+    operation = new_operation(database_url, registry)
+    receipts: list[CallbackReceipt] = []
+    with psycopg.connect(database_url) as holder:
+        holder.execute("SELECT 1 FROM operations WHERE id = %s FOR UPDATE", (operation.id,))
+        recorder = threading.Thread(
+            target=lambda: receipts.append(record(database_url, operation.id)), daemon=True
+        )
+        recorder.start()
+        eventually_sync(
+            lambda: (
+                execute_admin(
+                    database_url,
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                == [(1,)]
+            ),
+            within=10,
+            what="the callback to wait for the operation's row",
+        )
+        assert receipts == []
+        Store(holder).run(
+            outbox_store.transition(
+                operation.id, source=S.PREPARED, target=S.ESCALATED, error_class="undeliverable"
+            )
+        )
+    recorder.join(timeout=10)
+
+    assert [receipt.result for receipt in receipts] == ["recorded"]
+    assert event_names(database_url, operation.id)[-2:] == [
+        "operation.escalated",
+        "operation.callback_received",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("event_id", "evt with space"),
+        ("event_id", "e" * 256),
+        ("event_id", "evt\x1b[2J"),
+        ("event_id", ""),
+        ("provider", "Payments"),
+        ("reference", "r" * 501),
+        ("reference", "re_\n1"),
+    ],
+)
+def test_values_outside_the_bounds_are_refused_by_the_database(
+    database_url: str, registry: Registry, field: str, value: str
+) -> None:
+    operation = new_operation(database_url, registry)
+    options: dict[str, Any] = {field: value}
+
+    with pytest.raises(DatabaseError) as refused:
+        record(database_url, operation.id, **options)
+
+    assert isinstance(refused.value.driver_error, psycopg.errors.CheckViolation)
+    assert inbox(database_url) == []
