@@ -162,8 +162,9 @@ def _translate(action: str, driver_error: psycopg.Error) -> OutboxError:
         )
     if isinstance(driver_error, psycopg.errors.ReadOnlySqlTransaction):
         return ReadOnlyDatabase(
-            f"{action}: the server is read-only (SQLSTATE 25006: a standby, or a demoted "
-            "primary); reconnecting finds the writable host"
+            f"{action}: the write was refused as read-only (SQLSTATE 25006, "
+            "ReadOnlySqlTransaction): a standby or a demoted primary, where reconnecting "
+            "finds the writable host, or a session that is read-only by design"
         )
     if isinstance(driver_error, psycopg.OperationalError) or sqlstate.startswith(
         _TRANSIENT_SQLSTATE_CLASSES

@@ -25,7 +25,7 @@ from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.console.app import MAX_BODY_BYTES, SECURITY_HEADERS, Console, create_app
 from outbox.console.config import LOOPBACK_HOSTS
 from outbox.console.security import COOKIE, LoginThrottle, Sessions
-from outbox.errors import DatabaseError
+from outbox.errors import ReadOnlyDatabase
 from outbox.models import Operation
 from outbox.store import OperationFilter, Store
 
@@ -1031,7 +1031,7 @@ def test_a_page_reads_in_a_read_only_transaction(
         evidence="pages never write",
     )
 
-    with pytest.raises(DatabaseError, match="ReadOnlySqlTransaction"):
+    with pytest.raises(ReadOnlyDatabase, match="ReadOnlySqlTransaction"):
         pages._db(app_console.settings, lambda runner: runner.run(write))
     assert ops.get(op.id).state is S.ESCALATED
 
