@@ -187,7 +187,7 @@ class PrivatePostgres:
     def execute(self, sql: str, database: str = "postgres") -> list[tuple[object, ...]]:
         """Run one statement in autocommit and return its rows (none for a command)."""
         with psycopg.connect(self.url(database), autocommit=True, connect_timeout=10) as conn:
-            cursor = conn.execute(sql)  # type: ignore[arg-type]
+            cursor = conn.execute(sql)
             return list(cursor.fetchall()) if cursor.description else []
 
     def wait_until_accepting_writes(self, deadline_seconds: float = COMMAND_SECONDS) -> None:
