@@ -210,8 +210,9 @@ class Settings(BaseSettings):
     undeliverable_after_requeues: int = Field(
         default=3,
         ge=1,
-        description="a prepared operation queued again this many times without reaching a "
-        "consumer that can run it is escalated to a person",
+        description="a prepared operation queued again this many times, and refused this "
+        "many times by consumers that cannot run it (the latest message too), is escalated "
+        "to a person; requeues after timeouts or database errors never count",
     )
     approval_denial_grace: timedelta = Field(
         default=timedelta(minutes=15),

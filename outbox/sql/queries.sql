@@ -366,16 +366,21 @@ WITH stale AS (
 SELECT operation_id FROM queued
 
 -- name: escalate_undeliverable
--- prepared -> escalated for stale operations already queued again `cycles` times that still reached no consumer (an unknown tool, a poison message): the third ending, with the requeues and the last dead-letter reason as evidence.
+-- prepared -> escalated for stale operations that consumers positively refused: queued again `cycles` times, refused (an operation.dead_lettered event, written by a consumer that cannot run it) at least `cycles` times, the latest message refused too. A requeue whose message only met timeouts or an unavailable database carries no refusal and never counts. The third ending, with the requeues, refusals and the last refusal's reason as evidence.
 WITH stale AS (
-    SELECT o.id,
-           (SELECT count(*) FROM operation_events r
-            WHERE r.operation_id = o.id AND r.name = 'operation.requeued'
-              AND r.attributes ->> 'reason' = 'no_delivery') AS requeues,
-           (SELECT d.attributes ->> 'reason' FROM operation_events d
-            WHERE d.operation_id = o.id AND d.name = 'operation.dead_lettered'
-            ORDER BY d.id DESC LIMIT 1) AS last_dead_letter
+    SELECT o.id, evidence.requeues, evidence.refusals, evidence.last_dead_letter
     FROM operations o
+    CROSS JOIN LATERAL (
+        SELECT count(*) FILTER (WHERE e.name = 'operation.requeued'
+                                  AND e.attributes ->> 'reason' = 'no_delivery') AS requeues,
+               count(*) FILTER (WHERE e.name = 'operation.dead_lettered') AS refusals,
+               max(e.id) FILTER (WHERE e.name = 'operation.requeued') AS last_requeue,
+               max(e.id) FILTER (WHERE e.name = 'operation.dead_lettered') AS last_refusal,
+               (array_agg(e.attributes ->> 'reason' ORDER BY e.id DESC)
+                    FILTER (WHERE e.name = 'operation.dead_lettered'))[1] AS last_dead_letter
+        FROM operation_events e
+        WHERE e.operation_id = o.id
+    ) evidence
     WHERE o.state = 'prepared'
       AND o.next_attempt_at < clock_timestamp() - %(stale_after)s::interval
       AND NOT EXISTS (
@@ -384,9 +389,9 @@ WITH stale AS (
             AND (b.published_at IS NULL
                  OR b.published_at > clock_timestamp() - %(stale_after)s::interval)
       )
-      AND (SELECT count(*) FROM operation_events r
-           WHERE r.operation_id = o.id AND r.name = 'operation.requeued'
-             AND r.attributes ->> 'reason' = 'no_delivery') >= %(cycles)s
+      AND evidence.requeues >= %(cycles)s
+      AND evidence.refusals >= %(cycles)s
+      AND evidence.last_refusal > evidence.last_requeue
     ORDER BY o.next_attempt_at
     LIMIT %(limit)s
     FOR UPDATE OF o SKIP LOCKED
@@ -400,7 +405,7 @@ WITH stale AS (
     INSERT INTO operation_events (operation_id, name, attributes)
     SELECT m.id, 'operation.escalated',
            jsonb_build_object('from', 'prepared', 'to', 'escalated', 'reason', 'undeliverable',
-                              'requeues', s.requeues,
+                              'requeues', s.requeues, 'refusals', s.refusals,
                               'last_dead_letter', coalesce(s.last_dead_letter, 'unknown'))
     FROM moved m JOIN stale s ON s.id = m.id
 )

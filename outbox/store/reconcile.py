@@ -71,10 +71,12 @@ def requeue_stale_prepared(stale_after: timedelta, limit: int) -> Plan[list[UUID
 def escalate_undeliverable(
     stale_after: timedelta, cycles: int, limit: int
 ) -> Plan[list[tuple[UUID, str]]]:
-    """Hand to a person the stale prepared operations already queued again ``cycles``
-    times: their messages keep reaching no consumer that can run them (an unknown tool,
-    a poison message), and queueing them once more would loop forever. Returns each
-    one's id and tool."""
+    """Hand to a person the stale prepared operations that consumers positively refused:
+    queued again ``cycles`` times, refused (an ``operation.dead_lettered`` event: a
+    consumer without the tool) at least ``cycles`` times, the latest message refused
+    too. Queueing them once more would loop forever. A requeue whose message met only
+    timeouts, an unavailable database or a slow queue carries no refusal and never
+    counts: slowness is not evidence. Returns each one's id and tool."""
     rows = yield Step(
         "escalate_undeliverable", {"stale_after": stale_after, "cycles": cycles, "limit": limit}
     )

@@ -152,6 +152,7 @@ async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
         "to": "escalated",
         "reason": "undeliverable",
         "requeues": 2,
+        "refusals": 3,
         "last_dead_letter": "unknown_tool",
     }
     assert (
@@ -163,6 +164,50 @@ async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
         )
         == 1
     )
+
+
+async def test_requeues_with_no_refusal_never_escalate(
+    settings: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    # Messages that met only our own timeouts or an unavailable database: the sweep
+    # queues the operation again as often as it goes stale, and never hands it to a
+    # person, since no consumer ever said it cannot run it.
+    slow = decide(engine, registry)
+    consumer_settings = sweeping(settings, undeliverable_after_requeues=2)
+    for _ in range(4):
+        messages_long_gone(database_url, slow.id)
+        await sweep(consumer_settings, registry)
+    assert operation(database_url, slow.id).state is S.PREPARED
+    assert event_names(database_url, slow.id).count("operation.requeued") == 4
+
+
+async def test_an_old_refusal_does_not_escalate_what_is_now_delivered_nowhere(
+    settings: Settings, engine: Any, database_url: str
+) -> None:
+    # Refused by consumers without the tool (a rolling deploy), then requeued while the
+    # new consumers could not finish it: the latest message was not refused, so the
+    # refusals are no evidence that it is undeliverable now.
+    everything = build_registry()
+    refunds_only = ToolRegistry()
+    refunds_only.register(everything.get("send_refund"))
+    orphan = decide(engine, everything, tool="open_ticket")
+    row = operation(database_url, orphan.id)
+    envelope = OperationMessage(
+        operation_id=orphan.id, outbox_id=1, tool=row.tool_name, tool_version=row.tool_version,
+        input_fingerprint=row.input_fingerprint,
+    )  # fmt: skip
+    consumer_settings = sweeping(settings, undeliverable_after_requeues=2)
+    for _ in range(2):
+        consumer = Consumer(consumer_settings, refunds_only)
+        try:
+            await consumer.claim(envelope)
+        finally:
+            await consumer.close()
+        messages_long_gone(database_url, orphan.id)
+        await sweep(consumer_settings, refunds_only)
+    messages_long_gone(database_url, orphan.id)
+    await sweep(consumer_settings, refunds_only)
+    assert operation(database_url, orphan.id).state is S.PREPARED
 
 
 @pytest.mark.parametrize("amount_cents", [100, 60_000])

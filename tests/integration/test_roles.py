@@ -774,6 +774,8 @@ def test_the_consumer_executes_reconciles_and_escalates(
         "UPDATE outbox SET published_at = now() - interval '1 hour' WHERE operation_id = %s",
         (stale.id,),
     )
+    # A consumer without its tool refused the requeued message: the evidence.
+    run(consumer, outbox_store.append_event(stale, EventName.DEAD_LETTERED, {"reason": "x"}))
     assert run(consumer, outbox_store.escalate_undeliverable(timedelta(0), 1, 10)) == [
         (stale.id, "send_refund")
     ]
