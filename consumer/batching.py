@@ -15,15 +15,20 @@ class Batcher(Generic[ItemT, ResultT]):
 
     A flush of one item starts as soon as one is submitted, so an idle consumer adds no
     wait; under load each flush takes everything that queued up meanwhile (up to
-    ``limit``). ``flush`` returns one result per item, in order. A flush that raises
-    raises in every submitter of its batch, and one that is cancelled cancels them.
+    ``limit``, read at each flush when it is a callable). ``flush`` returns one result
+    per item, in order. A flush that raises raises in every submitter of its batch, and
+    one that is cancelled cancels them.
     """
 
     def __init__(
-        self, flush: Callable[[list[ItemT]], Awaitable[list[ResultT]]], *, limit: int
+        self,
+        flush: Callable[[list[ItemT]], Awaitable[list[ResultT]]],
+        *,
+        limit: int | Callable[[], int],
     ) -> None:
         self._flush = flush
-        self._limit = max(1, limit)
+        # A callable is read at each flush: the consumer's backpressure narrows bursts.
+        self._limit = limit
         self._queue: list[tuple[ItemT, asyncio.Future[ResultT]]] = []
         self._running: asyncio.Task[None] | None = None
 
@@ -37,7 +42,8 @@ class Batcher(Generic[ItemT, ResultT]):
 
     async def _run(self) -> None:
         while self._queue:
-            batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
+            limit = max(1, self._limit() if callable(self._limit) else self._limit)
+            batch, self._queue = self._queue[:limit], self._queue[limit:]
             try:
                 results = await self._flush([item for item, _ in batch])
             except asyncio.CancelledError:

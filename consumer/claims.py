@@ -86,7 +86,7 @@ class Claims:
         self.metrics = metrics
         self.database = database
         self.worker_id = worker_id
-        self._batcher = Batcher(self._prepare_many, limit=settings.prefetch)
+        self._batcher = Batcher(self._prepare_many, limit=lambda: database.pacing.limit)
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
         """Load, check and claim one delivery, in the transaction of its burst."""

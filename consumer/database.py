@@ -3,8 +3,10 @@ policy's decisions as store plans."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -15,8 +17,10 @@ from consumer.telemetry import log
 from outbox import lifecycle, store
 from outbox.bounds import unreadable_reason
 from outbox.connections import DatabaseBounds, SessionPool
+from outbox.daemon import is_transient_database_error
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
+from outbox.pacing import AIMDLimit
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import AsyncStore, Plan
@@ -28,10 +32,12 @@ APPLICATION_NAME = "outbox-consumer"
 
 
 class Database:
-    """The pool the worker and the reconciler share, and what they read once from it."""
+    """The pool the worker and the reconciler share, what they read once from it, and
+    how much work the consumer takes on while it keeps up (:attr:`pacing`)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: ConsumerMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.bounds = DatabaseBounds.from_settings(settings)
         self.fingerprint_key: str | None = None
         """Read with the first transaction that needs it: spans show keyed short
@@ -39,11 +45,32 @@ class Database:
         self.sessions = SessionPool(
             self._connect,
             transaction_seconds=self.bounds.transaction,
+            hard_seconds=self.bounds.hard_transaction,
+            on_slow=self._slow,
             # A burst's claim and its outcomes each take one transaction, and the
             # reconciler one more: a few connections stay open, more open on demand.
             idle=4,
             most=settings.prefetch + 6,
         )
+        self.limit_changed = asyncio.Event()
+        """Set when :attr:`pacing` moved: the consumer applies it as its prefetch."""
+        # A transaction that takes half its soft deadline is a database falling behind:
+        # narrow before the deadlines start cutting.
+        self.pacing = AIMDLimit(
+            most=settings.prefetch,
+            slow_after=self.bounds.transaction / 2,
+            on_change=self._limit_moved,
+        )
+        self._limit_moved(self.pacing.limit)
+
+    def _slow(self, verdict: str) -> None:
+        if self.metrics is not None:
+            self.metrics.slow_transactions.labels(verdict).inc()
+
+    def _limit_moved(self, limit: int) -> None:
+        if self.metrics is not None:
+            self.metrics.limit.labels("prefetch").set(limit)
+        self.limit_changed.set()
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         return await psycopg.AsyncConnection.connect(
@@ -58,9 +85,16 @@ class Database:
         never holds an operation's row beyond the lease. The lifecycle lines its plans
         emit are written once it commits, and dropped if it rolls back: a line never
         reports a move the database did not keep."""
-        with lifecycle.held() as lines:
-            async with self.sessions.transaction() as connection:
-                yield connection
+        began = time.monotonic()
+        try:
+            with lifecycle.held() as lines:
+                async with self.sessions.transaction() as connection:
+                    yield connection
+        except Exception as error:
+            if is_transient_database_error(error):
+                self.pacing.overloaded()
+            raise
+        self.pacing.observe(time.monotonic() - began)
         lifecycle.write_all(lines)
 
     async def run(self, plan: Plan[T]) -> T:

@@ -29,7 +29,7 @@ class Effects:
         self.settings = settings
         self.metrics = metrics
         self.database = database
-        self._commits = Batcher(self._record_many, limit=settings.prefetch)
+        self._commits = Batcher(self._record_many, limit=lambda: database.pacing.limit)
 
     async def attempt(self, claimed: Claimed, traceparent: str | None = None) -> Attempt:
         """Call the tool once for ``claimed``, in a span that continues the decision's

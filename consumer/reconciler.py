@@ -5,6 +5,12 @@ operations whose worker died holding the lease: an expired lease means *outcome
 unknown*, not "retry". Every few passes it also sweeps prepared operations that no
 message reaches any more. It runs as a loop beside the consumer's deliveries, in the
 same process; what it decides comes from :mod:`consumer.policy`.
+
+Under overload it gets slower, never louder: one pass at a time (reconciling and
+sweeping share one loop), a failed pass waits an exponential, jittered backoff before
+the next, and the batch a pass takes narrows when passes fail and widens again when
+they succeed (:class:`~outbox.pacing.AIMDLimit`, exported as
+``outbox_consumer_limit{limit="reconcile_batch"}``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
 from consumer.telemetry import log, observe_outcome, span_attributes
 from outbox import store, tracing
+from outbox.backoff import Backoff, jittered
 from outbox.bounds import is_unreadable
 from outbox.contracts import Registry, ToolContract
 from outbox.daemon import is_transient_database_error
@@ -37,6 +44,7 @@ from outbox.outcomes import (
     Reconciliation,
     StillUnknown,
 )
+from outbox.pacing import AIMDLimit
 from outbox.settings import Settings
 from outbox.signals import Stoppable
 from outbox.states import OperationState
@@ -46,6 +54,9 @@ S = OperationState
 
 STALE_SWEEP_SECONDS = 30.0
 RECONCILER_BACKOFF_SECONDS = 1.0
+# A failed pass waits 1 s doubling to 30 s (jittered) before the next: a struggling
+# database is not asked again at the reconcile interval by every consumer at once.
+RECONCILER_LONGEST_BACKOFF_SECONDS = 30.0
 
 
 class Reconciler(Stoppable):
@@ -65,26 +76,43 @@ class Reconciler(Stoppable):
         self.database = database
         self.worker_id = worker_id
         self.callbacks = Callbacks(registry, metrics, database, batch=settings.reconcile_batch)
+        self.pacing = AIMDLimit(
+            most=settings.reconcile_batch,
+            on_change=lambda limit: metrics.limit.labels("reconcile_batch").set(limit),
+        )
+        metrics.limit.labels("reconcile_batch").set(self.pacing.limit)
+        self.backoff = Backoff(
+            first=RECONCILER_BACKOFF_SECONDS, longest=RECONCILER_LONGEST_BACKOFF_SECONDS
+        )
 
     async def run(self) -> None:
-        """Reconcile and sweep until :meth:`stop`, outliving any failed pass."""
-        last_sweep = 0.0
+        """Reconcile and sweep until :meth:`stop`, outliving any failed pass; one pass
+        at a time, with a jittered backoff after each failed one."""
+        next_sweep = 0.0
         while not self.stopping:
             try:
-                if time.monotonic() - last_sweep > self._stale_sweep_seconds:
-                    last_sweep = time.monotonic()
+                if time.monotonic() >= next_sweep:
+                    # Jittered: consumers started together do not sweep in lockstep.
+                    next_sweep = time.monotonic() + jittered(self._stale_sweep_seconds)
                     await self.requeue_stale()
                 busy = await self.reconcile_once()
+                self.pacing.succeeded()
+                self.backoff.reset()
             except Exception as error:
                 busy = 0
+                self.pacing.overloaded()
                 if isinstance(error, OutboxError) or is_transient_database_error(error):
                     # The loop outlives any one failure: it is what settles unknown outcomes.
+                    delay = self.backoff.next_delay()
                     log(
                         logging.WARNING,
                         "consumer.reconcile_failed",
-                        "a reconciler pass failed; the next one retries",
+                        "a reconciler pass failed; the next one retries after a backoff",
                         error=type(error).__name__,
+                        retry_in=round(delay, 2),
+                        batch=self.pacing.limit,
                     )
+                    await self._sleep(delay)
                 else:
                     # Nor an unforeseen one: a reconciler that died while this process
                     # goes on consuming would leave expired leases and unknown outcomes
@@ -111,18 +139,17 @@ class Reconciler(Stoppable):
         queued again too often already; end as rejected those whose approval was denied
         and never granted. Nothing prepared waits forever. Returns the requeued ids."""
         settings = self.settings
+        batch = self.pacing.limit
         escalated = await self.database.run(
             store.escalate_undeliverable(
-                settings.requeue_stale_after,
-                settings.undeliverable_after_requeues,
-                settings.reconcile_batch,
+                settings.requeue_stale_after, settings.undeliverable_after_requeues, batch
             )
         )
         requeued = await self.database.run(
-            store.requeue_stale_prepared(settings.requeue_stale_after, settings.reconcile_batch)
+            store.requeue_stale_prepared(settings.requeue_stale_after, batch)
         )
         rejected = await self.database.run(
-            store.reject_denied_operations(settings.approval_denial_grace, settings.reconcile_batch)
+            store.reject_denied_operations(settings.approval_denial_grace, batch)
         )
         for _, tool in escalated:
             self.metrics.escalations.labels(tool, "undeliverable").inc()
@@ -149,9 +176,7 @@ class Reconciler(Stoppable):
         async with self.database.transaction() as connection:
             runner = await AsyncStore.on(connection)
             await self.database.remember_fingerprint_key(runner)
-            candidates = await runner.run(
-                store.claim_reconciliation_batch(self.settings.reconcile_batch)
-            )
+            candidates = await runner.run(store.claim_reconciliation_batch(self.pacing.limit))
             # Read after the rows were locked: a callback recorded from here on waits for
             # this transaction, one recorded before it is decided with.
             callbacks = await self.callbacks.pending_of(runner, candidates) if candidates else {}

@@ -8,6 +8,7 @@ from typing import Any
 
 from consumer.policy import AttemptOutcome, EscalationReason
 from outbox import tracing
+from outbox.connections import SLOW_VERDICTS
 from outbox.contracts import Registry, ToolContract
 from outbox.decisions import TAMPER_CHECKS
 from outbox.fingerprint_key import keyed_fingerprint
@@ -96,6 +97,7 @@ def prime_metrics(metrics: ConsumerMetrics, registry: Registry) -> None:
     prime(metrics.unreadable, tools, UNREADABLE_COLUMNS)
     prime(metrics.callbacks_applied, tools, CALLBACK_OUTCOMES)
     prime(metrics.callbacks_contradicted, tools)
+    prime(metrics.slow_transactions, SLOW_VERDICTS)
 
 
 def observe_outcome(metrics: ConsumerMetrics, moved: Operation) -> None:

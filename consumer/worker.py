@@ -7,11 +7,14 @@ id as idempotency key and a deadline -> record the outcome under the fencing tok
 ack. A delivery whose claim fails is a duplicate: acked, counted, never executed.
 
 This module keeps the delivery loop: broker sessions, a task per delivery, acks,
-dead letters and nacks. The claim and its checks are :mod:`consumer.claims`, the call
-and its record :mod:`consumer.effects`; what an outcome leads to is decided in
-:mod:`consumer.policy`; unknown outcomes and expired leases are the
-:class:`~consumer.reconciler.Reconciler`'s, which runs beside the deliveries in the
-same process.
+dead letters and nacks. A delivery whose claim or record meets a database that is away
+or too slow stays unacknowledged in hand and is tried again with backoff: a nack would
+count toward the queue's delivery limit and dead-letter it within seconds of an outage,
+for a fault of ours. Meanwhile the prefetch narrows (:mod:`outbox.pacing`). The claim
+and its checks are :mod:`consumer.claims`, the call and its record
+:mod:`consumer.effects`; what an outcome leads to is decided in :mod:`consumer.policy`;
+unknown outcomes and expired leases are the :class:`~consumer.reconciler.Reconciler`'s,
+which runs beside the deliveries in the same process.
 """
 
 from __future__ import annotations
@@ -19,12 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from uuid import UUID
 
 import aiormq.exceptions
 import pydantic
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, ConsumerTag
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    ConsumerTag,
+)
 
 from consumer.acks import Settlement, Settlements
 from consumer.claims import Claimed, Claims, Skip
@@ -58,6 +68,17 @@ from outbox.states import OperationState
 DEFAULT_METRICS_PORT = 9465
 MAX_BODY_BYTES = 4096
 S = OperationState
+T = TypeVar("T")
+
+# A delivery the database cannot take yet is tried again after 0.5 s, doubling to 5 s:
+# a database back from an outage is in use within seconds, and a held burst costs it a
+# connect attempt per delivery per few seconds meanwhile.
+HOLD_FIRST_RETRY_SECONDS = 0.5
+HOLD_LONGEST_RETRY_SECONDS = 5.0
+# Held longer than this, a delivery goes back to the queue after all: RabbitMQ closes
+# a channel whose delivery stays unacknowledged past its consumer_timeout (30 min by
+# default), which would return every delivery of the channel at once.
+HOLD_AT_MOST_SECONDS = 600.0
 
 
 class Consumer(Daemon):
@@ -77,7 +98,7 @@ class Consumer(Daemon):
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
         prime_metrics(self.metrics, registry)
-        self.database = Database(settings)
+        self.database = Database(settings, self.metrics)
         self.reconciler = Reconciler(
             settings, registry, self.metrics, self.database, worker_id=self.worker_id
         )
@@ -196,11 +217,13 @@ class Consumer(Daemon):
             self.log(logging.INFO, "session_ready", "session ready")
             stop = asyncio.ensure_future(self.wait_for_stop())
             lost = asyncio.ensure_future(closed.wait())
+            pacing = asyncio.create_task(self._apply_prefetch(declared.queue.channel))
             try:
                 await asyncio.wait([stop, lost], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stop.cancel()
                 lost.cancel()
+                pacing.cancel()
             self._set_broker_ready(False)
             if closed.is_set() and not self.stopping:
                 raise aiormq.exceptions.AMQPConnectionError(
@@ -220,7 +243,7 @@ class Consumer(Daemon):
         # leader moving after a restart), leaves the connection open and nothing
         # consuming: a session that ends that way is lost like a closed connection.
         channel.close_callbacks.add(lambda *_: closed.set())
-        await channel.set_qos(prefetch_count=self.settings.prefetch)
+        await channel.set_qos(prefetch_count=self.database.pacing.limit)
         declared = await establish_topology(
             channel, self._topology, declare=self.settings.declare_topology
         )
@@ -236,6 +259,30 @@ class Consumer(Daemon):
             await self._on_message(message, settlements)
 
         return declared, await declared.queue.consume(on_message)
+
+    async def _apply_prefetch(self, channel: AbstractChannel) -> None:
+        """Apply each new backpressure limit as the channel's prefetch (``basic.qos``):
+        a narrowed consumer is sent fewer deliveries, not handed them and sent back."""
+        applied = self.database.pacing.limit
+        while True:
+            await self.database.limit_changed.wait()
+            self.database.limit_changed.clear()
+            limit = self.database.pacing.limit
+            if limit == applied:
+                continue
+            try:
+                await channel.set_qos(prefetch_count=limit)
+            except Exception as error:
+                # The session's to notice a lost channel; this one only stops pacing it.
+                log(
+                    logging.WARNING,
+                    "consumer.prefetch_failed",
+                    "could not apply a new prefetch",
+                    error=type(error).__name__,
+                )
+                return
+            applied = limit
+            log(logging.INFO, "consumer.prefetch", "prefetch changed", prefetch=limit)
 
     async def _on_message(self, message: AbstractIncomingMessage, settlements: Settlements) -> None:
         # aiormq runs this as a task of the channel and cancels it when the channel
@@ -283,7 +330,7 @@ class Consumer(Daemon):
         except pydantic.ValidationError:
             return await self._dead_letter(message, settlements, "malformed")
         try:
-            claimed = await self.claim(envelope)
+            claimed = await self._holding(lambda: self.claim(envelope))
         except Exception as error:
             if not is_transient_database_error(error):
                 raise
@@ -298,7 +345,7 @@ class Consumer(Daemon):
         headers = message.headers or {}
         attempt = await self.attempt(claimed, tracing.valid_traceparent(headers.get("traceparent")))
         try:
-            await self.record(claimed, attempt)
+            await self._holding(lambda: self.record(claimed, attempt))
         except Exception as error:
             if not is_transient_database_error(error):
                 raise
@@ -308,6 +355,34 @@ class Consumer(Daemon):
         self.metrics.deliveries.labels("processed").inc()
         await settlements.settle(message, Settlement.ACK)
         return "processed"
+
+    async def _holding(self, step: Callable[[], Awaitable[T]]) -> T:
+        """``step``, tried again with backoff while the database is away or too slow,
+        the delivery unacknowledged in hand meanwhile. Raises the database's error once
+        this consumer stops or has held it :data:`HOLD_AT_MOST_SECONDS`."""
+        backoff = Backoff(first=HOLD_FIRST_RETRY_SECONDS, longest=HOLD_LONGEST_RETRY_SECONDS)
+        held_since = time.monotonic()
+        while True:
+            try:
+                return await step()
+            except Exception as error:
+                if (
+                    not is_transient_database_error(error)
+                    or self.stopping
+                    or time.monotonic() - held_since > HOLD_AT_MOST_SECONDS
+                ):
+                    raise
+                delay = backoff.next_delay()
+                self.metrics.deliveries_held.inc()
+                log(
+                    logging.WARNING,
+                    "consumer.database_unavailable",
+                    "the database is away or too slow; the delivery stays in hand",
+                    error=type(error).__name__,
+                    attempt=backoff.failures,
+                    retry_in=round(delay, 2),
+                )
+                await self._sleep(delay)
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
         """Load, check and claim (see :class:`consumer.claims.Claims`)."""
@@ -342,11 +417,11 @@ class Consumer(Daemon):
         self.metrics.deliveries.labels("retry_later").inc()
         log(
             logging.WARNING,
-            "consumer.database_unavailable",
-            "the database is unavailable; the message goes back to the queue",
+            "consumer.delivery_returned",
+            "the database stayed away while this consumer stopped or held the delivery "
+            "too long; it goes back to the queue",
             error=type(error).__name__,
         )
-        await self._sleep(1.0)
         await settlements.settle(message, Settlement.REQUEUE)
         return "retry_later"
 

@@ -27,10 +27,11 @@ from dispatcher.publisher import PUBLISH_FAILURE_REASONS, Publisher, PublishOutc
 from outbox import store
 from outbox.backoff import jittered
 from outbox.broker import BrokerUnavailable, Topology
-from outbox.connections import DatabaseBounds, deadline
+from outbox.connections import SLOW_VERDICTS, DatabaseBounds, LivenessProbe, deadline
 from outbox.daemon import PEERS, Daemon, is_transient
 from outbox.errors import OutboxError, TransientDatabaseError
 from outbox.metrics import QUEUES, DispatcherMetrics, prime
+from outbox.pacing import AIMDLimit
 from outbox.settings import Settings, redact_url
 from outbox.store import AsyncStore, FailedPublish
 
@@ -71,6 +72,17 @@ class Dispatcher(Daemon):
         self.database_bounds = DatabaseBounds.from_settings(
             settings, held_open_for=settings.publish_timeout
         )
+        prime(self.metrics.slow_transactions, SLOW_VERDICTS)
+        # A batch past its soft deadline is cut only if its link is silent.
+        self.probe = LivenessProbe(lambda: self._open_database(autocommit=True))
+        # Backpressure against a slow broker or database: a batch that fails, or whose
+        # confirms take half the publish timeout, halves the next batches.
+        self.pacing = AIMDLimit(
+            most=settings.batch_size,
+            slow_after=settings.publish_timeout / 2,
+            on_change=lambda limit: self.metrics.limit.labels("batch").set(limit),
+        )
+        self.metrics.limit.labels("batch").set(self.pacing.limit)
         self._wake = asyncio.Event()
         self._healthy = False
         self._last_tick = 0.0
@@ -87,6 +99,12 @@ class Dispatcher(Daemon):
 
     async def run(self) -> None:
         """Run until :meth:`stop`: serve metrics, dispatch, prune published rows."""
+        try:
+            await self._run()
+        finally:
+            await self.probe.close()
+
+    async def _run(self) -> None:
         async with self.serving(
             self.metrics.registry,
             database=redact_url(self.settings.libpq_url),
@@ -182,14 +200,15 @@ class Dispatcher(Daemon):
         self, database: psycopg.AsyncConnection[Any], publisher: Publisher, tally: _Tally
     ) -> None:
         while not self.stopping:
-            outcome = await self._batch(database, publisher)
+            limit = self.pacing.limit
+            outcome = await self._batch(database, publisher, limit)
             if outcome is None:
                 return
             tally.published += len(outcome.published)
             tally.failed += len(outcome.failed)
             if outcome.connection_lost:
                 raise BrokerUnavailable("the broker connection failed during a batch")
-            if len(outcome.published) + len(outcome.failed) < self.settings.batch_size:
+            if len(outcome.published) + len(outcome.failed) < limit:
                 return
             if not outcome.published:
                 return  # a full batch that all failed: retrying now would fail the same way
@@ -219,14 +238,39 @@ class Dispatcher(Daemon):
     # --- one batch -------------------------------------------------------------------
 
     async def _batch(
-        self, database: psycopg.AsyncConnection[Any], publisher: Publisher
+        self, database: psycopg.AsyncConnection[Any], publisher: Publisher, limit: int
     ) -> PublishOutcome | None:
-        """Claim, publish, mark, commit. None when nothing was available. A link that
-        goes silent meanwhile costs the connection, never the rows: they stay claimable
-        once the server ends the stalled session."""
-        async with deadline(database, self.database_bounds.transaction), database.transaction():
+        """Claim at most ``limit`` rows, publish, mark, commit. None when nothing was
+        available. A link that goes silent meanwhile costs the connection, never the
+        rows: they stay claimable once the server ends the stalled session."""
+        began = asyncio.get_running_loop().time()
+        try:
+            outcome = await self._publish_batch(database, publisher, limit)
+        except Exception as error:
+            if is_transient(error):
+                self.pacing.overloaded()
+            raise
+        if outcome is not None and (outcome.failed or outcome.connection_lost):
+            self.pacing.overloaded()
+        elif outcome is not None:
+            self.pacing.observe(asyncio.get_running_loop().time() - began)
+        return outcome
+
+    async def _publish_batch(
+        self, database: psycopg.AsyncConnection[Any], publisher: Publisher, limit: int
+    ) -> PublishOutcome | None:
+        async with (
+            deadline(
+                database,
+                self.database_bounds.transaction,
+                hard=self.database_bounds.hard_transaction,
+                probe=self.probe,
+                on_slow=lambda verdict: self.metrics.slow_transactions.labels(verdict).inc(),
+            ),
+            database.transaction(),
+        ):
             runner = await AsyncStore.on(database)
-            rows = await runner.run(store.claim_outbox_batch(self.settings.batch_size))
+            rows = await runner.run(store.claim_outbox_batch(limit))
             if not rows:
                 return None
             started = asyncio.get_running_loop().time()

@@ -10,15 +10,21 @@ dispatcher skips (``SKIP LOCKED``) is never published. Three layers end it:
   link whose peer stopped answering, for a session idle in the pool or mid-statement;
 - client, event loop: every daemon transaction runs under a deadline; when it passes,
   the connection's socket is shut down, so whatever libpq waits for fails at once
-  (a cooperative cancel would first ask the silent server to cancel, and wait);
+  (a cooperative cancel would first ask the silent server to cancel, and wait). The
+  deadline bounds a *silent* link, not a slow server: at the soft deadline
+  (``transaction``) a :class:`LivenessProbe` asks the server, on a connection of its
+  own, whether it is working on the transaction's backend; a transaction the server is
+  working on runs on until the hard deadline (``hard_transaction``), one whose link is
+  silent (no answer, or a backend waiting for a client that never speaks) is cut;
 - server: ``idle_in_transaction_session_timeout``, ``statement_timeout`` and
   ``lock_timeout`` are set for every daemon session, so the server ends a session
   whose client went away and releases its locks even if the client never comes back.
 
 All defaults derive from the lease margin (:class:`DatabaseBounds`): a record
-transaction starts at the latest one margin before the lease expires; cut by the client
-within half a margin and by the server within half a margin of its last statement, its
-locks are gone before the lease runs out, so the reconciler can always take over.
+transaction starts at the latest one margin before the lease expires; checked by the
+client at a quarter margin, cut by it within half a margin and by the server within half
+a margin of its last statement, its locks are gone before the lease runs out, so the
+reconciler can always take over.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +42,14 @@ import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox import store
 from outbox.errors import TransientDatabaseError
 from outbox.settings import Settings
 
 # The settings every daemon offers as flags for the bounds below.
 DATABASE_BOUND_SETTINGS = (
     "db_transaction_timeout",
+    "db_transaction_hard_timeout",
     "db_statement_timeout",
     "db_lock_timeout",
     "db_idle_in_transaction_timeout",
@@ -52,6 +61,23 @@ DATABASE_BOUND_SETTINGS = (
 )
 
 
+# What a transaction past its soft deadline came to (the verdict label of
+# outbox_database_slow_transactions_total): the server was working on it and it ran on,
+# its link was silent and it was cut, or it was still running at the hard deadline.
+SLOW_WORKING = "working"
+SLOW_SILENT = "silent"
+SLOW_OVERRAN = "overran"
+SLOW_VERDICTS = (SLOW_WORKING, SLOW_SILENT, SLOW_OVERRAN)
+# How long a probe may take to answer, and how often a slow transaction is asked about
+# again: a silent link fails the probe, and a server that went silent after a first
+# answer is caught by the next one.
+PROBE_SECONDS = 2.0
+# A backend between statements (idle in its transaction) still counts as working if its
+# state changed this recently: the client is sending its next statement. One that has
+# waited longer waits for a client that does not hear it.
+RECENT_STATE_SECONDS = 1.0
+
+
 class TransactionDeadlineExceeded(TransientDatabaseError):
     """A transaction outlived its deadline and its connection was cut; what it wrote is
     rolled back by the server, or committed if the commit had already landed."""
@@ -59,9 +85,12 @@ class TransactionDeadlineExceeded(TransientDatabaseError):
 
 @dataclass(frozen=True)
 class DatabaseBounds:
-    """How long each part of a daemon's database session may last, in seconds."""
+    """How long each part of a daemon's database session may last, in seconds.
+    ``transaction`` is the soft deadline (past it, the link is checked);
+    ``hard_transaction`` cuts a transaction the server is still working on."""
 
     transaction: float
+    hard_transaction: float
     statement: float
     lock: float
     idle_in_transaction: float
@@ -76,13 +105,14 @@ class DatabaseBounds:
         """The bounds for a daemon; ``held_open_for`` is how long it may legitimately
         keep a transaction open between statements (the dispatcher waits for the
         broker's confirms inside its batch transaction)."""
-        transaction = settings.db_transaction_timeout or settings.lease_margin / 2
+        soft = settings.db_transaction_timeout or settings.lease_margin / 4
+        hard = max(soft, settings.db_transaction_hard_timeout or settings.lease_margin / 2)
         return cls(
-            transaction=transaction + held_open_for,
-            statement=settings.db_statement_timeout or transaction,
-            lock=settings.db_lock_timeout or transaction / 2,
-            idle_in_transaction=(settings.db_idle_in_transaction_timeout or transaction)
-            + held_open_for,
+            transaction=soft + held_open_for,
+            hard_transaction=hard + held_open_for,
+            statement=settings.db_statement_timeout or hard,
+            lock=settings.db_lock_timeout or hard / 2,
+            idle_in_transaction=(settings.db_idle_in_transaction_timeout or hard) + held_open_for,
             tcp_user_timeout=settings.db_tcp_user_timeout,
             keepalives_idle=settings.db_keepalives_idle,
             keepalives_interval=settings.db_keepalives_interval,
@@ -117,6 +147,7 @@ class DatabaseBounds:
         """Every bound as log fields, for a daemon's start line."""
         return {
             "db_transaction_s": self.transaction,
+            "db_transaction_hard_s": self.hard_transaction,
             "db_statement_s": self.statement,
             "db_idle_in_transaction_s": self.idle_in_transaction,
             "db_lock_s": self.lock,
@@ -148,30 +179,143 @@ def sever(connection: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) ->
         duplicate.shutdown(socket.SHUT_RDWR)
 
 
-@contextlib.asynccontextmanager
-async def deadline(connection: psycopg.AsyncConnection[Any], seconds: float) -> AsyncIterator[None]:
-    """Run the body with ``connection`` cut when ``seconds`` pass; a body that fails
-    after the cut raises :class:`TransactionDeadlineExceeded`."""
-    loop = asyncio.get_running_loop()
-    cut = False
+class LivenessProbe:
+    """Asks the server, on a connection of its own, whether it is working on a backend.
 
-    def cut_link() -> None:
+    Working: the backend runs a statement (``active``, waiting for a lock or the disk
+    included), or changed state within :data:`RECENT_STATE_SECONDS`. A silent link fails
+    the probe: no answer within ``timeout`` is silence, and so is a backend idle in its
+    transaction for longer, or none at all. Concurrent questions share one query, so a
+    burst of slow transactions costs the server one look at ``pg_stat_activity``.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[psycopg.AsyncConnection[Any]]],
+        *,
+        timeout: float = PROBE_SECONDS,
+    ) -> None:
+        self._connect = connect
+        self.timeout = timeout
+        self._connection: psycopg.AsyncConnection[Any] | None = None
+        self._asking: asyncio.Task[dict[int, tuple[str, float]]] | None = None
+
+    async def working(self, pid: int, *, recent: float = RECENT_STATE_SECONDS) -> bool:
+        """Whether the server is working on backend ``pid``; False when it does not
+        answer in time. A backend idle in its transaction for ``recent`` or longer
+        waits for a silent client."""
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._look())
+        try:
+            # Shielded: a transaction that ends meanwhile stops waiting, and the query
+            # others wait on goes on.
+            backends = await asyncio.shield(self._asking)
+        except Exception:
+            return False
+        state, idle_for = backends.get(pid, ("gone", 0.0))
+        return is_working(state, idle_for, recent=recent)
+
+    async def _look(self) -> dict[int, tuple[str, float]]:
+        try:
+            async with asyncio.timeout(self.timeout):
+                if self._connection is None or self._connection.closed:
+                    self._connection = await self._connect()
+                    await self._connection.set_autocommit(True)
+                return await (
+                    await store.AsyncStore.on(self._connection, require_transaction=False)
+                ).run(store.backend_activity())
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            sever(connection)
+            with contextlib.suppress(Exception):
+                await connection.close()
+
+
+def is_working(state: str, idle_for: float, *, recent: float = RECENT_STATE_SECONDS) -> bool:
+    """The liveness decision: is a backend in ``state`` (``pg_stat_activity.state``),
+    unchanged for ``idle_for`` seconds, being worked on by a server that hears its
+    client? Running a statement (waiting for a lock or the disk included), yes; idle in
+    its transaction, only if it answered less than ``recent`` seconds ago (the client
+    is sending its next statement); anything else, or no such backend, no."""
+    if state == "active":
+        return True
+    return state == "idle in transaction" and idle_for < recent
+
+
+@contextlib.asynccontextmanager
+async def deadline(
+    connection: psycopg.AsyncConnection[Any],
+    seconds: float,
+    *,
+    hard: float | None = None,
+    probe: LivenessProbe | None = None,
+    on_slow: Callable[[str], None] | None = None,
+) -> AsyncIterator[None]:
+    """Run the body with ``connection`` cut when ``seconds`` pass; a body that fails
+    after the cut raises :class:`TransactionDeadlineExceeded`.
+
+    With a ``probe`` and a ``hard`` deadline past ``seconds``, the soft deadline cuts
+    only a silent link: a transaction the server is working on runs on until ``hard``,
+    asked about again every probe timeout. ``on_slow`` hears each verdict once (see
+    :data:`SLOW_VERDICTS`)."""
+    cut: str | None = None
+    hard = seconds if hard is None or probe is None else max(seconds, hard)
+    try:
+        pid = connection.info.backend_pid
+    except psycopg.Error:
+        pid = 0
+
+    def verdict(name: str) -> None:
+        if on_slow is not None:
+            on_slow(name)
+
+    async def watch() -> None:
         nonlocal cut
-        cut = True
+        started = time.monotonic()
+        await asyncio.sleep(seconds)
+        reason = SLOW_SILENT
+        if probe is not None and hard > seconds:
+            reason = SLOW_OVERRAN
+            said_working = False
+            # A silent link leaves its backend idle since its last answer: within a
+            # short deadline's half, an answer that recent is traffic still flowing.
+            recent = min(RECENT_STATE_SECONDS, seconds / 2)
+            while time.monotonic() - started < hard:
+                if not await probe.working(pid, recent=recent):
+                    reason = SLOW_SILENT
+                    break
+                if not said_working:
+                    said_working = True
+                    verdict(SLOW_WORKING)
+                left = hard - (time.monotonic() - started)
+                await asyncio.sleep(max(0.0, min(probe.timeout, left)))
+        cut = reason
+        verdict(reason)
         sever(connection)
 
-    timer = loop.call_later(seconds, cut_link)
+    watcher = asyncio.ensure_future(watch())
     try:
         yield
     except Exception as failure:
-        if cut:
+        if cut is not None:
+            which = "hard " if cut == SLOW_OVERRAN else ""
+            limit = hard if cut == SLOW_OVERRAN else seconds
             raise TransactionDeadlineExceeded(
-                f"a database transaction took longer than {seconds:g} s; its connection "
-                "was cut (OUTBOX_DB_TRANSACTION_TIMEOUT)"
+                f"a database transaction passed its {which}deadline of {limit:g} s "
+                f"({'still running' if cut == SLOW_OVERRAN else 'its link silent'}); its "
+                "connection was cut (OUTBOX_DB_TRANSACTION_TIMEOUT, "
+                "OUTBOX_DB_TRANSACTION_HARD_TIMEOUT)"
             ) from failure
         raise
     finally:
-        timer.cancel()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 @contextlib.asynccontextmanager
@@ -210,9 +354,19 @@ class SessionPool:
         transaction_seconds: float,
         idle: int,
         most: int,
+        hard_seconds: float | None = None,
+        on_slow: Callable[[str], None] | None = None,
     ) -> None:
         self._connect = connect
         self._transaction_seconds = transaction_seconds
+        self._hard_seconds = hard_seconds
+        self._on_slow = on_slow
+        # Only a pool that may let a slow transaction run on needs to ask about it.
+        self.probe = (
+            LivenessProbe(connect)
+            if hard_seconds is not None and hard_seconds > transaction_seconds
+            else None
+        )
         self._keep_idle = max(1, idle)
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._slots = asyncio.Semaphore(max(self._keep_idle, most))
@@ -220,12 +374,19 @@ class SessionPool:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A connection in a transaction that commits when the block ends, and whose
-        link is cut if the transaction, commit included, outlives its deadline."""
+        link is cut if the transaction, commit included, outlives its deadline: the soft
+        one if the link is silent, the hard one if the server is working on it."""
         async with self._slots:
             connection = self._idle.pop() if self._idle else await self._connect()
             try:
                 async with (
-                    deadline(connection, self._transaction_seconds),
+                    deadline(
+                        connection,
+                        self._transaction_seconds,
+                        hard=self._hard_seconds,
+                        probe=self.probe,
+                        on_slow=self._on_slow,
+                    ),
                     connection.transaction(),
                 ):
                     yield connection
@@ -250,3 +411,5 @@ class SessionPool:
 
     async def close(self) -> None:
         await self._drop_idle()
+        if self.probe is not None:
+            await self.probe.close()

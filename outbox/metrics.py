@@ -1,7 +1,7 @@
 """Every Prometheus metric effect-outbox exports, in one place, behind one prefix.
 
-Labels are tool, state, outcome, result, reason, check, peer, queue and version:
-bounded sets. Never ids, never inputs. Each daemon builds its metrics on its own
+Labels are tool, state, outcome, result, reason, check, peer, queue, column, verdict,
+limit and version: bounded sets. Never ids, never inputs. Each daemon builds its metrics on its own
 ``CollectorRegistry`` so tests can run several in one process; each registry also
 carries the process and platform collectors (CPU, memory, file descriptors, the Python
 version) and ``outbox_build_info``.
@@ -92,6 +92,10 @@ class MetricNames:
     CALLBACKS_IGNORED = f"{PREFIX}_callbacks_ignored"
     CALLBACKS_APPLIED = f"{PREFIX}_callbacks_applied"
     CALLBACKS_CONTRADICTED = f"{PREFIX}_callbacks_contradicted"
+    DATABASE_SLOW_TRANSACTIONS = f"{PREFIX}_database_slow_transactions"
+    CONSUMER_LIMIT = f"{PREFIX}_consumer_limit"
+    CONSUMER_DELIVERIES_HELD = f"{PREFIX}_consumer_deliveries_held"
+    DISPATCHER_LIMIT = f"{PREFIX}_dispatcher_limit"
 
 
 def prime(metric: Counter | Histogram, *values: Iterable[str]) -> None:
@@ -121,6 +125,18 @@ def _about_the_process(registry: CollectorRegistry) -> None:
     ).labels(version()).set(1)
 
 
+def _slow_transactions(registry: CollectorRegistry) -> Counter:
+    """What both daemons export about transactions past their soft deadline."""
+    return Counter(
+        MetricNames.DATABASE_SLOW_TRANSACTIONS,
+        "Transactions past their soft deadline (OUTBOX_DB_TRANSACTION_TIMEOUT), by verdict: "
+        "working (the server was working on it: it ran on), silent (no answer: cut), "
+        "overran (still running at the hard deadline: cut)",
+        ["verdict"],
+        registry=registry,
+    )
+
+
 def _about_the_daemon(registry: CollectorRegistry) -> Gauge:
     """What both daemons export about themselves: :func:`_about_the_process`, and
     (returned) whether they hold a broker session."""
@@ -146,6 +162,8 @@ class DispatcherMetrics:
     reconnects: Counter
     operations: Gauge
     queue_messages: Gauge
+    slow_transactions: Counter
+    limit: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DispatcherMetrics:
@@ -154,6 +172,15 @@ class DispatcherMetrics:
         return cls(
             registry=registry,
             broker_connected=_about_the_daemon(registry),
+            slow_transactions=_slow_transactions(registry),
+            limit=Gauge(
+                names.DISPATCHER_LIMIT,
+                "The dispatcher's current backpressure limit: batch (rows claimed per "
+                "batch), narrowed when batches overrun or the broker is slow, widened again "
+                "when they keep up",
+                ["limit"],
+                registry=registry,
+            ),
             backlog=Gauge(
                 names.DISPATCHER_BACKLOG,
                 "Outbox rows not yet published (read from Postgres every few seconds)",
@@ -237,6 +264,9 @@ class ConsumerMetrics:
     awaiting_approval: Gauge
     callbacks_applied: Counter
     callbacks_contradicted: Counter
+    slow_transactions: Counter
+    limit: Gauge
+    deliveries_held: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
@@ -245,6 +275,21 @@ class ConsumerMetrics:
         return cls(
             registry=registry,
             broker_connected=_about_the_daemon(registry),
+            slow_transactions=_slow_transactions(registry),
+            limit=Gauge(
+                names.CONSUMER_LIMIT,
+                "The consumer's current backpressure limits: prefetch (deliveries in hand "
+                "and a claim's burst) and reconcile_batch, narrowed on deadline hits and slow "
+                "commits, widened again when the database keeps up",
+                ["limit"],
+                registry=registry,
+            ),
+            deliveries_held=Counter(
+                names.CONSUMER_DELIVERIES_HELD,
+                "Tries of a delivery kept unacknowledged in hand because the database was "
+                "away or too slow (retried with backoff, never sent back to the queue)",
+                registry=registry,
+            ),
             deliveries=Counter(
                 names.CONSUMER_DELIVERIES,
                 "Messages handled, by result: processed, duplicate, invalid, awaiting_approval, "

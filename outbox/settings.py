@@ -62,6 +62,7 @@ DURATION_SETTINGS = (
     "retention",
     "lease_margin",
     "db_transaction_timeout",
+    "db_transaction_hard_timeout",
     "db_statement_timeout",
     "db_lock_timeout",
     "db_idle_in_transaction_timeout",
@@ -76,6 +77,7 @@ DURATION_SETTINGS = (
 # still hold an operation's row when the reconciler comes to take it over.
 LEASE_BOUNDED_SETTINGS = (
     "db_transaction_timeout",
+    "db_transaction_hard_timeout",
     "db_statement_timeout",
     "db_lock_timeout",
     "db_idle_in_transaction_timeout",
@@ -158,8 +160,11 @@ class Settings(BaseSettings):
     prefetch: int = Field(
         default=16, ge=1, le=1000, description="deliveries a consumer works on at once"
     )
+    # 20 s: the transaction deadlines derive from it, and a slow but working database
+    # (a busy machine, a slow disk, a failover's first seconds) must finish well inside
+    # them on a machine five times slower than a quiet one (docs/daemons.md).
     lease_margin: float = Field(
-        default=10.0,
+        default=20.0,
         description="seconds a claim's lease outlives the tool's deadline; longer than the "
         "database transaction, statement, lock and idle-in-transaction timeouts",
     )
@@ -169,21 +174,30 @@ class Settings(BaseSettings):
     # the lease runs out, so the reconciler can always take the operation over.
     db_transaction_timeout: float | None = Field(
         default=None,
-        description="seconds a daemon's transaction may take before its connection is cut "
-        "(default: half the lease margin)",
+        description="seconds a daemon's transaction may take before its link is checked: cut "
+        "if silent, left to run until the hard timeout if the server is working on it "
+        "(default: a quarter of the lease margin)",
+    )
+    db_transaction_hard_timeout: float | None = Field(
+        default=None,
+        description="seconds a transaction the server is still working on may take before "
+        "its connection is cut (default: half the lease margin, at least the transaction "
+        "timeout)",
     )
     db_statement_timeout: float | None = Field(
         default=None,
-        description="server-side statement_timeout, seconds (default: the transaction timeout)",
+        description="server-side statement_timeout, seconds (default: the hard transaction "
+        "timeout)",
     )
     db_lock_timeout: float | None = Field(
         default=None,
-        description="server-side lock_timeout, seconds (default: half the transaction timeout)",
+        description="server-side lock_timeout, seconds (default: half the hard transaction "
+        "timeout)",
     )
     db_idle_in_transaction_timeout: float | None = Field(
         default=None,
         description="server-side idle_in_transaction_session_timeout, seconds (default: the "
-        "transaction timeout; the dispatcher adds its publish timeout)",
+        "hard transaction timeout; the dispatcher adds its publish timeout)",
     )
     db_tcp_user_timeout: float = Field(
         default=10.0,

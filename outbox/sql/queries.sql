@@ -494,6 +494,13 @@ LIMIT %(limit)s
 
 -- ==== outbox.store.gauges: what waits to be executed, for the consumer's gauges
 
+-- name: backend_activity
+-- The liveness probe: this login's other backends, each one's state and how long it has been in it (a statement being worked on is active; one idle in its transaction for long waits for a client that went silent).
+SELECT pid, coalesce(state, 'unknown') AS state,
+       coalesce(extract(epoch FROM clock_timestamp() - state_change), 0)::float8 AS idle_for
+FROM pg_stat_activity
+WHERE usename = current_user AND pid <> pg_backend_pid()
+
 -- name: execution_gauges
 -- The age of the oldest operation ready to execute (prepared, due, its message published, its latest event not an approval wait or denial) and how many wait for an approval.
 SELECT

@@ -9,7 +9,8 @@
 - :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
-- :mod:`~outbox.store.gauges`: what waits to be executed, for the consumer's gauges;
+- :mod:`~outbox.store.gauges`: what waits to be executed, for the consumer's gauges,
+  and the backends' activity for the liveness probe;
 - :mod:`~outbox.store.evidence`: checking the lifecycle events' hash chain;
 - :mod:`~outbox.store.operator`: the operator's listings, statistics and resolutions;
 - :mod:`~outbox.store.console`: the operator console's keyset pages and approval history.
@@ -76,7 +77,7 @@ from outbox.store.dispatch import (
     outbox_backlog,
 )
 from outbox.store.evidence import BrokenLink, ChainReport, verify_chain
-from outbox.store.gauges import ExecutionBacklog, execution_gauges
+from outbox.store.gauges import ExecutionBacklog, backend_activity, execution_gauges
 from outbox.store.operations import (
     ConfirmedEffect,
     NewDecision,
@@ -153,6 +154,7 @@ __all__ = [
     "apply_roles",
     "apply_schema",
     "approver_of",
+    "backend_activity",
     "callbacks_of",
     "check_approval",
     "claim",

@@ -24,3 +24,10 @@ def execution_gauges() -> Plan[ExecutionBacklog]:
         oldest_ready_age_seconds=float(rows[0]["oldest_ready_age_seconds"]),
         awaiting_approval=int(rows[0]["awaiting_approval"]),
     )
+
+
+def backend_activity() -> Plan[dict[int, tuple[str, float]]]:
+    """This login's other backends: each one's state (``pg_stat_activity.state``) and
+    how long it has been in it, for the liveness probe (run by both daemons)."""
+    rows = yield Step("backend_activity", {})
+    return {int(row["pid"]): (str(row["state"]), float(row["idle_for"])) for row in rows}

@@ -450,7 +450,17 @@ async def test_metrics_and_health_are_served_over_http(
     for family in families.values():
         for sample in family.samples:
             if sample.name.startswith("outbox_"):
-                allowed = {"tool", "state", "reason", "peer", "le", "queue", "version"}
+                allowed = {
+                    "tool",
+                    "state",
+                    "reason",
+                    "peer",
+                    "le",
+                    "queue",
+                    "version",
+                    "verdict",
+                    "limit",
+                }
                 assert set(sample.labels) <= allowed, sample.name
 
 

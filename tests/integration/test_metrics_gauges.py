@@ -38,6 +38,8 @@ ALLOWED_LABELS = {
     "check",
     "queue",
     "column",
+    "verdict",
+    "limit",
     "le",
 }
 

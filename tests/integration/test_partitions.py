@@ -93,7 +93,11 @@ async def test_a_commit_whose_link_goes_silent_is_cut_and_the_refund_settles_onc
 ) -> None:
     consumer_settings = bounded(settings, database_proxy, lease_margin=2.0)
     bounds = DatabaseBounds.from_settings(consumer_settings)
-    assert (bounds.transaction, bounds.idle_in_transaction) == (1.0, 1.0)
+    assert (bounds.transaction, bounds.hard_transaction, bounds.idle_in_transaction) == (
+        0.5,
+        1.0,
+        1.0,
+    )
     fatal_before = await asyncio.to_thread(sessions_ended_by_the_server, database_url)
     database_proxy.go_silent_on(RECORDING_A_CONFIRMED_EFFECT)
     with engine.begin() as connection:
@@ -128,8 +132,15 @@ async def test_a_commit_whose_link_goes_silent_is_cut_and_the_refund_settles_onc
             within=bounds.idle_in_transaction + 10,
             what="the server to end the session stalled in its transaction",
         )
+        # Cut at the soft deadline as silent, and the delivery kept in hand meanwhile
+        # (retried, never sent back to the queue).
         assert (
-            counter_value(consumer, "outbox_consumer_deliveries_total", result="retry_later") >= 1
+            counter_value(consumer, "outbox_database_slow_transactions_total", verdict="silent")
+            >= 1
+        )
+        assert counter_value(consumer, "outbox_consumer_deliveries_held_total") >= 1
+        assert (
+            counter_value(consumer, "outbox_consumer_deliveries_total", result="retry_later") == 0
         )
 
     async def ended_by_timeout() -> bool:
@@ -139,17 +150,21 @@ async def test_a_commit_whose_link_goes_silent_is_cut_and_the_refund_settles_onc
     assert ledger.calls == [str(op.id)]
     final = operation(database_url, op.id)
     assert final.provider_reference == f"re_{str(op.id)[:8]}"
-    # The redelivery meets an operation in flight (a duplicate); the lease expires, the
-    # lookup finds the refund: one attempt, settled by evidence rather than a retry.
+    # One attempt: the record tried again in hand lands once the server ended the
+    # stalled session, or, if the lease ran out first, the lookup finds the refund and
+    # the late record is fenced. Settled by evidence either way, never by a retry.
     transitions = [
         name for name in event_names(database_url, op.id) if name != "operation.delivery_suppressed"
     ]
-    assert transitions == [
-        "operation.prepared",
-        "operation.attempted",
-        "operation.outcome_unknown",
-        "operation.reconciled",
-    ]
+    assert transitions in (
+        ["operation.prepared", "operation.attempted", "operation.committed"],
+        [
+            "operation.prepared",
+            "operation.attempted",
+            "operation.outcome_unknown",
+            "operation.reconciled",
+        ],
+    )
 
 
 async def test_a_claim_whose_link_goes_silent_is_cut_and_its_rows_are_published(
@@ -164,7 +179,11 @@ async def test_a_claim_whose_link_goes_silent_is_cut_and_its_rows_are_published(
     bounds = DatabaseBounds.from_settings(
         dispatcher_settings, held_open_for=dispatcher_settings.publish_timeout
     )
-    assert (bounds.transaction, bounds.idle_in_transaction) == (2.0, 2.0)
+    assert (bounds.transaction, bounds.hard_transaction, bounds.idle_in_transaction) == (
+        1.5,
+        2.0,
+        2.0,
+    )
     database_proxy.go_silent_on(CLAIMING_OUTBOX_ROWS)
     with engine.begin() as connection:
         for n in range(3):

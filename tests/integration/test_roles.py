@@ -104,6 +104,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "outbox_backlog",
         "operations_by_state",
         "delete_published_outbox_rows",
+        # The liveness probe of a transaction past its soft deadline.
+        "backend_activity",
     },
     CONSUMER: {
         "get_operation",
@@ -122,6 +124,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "defer_reconciliation",
         "schema_is_current",
         "execution_gauges",
+        "backend_activity",
         # Applying provider callbacks (consumer/callbacks.py).
         "claim_callback_batch",
         "operation_callbacks",
@@ -726,6 +729,10 @@ async def test_the_dispatcher_publishes_what_the_agent_recorded(
     failed = outbox_store.FailedPublish(first_row, "broker said no", timedelta(0))
     run(dispatcher_url, outbox_store.mark_outbox_failed([failed]))
     deleted = run(dispatcher_url, outbox_store.delete_published_outbox_rows(timedelta(0), 10))
+    # A batch past its soft deadline: is the server working on it? Its own backends only.
+    with psycopg.connect(dispatcher_url) as watched:
+        pid = watched.info.backend_pid
+        assert pid in run(dispatcher_url, outbox_store.backend_activity())
 
     assert (report.published, report.failed) == (3, 0)
     assert sorted(m.body.operation_id for m in messages) == sorted(o.id for o in recorded)
@@ -762,6 +769,11 @@ def test_the_consumer_executes_reconciles_and_escalates(
     run(consumer, outbox_store.append_event(waiting, EventName.APPROVAL_REQUIRED, {}))
     # Its gauges of what waits: to be executed, and for an approval.
     assert run(consumer, outbox_store.execution_gauges()).awaiting_approval == 1
+    # Its liveness probe sees its own backends, state included, without a grant.
+    with psycopg.connect(consumer) as watched:
+        watched.execute("SELECT 1")
+        activity = run(consumer, outbox_store.backend_activity())
+        assert activity[watched.info.backend_pid][0] == "idle in transaction"
     # Claim and execute: prepared -> in_flight -> committed.
     committed = advance(consumer, executed, S.IN_FLIGHT, S.COMMITTED)
     # The reconciler: requeue a lost message, lease an unknown outcome, defer a lookup,

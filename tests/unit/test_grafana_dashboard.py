@@ -182,6 +182,7 @@ def test_the_dashboard_is_identified_and_laid_out() -> None:
         "Callbacks",
         "Connections",
         "Processes",
+        "Overload",
     ]
     cells: dict[tuple[int, int], str] = {}
     for panel in DASHBOARD["panels"]:
