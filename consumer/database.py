@@ -15,6 +15,7 @@ from consumer.telemetry import log
 from outbox import lifecycle, store
 from outbox.bounds import unreadable_reason
 from outbox.connections import DatabaseBounds, SessionPool
+from outbox.failover import ServerTracker
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
 from outbox.settings import Settings
@@ -30,8 +31,9 @@ APPLICATION_NAME = "outbox-consumer"
 class Database:
     """The pool the worker and the reconciler share, and what they read once from it."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracker: ServerTracker | None = None) -> None:
         self.settings = settings
+        self.tracker = tracker
         self.bounds = DatabaseBounds.from_settings(settings)
         self.fingerprint_key: str | None = None
         """Read with the first transaction that needs it: spans show keyed short
@@ -46,11 +48,14 @@ class Database:
         )
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        return await psycopg.AsyncConnection.connect(
+        connection = await psycopg.AsyncConnection.connect(
             self.settings.libpq_url,
             application_name=APPLICATION_NAME,
             **self.bounds.libpq_parameters(),
         )
+        if self.tracker is not None:
+            self.tracker.observe(connection)
+        return connection
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
