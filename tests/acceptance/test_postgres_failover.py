@@ -135,17 +135,23 @@ def endings(url: str, ids: list[UUID]) -> Counter[str]:
     return Counter(str(s) if s == "committed" else f"{s}:{why}" for s, why in rows)
 
 
+def one_value(url: str, sql: str, *params: object) -> Any:
+    with psycopg.connect(url, connect_timeout=5) as connection:
+        row = connection.execute(sql, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
 def kill_to_first_commit(url: str, killed_wall: float) -> float:
     """Seconds from the crash to the first outcome committed on the new primary."""
-    with psycopg.connect(url, connect_timeout=5) as connection:
-        row = connection.execute(
-            "SELECT extract(epoch FROM min(created_at)) FROM operation_events "
-            "WHERE name = 'operation.committed' AND created_at > to_timestamp(%s)",
-            (killed_wall,),
-        ).fetchone()
-    assert row is not None
-    assert row[0] is not None, "nothing committed after the crash"
-    return float(row[0]) - killed_wall
+    first = one_value(
+        url,
+        "SELECT extract(epoch FROM min(created_at)) FROM operation_events "
+        "WHERE name = 'operation.committed' AND created_at > to_timestamp(%s)",
+        killed_wall,
+    )
+    assert first is not None, "nothing committed after the crash"
+    return float(first) - killed_wall
 
 
 def start_daemons(system: System) -> list[Daemon]:
@@ -199,14 +205,14 @@ def settle(system: System, url: str, ids: list[UUID]) -> dict[UUID, str]:
 def requeued(url: str, ids: list[UUID]) -> int:
     """Operations the stale sweep sent again: prepared, with no message left to reach
     them."""
-    with psycopg.connect(url, connect_timeout=5) as connection:
-        row = connection.execute(
+    return int(
+        one_value(
+            url,
             "SELECT count(DISTINCT operation_id) FROM operation_events "
             "WHERE name = 'operation.requeued' AND operation_id = ANY(%s)",
-            (ids,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+            ids,
+        )
+    )
 
 
 def report(mode: str, **figures: object) -> None:
