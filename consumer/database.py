@@ -18,6 +18,7 @@ from outbox import lifecycle, store
 from outbox.bounds import unreadable_reason
 from outbox.connections import DatabaseBounds, SessionPool
 from outbox.daemon import is_transient_database_error
+from outbox.failover import ServerTracker
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
 from outbox.pacing import AIMDLimit
@@ -35,9 +36,15 @@ class Database:
     """The pool the worker and the reconciler share, what they read once from it, and
     how much work the consumer takes on while it keeps up (:attr:`pacing`)."""
 
-    def __init__(self, settings: Settings, metrics: ConsumerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: ConsumerMetrics | None = None,
+        tracker: ServerTracker | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.tracker = tracker
         self.bounds = DatabaseBounds.from_settings(settings)
         self.fingerprint_key: str | None = None
         """Read with the first transaction that needs it: spans show keyed short
@@ -73,11 +80,14 @@ class Database:
         self.limit_changed.set()
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        return await psycopg.AsyncConnection.connect(
+        connection = await psycopg.AsyncConnection.connect(
             self.settings.libpq_url,
             application_name=APPLICATION_NAME,
             **self.bounds.libpq_parameters(),
         )
+        if self.tracker is not None:
+            self.tracker.observe(connection)
+        return connection
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:

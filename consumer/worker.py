@@ -98,7 +98,9 @@ class Consumer(Daemon):
         self.registry = registry
         self.metrics = metrics or ConsumerMetrics.create()
         prime_metrics(self.metrics, registry)
-        self.database = Database(settings, self.metrics)
+        self.database = Database(
+            settings, self.metrics, self.server_tracker(self.metrics.database_failovers)
+        )
         self.reconciler = Reconciler(
             settings, registry, self.metrics, self.database, worker_id=self.worker_id
         )

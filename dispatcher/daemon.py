@@ -83,6 +83,7 @@ class Dispatcher(Daemon):
             on_change=lambda limit: self.metrics.limit.labels("batch").set(limit),
         )
         self.metrics.limit.labels("batch").set(self.pacing.limit)
+        self._server = self.server_tracker(self.metrics.database_failovers)
         self._wake = asyncio.Event()
         self._healthy = False
         self._last_tick = 0.0
@@ -439,9 +440,11 @@ class Dispatcher(Daemon):
         return await self.connect_with_retry(connect, "database")
 
     async def _open_database(self, *, autocommit: bool) -> psycopg.AsyncConnection[Any]:
-        return await psycopg.AsyncConnection.connect(
+        connection = await psycopg.AsyncConnection.connect(
             self.settings.libpq_url,
             autocommit=autocommit,
             application_name=APPLICATION_NAME,
             **self.database_bounds.libpq_parameters(),
         )
+        self._server.observe(connection)
+        return connection

@@ -22,6 +22,7 @@ from outbox import (
     ToolContract,
     record_decision,
 )
+from outbox.settings import sqlalchemy_url
 
 
 class RefundInput(BaseModel):
@@ -68,8 +69,9 @@ registry.register(
     )
 )
 
+# sqlalchemy_url: a libpq host list (a primary and its standbys) becomes SQLAlchemy's form.
 engine = sa.create_engine(
-    os.environ.get("OUTBOX_DATABASE_URL", "postgresql+psycopg://localhost/outbox")
+    sqlalchemy_url(os.environ.get("OUTBOX_DATABASE_URL", "postgresql+psycopg://localhost/outbox"))
 )
 with engine.begin() as conn:  # the caller's transaction
     conn.execute(sa.text("SELECT 1"))  # ... its own business write goes here

@@ -43,7 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
-from outbox.errors import TransientDatabaseError
+from outbox.errors import TransientDatabaseError, is_read_only
 from outbox.settings import Settings
 
 # The settings every daemon offers as flags for the bounds below.
@@ -344,7 +344,7 @@ class SessionPool:
     at once instead of queueing behind a background reconnect. There is no pre-ping: a
     dead idle connection fails its transaction's first statement (a transient error), and
     then every idle connection is dropped, since a link that died took its siblings'
-    server with it more often than not.
+    server with it more often than not. A write refused as read-only drops them too.
     """
 
     def __init__(
@@ -378,6 +378,7 @@ class SessionPool:
         one if the link is silent, the hard one if the server is working on it."""
         async with self._slots:
             connection = self._idle.pop() if self._idle else await self._connect()
+            read_only = False
             try:
                 async with (
                     deadline(
@@ -390,11 +391,20 @@ class SessionPool:
                     connection.transaction(),
                 ):
                     yield connection
+            except Exception as error:
+                read_only = is_read_only(error)
+                raise
             finally:
-                await self._release(connection)
+                await self._release(connection, read_only=read_only)
 
-    async def _release(self, connection: psycopg.AsyncConnection[Any]) -> None:
-        if connection.broken or connection.closed:
+    async def _release(
+        self, connection: psycopg.AsyncConnection[Any], *, read_only: bool = False
+    ) -> None:
+        # A server that refused a write as read-only is a standby or a demoted primary:
+        # the same session would refuse every write after it, and its idle siblings reach
+        # the same server. A new connection lets libpq (target_session_attrs=read-write)
+        # find the writable host.
+        if connection.broken or connection.closed or read_only:
             await self._drop_idle()
         elif (
             connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE

@@ -22,11 +22,12 @@ import aiormq.exceptions
 import psycopg
 import sqlalchemy.exc
 import tenacity
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from outbox.backoff import Backoff
 from outbox.broker import BrokerUnavailable
 from outbox.errors import TransientDatabaseError
+from outbox.failover import ServerTracker
 from outbox.logs import log_fields
 from outbox.observability import serve_http
 from outbox.settings import Settings
@@ -105,6 +106,21 @@ class Daemon(Stoppable):
     def log(self, level: int, event: str, text: str, **fields: object) -> None:
         """One line as data: action ``<name>.<event>``, ``text`` for a person."""
         log_fields(self.logger, level, f"{self.name}.{event}", text, **fields)
+
+    def server_tracker(self, failovers: Counter) -> ServerTracker:
+        """Follows the server this daemon's new database connections reach: a move to
+        another one is counted and logged once (``<name>.database_failover``), by place."""
+
+        def moved(previous: str, current: str) -> None:
+            failovers.inc()
+            self.log(
+                logging.WARNING,
+                "database_failover",
+                "the database is on another server now; this daemon's sessions moved there",
+                **{"from": previous, "to": current},
+            )
+
+        return ServerTracker(moved)
 
     @asynccontextmanager
     async def serving(self, registry: CollectorRegistry, **started: object) -> AsyncIterator[int]:

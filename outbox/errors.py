@@ -107,6 +107,21 @@ class ReadOnlyDatabase(TransientDatabaseError):
     fail the same way forever."""
 
 
+def is_read_only(error: BaseException) -> bool:
+    """Whether ``error`` is a write refused as read-only, raised by the store
+    (:class:`ReadOnlyDatabase`) or by the driver, however wrapped (SQLAlchemy keeps the
+    driver's error on ``.orig``, the store on ``driver_error``)."""
+    seen: BaseException | None = error
+    for _ in range(4):  # a wrapper's wrapper at most; a cycle must not loop forever
+        if seen is None:
+            return False
+        if isinstance(seen, ReadOnlyDatabase | psycopg.errors.ReadOnlySqlTransaction):
+            return True
+        inner = getattr(seen, "driver_error", None) or getattr(seen, "orig", None)
+        seen = inner if isinstance(inner, BaseException) else seen.__cause__
+    return False
+
+
 _TRANSIENT_SQLSTATE_CLASSES = ("08", "40", "53", "57")
 
 

@@ -62,6 +62,7 @@ from outbox.errors import (
     SchemaMissing,
     ToolNotRegistered,
 )
+from outbox.failover import ServerTracker, follow_failovers
 from outbox.logs import log_fields
 from outbox.mcp_server import BEARER_PRINCIPAL as BEARER_PRINCIPAL
 from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS
@@ -548,6 +549,16 @@ async def _report_progress(ctx: ServerRequestContext[Any], operation: str, total
 # --- the server ------------------------------------------------------------------------
 
 
+def _log_database_failover(previous: str, current: str) -> None:
+    log_fields(
+        logger,
+        logging.WARNING,
+        "mcp.database_failover",
+        "the database is on another server now; new sessions go there",
+        **{"from": previous, "to": current},
+    )
+
+
 def _package_version() -> str:
     try:
         return version("effect-outbox")
@@ -578,6 +589,7 @@ def build_server(
             max_overflow=10,
             connect_args={"application_name": APPLICATION_NAME, **bounds.libpq_parameters()},
         )
+        follow_failovers(engine, ServerTracker(_log_database_failover))
         try:
             watcher = OutcomeWatcher(engine, connect_parameters=command_parameters(settings))
             async with watcher:

@@ -84,6 +84,7 @@ class MetricNames:
     OPERATIONS = f"{PREFIX}_operations"
     QUEUE_MESSAGES = f"{PREFIX}_queue_messages"
     BROKER_CONNECTED = f"{PREFIX}_broker_connected"
+    DATABASE_FAILOVERS = f"{PREFIX}_database_failovers"
     BUILD_INFO = f"{PREFIX}_build_info"
     CALLBACKS_RECEIVED = f"{PREFIX}_callbacks_received"
     CALLBACKS_DUPLICATES = f"{PREFIX}_callbacks_duplicates"
@@ -137,6 +138,16 @@ def _slow_transactions(registry: CollectorRegistry) -> Counter:
     )
 
 
+def _database_failovers(registry: CollectorRegistry) -> Counter:
+    # Unlabelled, so exported at 0 from the start: the first failover is an increase.
+    return Counter(
+        MetricNames.DATABASE_FAILOVERS,
+        "Times this daemon's new database connections reached another server than the "
+        "last ones (a failover: libpq's multi-host URL or a moved address)",
+        registry=registry,
+    )
+
+
 def _about_the_daemon(registry: CollectorRegistry) -> Gauge:
     """What both daemons export about themselves: :func:`_about_the_process`, and
     (returned) whether they hold a broker session."""
@@ -160,6 +171,7 @@ class DispatcherMetrics:
     commit_to_confirm: Histogram
     retention_deleted: Counter
     reconnects: Counter
+    database_failovers: Counter
     operations: Gauge
     queue_messages: Gauge
     slow_transactions: Counter
@@ -227,6 +239,7 @@ class DispatcherMetrics:
                 ["peer"],
                 registry=registry,
             ),
+            database_failovers=_database_failovers(registry),
             # Only the dispatcher exports it: one exporter per database, so a sum over
             # scrape targets does not count every operation once per consumer replica.
             operations=Gauge(
@@ -257,6 +270,7 @@ class ConsumerMetrics:
     reconciliations: Counter
     escalations: Counter
     reconnects: Counter
+    database_failovers: Counter
     tampered: Counter
     unreadable: Counter
     decision_to_outcome: Histogram
@@ -335,6 +349,7 @@ class ConsumerMetrics:
                 "counted: see outbox_broker_connected)",
                 registry=registry,
             ),
+            database_failovers=_database_failovers(registry),
             tampered=Counter(
                 names.TAMPERED,
                 "Operations whose stored row disagrees with what the consumer derives from "

@@ -15,7 +15,7 @@ from outbox.broker import Topology, delete_topology
 from outbox.sandbox.scratch import ScratchDatabase, new_tag, topology_named
 from outbox.settings import libpq_url, sqlalchemy_url
 
-from support import prometheus, rabbit_cluster, services
+from support import private_postgres, prometheus, rabbit_cluster, services
 from support.sample_tools import Ledger, build_registry
 
 
@@ -128,7 +128,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Broker-fault tests drive the local broker with rabbitmqctl; the cluster test starts
     nodes of its own with rabbitmq-server; the console's browser tests drive Debian's
     chromium through chromedriver; the alert and dashboard tests run Debian's promtool
-    and prometheus. Where those are absent the tests are skipped,
+    and prometheus; the failover tests run private Postgres servers with the installed
+    initdb and pg_basebackup. Where those are absent the tests are skipped,
     unless the run demands them (.ci/run sets OUTBOX_TEST_REQUIRE_RABBITMQCTL): then
     they run and fail, rather than pass by not running."""
     if os.environ.get(REQUIRE_RABBITMQCTL):
@@ -140,6 +141,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if all(os.access(p, os.X_OK) for p in ("/usr/bin/chromium", "/usr/bin/chromedriver"))
         else "chromium or chromium-driver (apt-get install chromium chromium-driver)",
         "prometheus": None if prometheus.installed() else f"prometheus ({prometheus.INSTALL_HINT})",
+        "pg_failover": None if private_postgres.installed() else "Postgres (initdb, pg_ctl)",
     }
     for item in items:
         for marker, absent in missing.items():

@@ -35,12 +35,12 @@ WHERE run_id = %(run_id)s AND decision_key = %(decision_key)s
 SELECT * FROM operations WHERE id = ANY(%(ids)s::uuid[])
 
 -- name: claim_operations
--- prepared -> in_flight for one worker, for one or many operations in one statement: each one that is due gets its own lease, bumped attempts and fencing token, and its operation.attempted event.
+-- prepared -> in_flight for one worker, for one or many operations in one statement: each one that is due gets its own lease, bumped attempts and a new fencing token, and its operation.attempted event. The token is the clock in microseconds when that is higher than the last one plus one: a standby promoted after an asynchronous failover may not have the newest token a worker holds, and must not hand out the same value again.
 WITH claimed AS (
     UPDATE operations
     SET state = 'in_flight',
         attempts = attempts + 1,
-        lease_token = lease_token + 1,
+        lease_token = greatest(lease_token + 1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint),
         lease_owner = %(owner)s,
         lease_expires_at = now() + c.lease,
         first_attempt_at = COALESCE(first_attempt_at, now())
@@ -305,9 +305,9 @@ LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 
 -- name: lease_for_reconciliation
--- Take a reconciler's lease on an unknown outcome: a new fencing token, so a slower reconciler's late write fails.
+-- Take a reconciler's lease on an unknown outcome: a new fencing token, so a slower reconciler's late write fails; rising with the clock as claim_operations' does, so a failover cannot hand it out twice.
 UPDATE operations
-SET lease_token = lease_token + 1,
+SET lease_token = greatest(lease_token + 1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint),
     lease_owner = %(owner)s,
     lease_expires_at = clock_timestamp() + %(lease)s::interval
 WHERE id = %(id)s AND state = 'outcome_unknown' AND lease_token = %(lease_token)s

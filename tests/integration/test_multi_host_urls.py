@@ -4,6 +4,10 @@ as it would a promoted standby."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -22,6 +26,7 @@ from support.ports import closed_port
 from support.waiting import eventually
 
 REFUND = {"payment_id": "pay_1", "amount_cents": 1250}
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture
@@ -94,3 +99,18 @@ async def test_the_daemons_take_the_host_list(
             within=30,
             what="the refund committed through the host list",
         )
+
+
+def test_the_quickstart_takes_the_host_list(two_hosts: str) -> None:
+    # README's first example, run as a user would, with the URL of a primary and standby.
+    ran = subprocess.run(
+        [sys.executable, str(EXAMPLES / "quickstart.py")],
+        env={**os.environ, "OUTBOX_DATABASE_URL": two_hosts},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "created=True" in ran.stdout

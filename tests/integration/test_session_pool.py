@@ -1,7 +1,8 @@
 """The consumer's connections (outbox.connections.SessionPool) on a real Postgres: kept
 and reused while healthy, never handed out mid-transaction, and all dropped when one of
 them is found dead, so a restarted server costs one failed transaction, not one per
-pooled connection."""
+pooled connection. A session that turned read-only (a demoted primary's) is dropped too,
+so the next connect can find the writable host."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox.connections import SessionPool
+from outbox.errors import is_read_only
+from outbox.failover import ServerTracker, follow_failovers
+from outbox.settings import sqlalchemy_url
 
 
 def pool_on(database_url: str, *, idle: int = 2, most: int = 4) -> tuple[SessionPool, list[int]]:
@@ -125,3 +131,56 @@ async def test_no_more_transactions_than_its_bound_run_at_once(database_url: str
         release.set()
         await pool.close()
     assert most_inside == 2
+
+
+async def make_read_only(pool: SessionPool) -> int:
+    """Turn one pooled session read-only, as a demoted primary's sessions are; its pid."""
+    async with pool.transaction() as connection:
+        await connection.execute("SET SESSION default_transaction_read_only = on")
+        cursor = await connection.execute("SELECT pg_backend_pid()")
+        row = await cursor.fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+async def write(pool: SessionPool) -> None:
+    async with pool.transaction() as connection:
+        await connection.execute("CREATE TABLE IF NOT EXISTS pool_probe (id int)")
+
+
+async def test_a_write_refused_as_read_only_drops_the_session_and_the_next_one_writes(
+    database_url: str,
+) -> None:
+    pool, opened = pool_on(database_url, idle=1, most=1)
+    try:
+        read_only = await make_read_only(pool)
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            await write(pool)
+        await write(pool)
+    finally:
+        await pool.close()
+    assert opened[0] == read_only
+    assert len(opened) == 2  # the read-only session was not handed out again
+
+
+async def test_an_engine_that_follows_failovers_drops_a_read_only_session(
+    database_url: str,
+) -> None:
+    engine = create_async_engine(sqlalchemy_url(database_url), pool_size=1, max_overflow=0)
+    moves: list[tuple[str, str]] = []
+    tracker = ServerTracker(lambda old, new: moves.append((old, new)))
+    follow_failovers(engine, tracker)
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(sa.text("SET SESSION default_transaction_read_only = on"))
+            await connection.commit()
+        with pytest.raises(sa.exc.DBAPIError) as refused:
+            async with engine.begin() as connection:
+                await connection.execute(sa.text("CREATE TABLE pool_probe (id int)"))
+        async with engine.begin() as connection:
+            await connection.execute(sa.text("CREATE TABLE pool_probe (id int)"))
+    finally:
+        await engine.dispose()
+    assert is_read_only(refused.value)
+    assert tracker.address is not None
+    assert moves == []  # a new session on the same server is no failover

@@ -138,3 +138,26 @@ def test_dependencies_name_services_with_valid_conditions() -> None:
             assert condition["condition"] in DEPENDENCY_CONDITIONS
             if condition["condition"] == "service_healthy":
                 assert "healthcheck" in SERVICES[dependency]
+
+
+def test_the_optional_standby_copies_the_primary_with_the_files_it_mounts() -> None:
+    standby = SERVICES["postgres-standby"]
+    assert standby["profiles"] == ["standby"]  # `docker compose up` alone never starts it
+    assert standby["image"] == SERVICES["postgres"]["image"]  # a standby needs the same major
+    assert standby["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert standby["healthcheck"]["test"]
+    mounted = {
+        service: {volume.split(":")[0]: volume.split(":")[1] for volume in spec["volumes"]}
+        for service, spec in (("postgres", SERVICES["postgres"]), ("standby", standby))
+    }
+    for service, volumes in mounted.items():
+        for source in volumes:
+            assert (ROOT / source).is_file(), f"{service} mounts {source}, which is missing"
+    init = (ROOT / "deploy/postgres/10-replication.sh").read_text()
+    entry = (ROOT / "deploy/postgres/standby.sh").read_text()
+    # The role the init script creates is the one the standby copies the primary as.
+    assert "CREATE ROLE replicator WITH REPLICATION" in init
+    assert "host replication replicator" in init
+    assert "pg_basebackup -h postgres -U replicator" in entry
+    assert " -R " in entry
+    assert standby["entrypoint"][-1] in mounted["standby"].values()
