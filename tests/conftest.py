@@ -10,6 +10,7 @@ from pydantic import SecretStr
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from harness.proxy import TcpProxy, tcp_proxy_for
 from outbox import Registry, Settings
 from outbox.broker import Topology, delete_topology
 from outbox.sandbox.scratch import ScratchDatabase, new_tag, topology_named
@@ -119,6 +120,20 @@ def settings(database_url: str, amqp_server_url: str, broker_names: Topology) ->
         # runs `outbox migrate --broker` (tests of that path turn this off).
         declare_topology=True,
     )
+
+
+@pytest.fixture
+async def database_proxy(postgres_server_url: str) -> AsyncIterator[TcpProxy]:
+    """A TCP proxy in front of the Postgres server, to slow or silence one daemon's link."""
+    async with tcp_proxy_for(postgres_server_url, 5432) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+async def broker_proxy(amqp_server_url: str) -> AsyncIterator[TcpProxy]:
+    """A TCP proxy in front of the broker, to slow, silence or cut one daemon's link."""
+    async with tcp_proxy_for(amqp_server_url, 5672) as proxy:
+        yield proxy
 
 
 REQUIRE_RABBITMQCTL = "OUTBOX_TEST_REQUIRE_RABBITMQCTL"

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-import pytest
 from pydantic import SecretStr
 
-from harness.proxy import TcpProxy, tcp_proxy_for, url_through
+from harness.proxy import TcpProxy, url_through
 from outbox import Registry, Settings
 
 from support.broker_helpers import read_all
@@ -20,12 +18,6 @@ from support.dispatch_helpers import (
     running_dispatcher,
 )
 from support.waiting import eventually
-
-
-@pytest.fixture
-async def broker_proxy(amqp_server_url: str) -> AsyncIterator[TcpProxy]:
-    async with tcp_proxy_for(amqp_server_url, 5672) as proxy:
-        yield proxy
 
 
 def through(settings: Settings, proxy: TcpProxy) -> Settings:

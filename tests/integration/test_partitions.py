@@ -11,14 +11,12 @@ idle_in_transaction_session_timeout; the operation settles, with one effect.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
-import pytest
 from pydantic import SecretStr
 
-from harness.proxy import TcpProxy, tcp_proxy_for, url_through
+from harness.proxy import TcpProxy, url_through
 from outbox import OperationState, Registry, Settings, record_decision
 from outbox.connections import DatabaseBounds
 
@@ -33,18 +31,6 @@ S = OperationState
 # the dispatcher's claim (claim_outbox_batch): sent as text the first time each runs.
 RECORDING_A_CONFIRMED_EFFECT = b"SET state = 'committed'"
 CLAIMING_OUTBOX_ROWS = b"SELECT id, operation_id, routing_key, headers"
-
-
-@pytest.fixture
-async def database_proxy(postgres_server_url: str) -> AsyncIterator[TcpProxy]:
-    async with tcp_proxy_for(postgres_server_url, 5432) as proxy:
-        yield proxy
-
-
-@pytest.fixture
-async def broker_proxy(amqp_server_url: str) -> AsyncIterator[TcpProxy]:
-    async with tcp_proxy_for(amqp_server_url, 5672) as proxy:
-        yield proxy
 
 
 def bounded(settings: Settings, proxy: TcpProxy, **changes: Any) -> Settings:
