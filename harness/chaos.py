@@ -17,8 +17,15 @@ status 0 only if nothing was lost, no decision had two effects, no operation was
 retried after an unknown outcome that was never proven absent, every operation's
 events follow the state machine, and nothing stayed in flight past its lease.
 Everything is removed at the end, and a broker the run stopped is started again.
-Not part of the wheel (it stops the local broker and ends database sessions): run it from
-a checkout, where the editable install puts the repository root on ``sys.path``. Its
+
+``--broker private`` (the default) gives each run a RabbitMQ node of its own (free ports,
+its own cookie and data directory, killed and deleted at the end) and aims the broker
+faults at it alone, so that runs and sweeps can go on beside other work on the same
+machine; ``--broker shared`` uses ``OUTBOX_AMQP_URL`` and ``rabbitmqctl`` on PATH, and
+its ``stop_app`` stops that broker for everyone for a few seconds.
+
+Not part of the wheel (it stops brokers and ends database sessions): run it from a
+checkout, where the editable install puts the repository root on ``sys.path``. Its
 flags, output and exit status are those of the former ``outbox chaos``.
 """
 
@@ -51,6 +58,8 @@ from pydantic import SecretStr
 from harness.checker import SETTLED, Verdict, check
 from harness.diagnostics import session_snapshot, terminate_backends
 from harness.proxy import ThreadedProxy, url_through
+from harness.rabbit_node import ClusterError, Node, RabbitCluster, private_broker
+from harness.rabbit_node import installed as rabbitmq_installed
 from outbox import store
 from outbox.cli import add_setting_flags, run_parsed
 from outbox.decisions import record_decision
@@ -137,6 +146,9 @@ FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
 
 
 PROGRAM = "python -m harness.chaos"
+BROKER_MODES = ("private", "shared")
+# rabbitmqctl: a command's arguments in, its output out (None, with a line, if it failed).
+BrokerControl = Callable[..., "str | None"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a sweep: one run per seed, e.g. 1-20 or 3,5,8 (overrides --seed); exit 0 only "
         "if every run held",
+    )
+    parser.add_argument(
+        "--broker",
+        choices=BROKER_MODES,
+        default="private",
+        help="private: a RabbitMQ node of the run's own, the only one its broker faults touch "
+        "(needs rabbitmq-server installed); shared: OUTBOX_AMQP_URL, whose broker the "
+        "broker faults stop for everyone (private)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -400,7 +420,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     rabbitmqctl = shutil.which("rabbitmqctl")
     categories: frozenset[str] = args.faults
-    if "broker" in categories and rabbitmqctl is None:
+    if args.broker == "private" and not rabbitmq_installed():
+        raise ConfigurationError(
+            "--broker private starts a RabbitMQ node of its own and needs rabbitmq-server "
+            "installed; or use --broker shared"
+        )
+    if args.broker == "shared" and "broker" in categories and rabbitmqctl is None:
         raise ConfigurationError("broker faults need rabbitmqctl on PATH; or leave out broker")
     seeds: list[int] = args.seeds or [args.seed]
     drain_timeout = args.drain_timeout if args.drain_timeout is not None else liveness_bound()
@@ -408,7 +433,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     held = 0
     for seed in seeds:
         verdict, summary = run_once(
-            settings, seed, args.operations, categories, rabbitmqctl, drain_timeout
+            settings, seed, args.operations, categories, args.broker, rabbitmqctl, drain_timeout
         )
         held += verdict.held
         summaries.append(f"seed={seed} {summary}")
@@ -425,6 +450,7 @@ def run_once(
     seed: int,
     operations: int,
     categories: frozenset[str],
+    broker: str,
     rabbitmqctl: str | None,
     drain_timeout: float,
 ) -> tuple[Verdict, str]:
@@ -433,7 +459,10 @@ def run_once(
     # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
     scratch = ScratchEnvironment.unique(settings, "chaos", declare_topology=False)
     schedule = fault_schedule(seed, operations, categories)
-    say(f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}")
+    say(
+        f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}"
+        f", broker {broker}"
+    )
     say(f"database {redact_url(scratch.database_url)}, queue {scratch.topology.queue}")
     say(f"fault schedule ({len(schedule)}):")
     for fault in schedule:
@@ -445,17 +474,20 @@ def run_once(
     )
     evidence: Path | None = None
     timings: dict[str, float] = {}
-    with (
-        SandboxProvider(faults=provider_faults) as provider,
-        tempfile.TemporaryDirectory(prefix="outbox-chaos-") as log_dir,
-        # A cluster's first node only: the proxied daemons' broker faults go through it.
-        _proxy_to(split_amqp_urls(scratch.amqp_url)[0], 5672) as broker_link,
-        _proxy_to(scratch.database_url, 5432) as database_link,
-    ):
+    with contextlib.ExitStack() as stack:
+        provider = stack.enter_context(SandboxProvider(faults=provider_faults))
+        log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-chaos-"))
+        database_link = stack.enter_context(_proxy_to(scratch.database_url, 5432))
         # Before the try: a database that cannot be created (the server unreachable)
-        # leaves nothing to remove, and its error is the one to report.
+        # leaves nothing to remove, and its error is the one to report; and it comes
+        # before a private broker's boot, which takes seconds.
         scratch.create()
         try:
+            # Entered after the database, left after it is removed (the stack unwinds
+            # backwards): the queues are deleted while the node still runs.
+            broker_control = stack.enter_context(_broker(broker, scratch, rabbitmqctl))
+            # A cluster's first node only: the proxied daemons' broker faults go through it.
+            broker_link = stack.enter_context(_proxy_to(split_amqp_urls(scratch.amqp_url)[0], 5672))
             chaos = Chaos(
                 scratch=scratch,
                 provider=provider,
@@ -463,7 +495,7 @@ def run_once(
                 log_dir=Path(log_dir),
                 operations=operations,
                 schedule=schedule,
-                rabbitmqctl=rabbitmqctl,
+                broker_control=broker_control,
                 drain_timeout=drain_timeout,
                 timings=timings,
             )
@@ -494,8 +526,12 @@ def run_once(
     report(verdict, chaos.tally, drain_s, timings)
     if evidence is not None:
         say(f"evidence kept: the daemons' logs and sessions in {evidence}; the database")
-        say(f"  {redact_url(scratch.database_url)} and the queues {scratch.topology.queue}, ")
-        say(f"  {scratch.topology.dead_letter_queue} stay until you drop them.")
+        if broker == "private":
+            say(f"  {redact_url(scratch.database_url)} stays until you drop it (the queues")
+            say("  went with the run's own broker).")
+        else:
+            say(f"  {redact_url(scratch.database_url)} and the queues {scratch.topology.queue},")
+            say(f"  {scratch.topology.dead_letter_queue} stay until you drop them.")
     summary = (
         f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
         f"escalated={verdict.escalated} lost={verdict.lost} "
@@ -567,6 +603,22 @@ def report(
 
 
 @contextlib.contextmanager
+def _broker(
+    mode: str, scratch: ScratchEnvironment, rabbitmqctl: str | None
+) -> Iterator[BrokerControl | None]:
+    """The run's broker: a node of its own (``scratch`` is pointed at it, and the node is
+    killed and deleted when the block ends), or the shared one ``scratch`` names."""
+    if mode == "shared":
+        yield None if rabbitmqctl is None else shared_broker_control(rabbitmqctl)
+        return
+    started = time.monotonic()
+    with private_broker() as (cluster, node):
+        scratch.settings = scratch.settings.model_copy(update={"amqp_url": SecretStr(node.url)})
+        say(f"private broker {node.name} on {node.address} ({time.monotonic() - started:.0f} s)")
+        yield private_broker_control(cluster, node)
+
+
+@contextlib.contextmanager
 def _proxy_to(url: str, default_port: int) -> Iterator[ThreadedProxy]:
     parts = urlsplit(url)
     with ThreadedProxy(parts.hostname or "127.0.0.1", parts.port or default_port) as proxy:
@@ -585,7 +637,7 @@ class Chaos:
     log_dir: Path
     operations: int
     schedule: list[ScheduledFault]
-    rabbitmqctl: str | None
+    broker_control: BrokerControl | None
     drain_timeout: float
     tally: Tally = field(default_factory=Tally)
     daemons: list[Daemon] = field(default_factory=list)
@@ -812,13 +864,13 @@ class Chaos:
         return closed > 0
 
     def _fault_broker_restart(self, fault: ScheduledFault) -> bool:
-        assert self.rabbitmqctl is not None
+        control = self.broker_control
+        assert control is not None
         if "broker_restart" in self.endings:
             return False
-        if _rabbitmqctl(self.rabbitmqctl, "stop_app") is None:
+        if control("stop_app") is None:
             return False
-        executable = self.rabbitmqctl
-        self._lasting("broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(executable))
+        self._lasting("broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(control))
         self.tally.broker_restarts += 1
         return True
 
@@ -893,10 +945,10 @@ class Chaos:
     def _close_broker_connections(self, daemon: Daemon) -> int:
         """Close this daemon's own connections only, found by the connection name it
         gives (application name, host, pid): other work shares the broker."""
-        assert self.rabbitmqctl is not None
+        control = self.broker_control
+        assert control is not None
         marker = f"{APPLICATION_NAMES[daemon.kind]} {socket.gethostname()}:{daemon.pid}:"
-        listing = _rabbitmqctl(
-            self.rabbitmqctl,
+        listing = control(
             "list_connections",
             "-q",
             "--no-table-headers",
@@ -907,7 +959,7 @@ class Chaos:
         for line in (listing or "").splitlines():
             pid, _, properties = line.partition("\t")
             if marker in properties:
-                _rabbitmqctl(self.rabbitmqctl, "close_connection", pid.strip(), "outbox chaos")
+                control("close_connection", pid.strip(), "outbox chaos")
                 closed += 1
         if not closed:
             self.tally.faults_that_found_nothing += 1
@@ -943,9 +995,33 @@ class Chaos:
         stop_all([daemon.process for daemon in self.daemons if daemon.process is not None])
 
 
-def _start_app(executable: str) -> None:
-    if _rabbitmqctl(executable, "start_app") is None:
+def _start_app(control: BrokerControl) -> None:
+    if control("start_app") is None:
         raise RuntimeError("rabbitmqctl start_app failed; start the broker by hand")
+
+
+def shared_broker_control(executable: str) -> BrokerControl:
+    """rabbitmqctl on PATH, acting on the broker it finds by default: the shared one."""
+
+    def control(*args: str) -> str | None:
+        return _rabbitmqctl(executable, *args)
+
+    return control
+
+
+def private_broker_control(cluster: RabbitCluster, node: Node) -> BrokerControl:
+    """rabbitmqctl aimed at the run's own node (by name, with the node's own cookie): a
+    mistake here cannot reach the shared broker, whose cookie differs."""
+
+    def control(*args: str) -> str | None:
+        try:
+            return cluster.ctl(node, *args)
+        except ClusterError as failure:
+            first_line = (str(failure).strip().splitlines() or [""])[0]
+            say(f"  (rabbitmqctl {args[0]} failed: {first_line[:200]})")
+            return None
+
+    return control
 
 
 def _rabbitmqctl(executable: str, *args: str) -> str | None:
