@@ -138,12 +138,30 @@ def test_chaos_loses_nothing_and_duplicates_nothing(
     assert int(verdict["duplicate_deliveries_suppressed"]) >= 1, result.stdout
     for count in FAULT_COUNTS:
         assert int(verdict[count]) >= 1, f"{count}: {result.stdout}"
-    assert broker_accepts_connections(amqp_server_url), "the run left the broker stopped"
+    assert broker_accepts_connections(amqp_server_url), "the shared broker stopped"
+    # This run's database only: another run's kept evidence is not ours to judge.
     with psycopg.connect(postgres_server_url, autocommit=True) as connection:
         leftovers = connection.execute(
-            "SELECT datname FROM pg_database WHERE datname LIKE 'outbox_chaos_%'"
+            "SELECT datname FROM pg_database WHERE datname = %s", (database_of(result.stdout),)
         ).fetchall()
     assert leftovers == []
+
+
+def database_of(output: str) -> str:
+    """The run's own database, from the line that names it as the run begins."""
+    found = re.search(r"^database \S+/(outbox_chaos_\w+),", output, re.MULTILINE)
+    assert found, f"the run never named its database:\n{output}"
+    return found.group(1)
+
+
+def test_a_run_is_known_by_the_database_it_names() -> None:
+    output = (
+        "outbox chaos: 5 decisions, seed 1, faults process, broker private\n"
+        "database postgresql://postgres@127.0.0.1:5432/outbox_chaos_1a2b3c4d, "
+        "queue chaos.1a2b3c4d.operations\n"
+    )
+
+    assert database_of(output) == "outbox_chaos_1a2b3c4d"
 
 
 def broker_accepts_connections(amqp_url: str) -> bool:
