@@ -1,21 +1,30 @@
-"""``python -m harness.chaos``: many refunds through the whole system while it is broken.
+"""``python -m harness.chaos``: many refunds and emails through the whole system while it
+is broken.
 
 Two dispatchers and two consumers run as real subprocesses against a database, broker
 names and payment sandbox of their own; one daemon of each kind reaches the broker and
-the database through TCP proxies. The main process records ``send_refund`` decisions at
-a steady pace while a fault schedule drawn from the seed kills daemons (one of them
-while the provider holds the response of a refund it has just committed), pauses a
-consumer past its lease, restarts the broker, closes one daemon's broker connections,
-ends the daemons' database sessions, slows, silences and cuts the proxied links, and
-turns provider faults on for a while (409 conflicts, lookups unavailable, idempotency
-keys forgotten); throughout, the sandbox drops responses after committing and fails
-before committing. When every operation has settled, a checker reads the event log and
-the provider's ledger and prints a verdict.
+the database through TCP proxies. The sandbox sends signed webhooks for what it does to
+a callbacks receiver of the run's own, which records them in the run's inbox. The main
+process records ``send_refund`` decisions (and every fifth a ``send_email``) at a steady
+pace while a fault schedule drawn from the seed kills daemons (one of them while the
+provider holds the response of a refund it has just committed), pauses a consumer past
+its lease, restarts the broker, closes one daemon's broker connections, ends the
+daemons' database sessions, slows, silences and cuts the proxied links, turns provider
+faults on for a while (409 conflicts, lookups unavailable, idempotency keys forgotten),
+overloads the machine (CPU hogs at 2x and 4x the cores, a database link 50-500 ms slow
+a chunk, a burst of decisions at 3x the measured drain rate) and disturbs the webhooks
+(dropped, forged or stale, duplicated and reordered, delayed); throughout, the sandbox
+drops responses after committing and fails before committing. When every operation has
+settled, a checker reads the event log, the inbox and the provider's ledger and prints
+a verdict, with the escalations by reason and the recovery time after the overload.
 
 The same seed gives the same schedule (the daemons' own timing still varies). Exit
 status 0 only if nothing was lost, no decision had two effects, no operation was
 retried after an unknown outcome that was never proven absent, every operation's
-events follow the state machine, and nothing stayed in flight past its lease.
+events follow the state machine, nothing stayed in flight past its lease, nothing was
+escalated as undeliverable, at most 1% escalated for a reason no fault forces, no
+callback contradicted a recorded ending, and goodput came back within 30 s of the last
+overload (harness/checker.py).
 Everything is removed at the end, and a broker the run stopped is started again.
 
 ``--broker private`` (the default) gives each run a RabbitMQ node of its own (free ports,
@@ -55,20 +64,31 @@ from urllib.parse import urlsplit
 import psycopg
 from pydantic import SecretStr
 
-from harness.checker import SETTLED, Verdict, check
+from harness.checker import (
+    SETTLED,
+    Sample,
+    Verdict,
+    check,
+    quiet_rate,
+    recovery_seconds,
+)
 from harness.diagnostics import session_snapshot, terminate_backends
 from harness.proxy import ThreadedProxy, url_through
 from harness.rabbit_node import ClusterError, Node, RabbitCluster, private_broker
 from harness.rabbit_node import installed as rabbitmq_installed
 from outbox import store
+from outbox.callbacks import CallbackReceiver
 from outbox.cli import add_setting_flags, run_parsed
 from outbox.decisions import record_decision
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import load_registry
+from outbox.sandbox.demo import demo_secrets
 from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
 from outbox.sandbox.provider import Faults, SandboxProvider
+from outbox.sandbox.receiver import LocalReceiver
 from outbox.sandbox.scratch import ScratchEnvironment
-from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.tools import CALLBACK_WAIT_ENV, REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.webhooks import WebhookTarget
 from outbox.settings import Settings, redact_url, split_amqp_urls
 from outbox.states import OperationState
 from outbox.store import Store
@@ -133,7 +153,34 @@ DAEMONS = ("dispatcher", "dispatcher", "consumer", "consumer")
 PROXIED_INDEX = 1
 LINKS = ("broker", "database")
 
+# Every this-many-th decision is an email (no lookup: its callback settles an unknown
+# outcome, or a person); the others refunds.
+EMAIL_EVERY = 5
+# How long an email's unknown outcome waits for its delivery callback before a person
+# gets it: longer than the webhook faults below hold one, well inside the liveness bound.
+CALLBACK_WAIT_SECONDS = 15.0
+WEBHOOK_DROP_EVERY = 2
+WEBHOOK_FORGE_EVERY = 2
+WEBHOOK_STALE_EVERY = 3
+WEBHOOK_DUPLICATE_EVERY = 2
+WEBHOOK_REORDER = 3
+WEBHOOK_DELAY_MS = 2_000
+
+# Overload (#22): how long the CPU hogs and the slow database last; the hogs per core
+# (slot 0 and 1); the slow database's wait per chunk; the burst.
+OVERLOAD_SECONDS = 10.0
+CPU_HOGS_PER_CORE = (2, 4)
+SLOW_DATABASE_SECONDS = (0.05, 0.5)
+BURST_FACTOR = 3.0
+BURST_SECONDS = 3.0
+# With overload on, no fault comes in the stream's first seconds: the quiet rate that
+# recovery is judged against is measured then.
+QUIET_SECONDS = 8.0
+# How often the run counts what is recorded and settled (the goodput series).
+SAMPLE_SECONDS = 0.5
+
 PROCESS_FAULTS = ("dispatcher_kill", "consumer_kill", "consumer_kill_in_effect", "consumer_stop")
+OVERLOAD_FAULTS = ("cpu_starvation", "slow_database", "decision_burst")
 FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
     "process": PROCESS_FAULTS,
     "broker": ("broker_connection_close", "broker_restart"),
@@ -142,6 +189,9 @@ FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
     # Besides these windows the sandbox drops responses and fails before committing
     # throughout the run.
     "provider": ("provider_conflicts", "lookups_unavailable", "keys_pruned"),
+    "overload": OVERLOAD_FAULTS,
+    # Webhook faults for a while; the webhooks themselves flow throughout the run.
+    "callbacks": ("webhooks_dropped", "webhooks_forged", "webhooks_duplicated", "webhooks_delayed"),
 }
 
 
@@ -296,6 +346,20 @@ class ScheduledFault:
             "lookups_unavailable": f"503 to lookups for {PROVIDER_FAULT_SECONDS:g} s",
             "keys_pruned": f"keys older than {PRUNE_KEYS_OLDER_THAN_SECONDS:g} s forgotten "
             f"for {PROVIDER_FAULT_SECONDS:g} s",
+            "cpu_starvation": f"{CPU_HOGS_PER_CORE[self.slot]} busy loops a core for "
+            f"{OVERLOAD_SECONDS:g} s",
+            "slow_database": f"database link +{SLOW_DATABASE_SECONDS[0] * 1000:g}-"
+            f"{SLOW_DATABASE_SECONDS[1] * 1000:g} ms a chunk for {OVERLOAD_SECONDS:g} s",
+            "decision_burst": f"decisions at {BURST_FACTOR:g}x the measured drain rate for "
+            f"{BURST_SECONDS:g} s",
+            "webhooks_dropped": f"every {WEBHOOK_DROP_EVERY}nd webhook dropped for "
+            f"{PROVIDER_FAULT_SECONDS:g} s",
+            "webhooks_forged": f"every {WEBHOOK_FORGE_EVERY}nd webhook forged, every "
+            f"{WEBHOOK_STALE_EVERY}rd stale, for {PROVIDER_FAULT_SECONDS:g} s",
+            "webhooks_duplicated": f"every {WEBHOOK_DUPLICATE_EVERY}nd webhook twice, "
+            f"{WEBHOOK_REORDER} at a time newest first, for {PROVIDER_FAULT_SECONDS:g} s",
+            "webhooks_delayed": f"webhooks held {WEBHOOK_DELAY_MS} ms for "
+            f"{PROVIDER_FAULT_SECONDS:g} s",
         }[self.kind]
 
 
@@ -316,7 +380,9 @@ def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> li
     extra = max(0, int(duration // FAULT_SPACING_SECONDS) - len(kinds))
     chosen = kinds + [rng.choice(kinds) for _ in range(extra)]
     rng.shuffle(chosen)
-    times = sorted(rng.uniform(1.0, duration) for _ in chosen)
+    # Recovery from overload is judged against the quiet rate: measured first.
+    first = QUIET_SECONDS if "overload" in categories else 1.0
+    times = sorted(rng.uniform(first, duration) for _ in chosen)
     schedule = []
     for at, kind in zip(times, chosen, strict=True):
         # broker closes pick any of the four daemons; the others one of two of a kind
@@ -325,6 +391,20 @@ def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> li
         )
         schedule.append(ScheduledFault(round(at, 1), kind, slot))
     return schedule
+
+
+def decision(n: int) -> tuple[str, dict[str, Any]]:
+    """The n-th decision of the stream: every EMAIL_EVERY-th an email, the rest refunds."""
+    if n % EMAIL_EVERY == EMAIL_EVERY - 1:
+        return "send_email", {
+            "to": f"customer{n}@example.com",
+            "subject": f"About your order {n}",
+            "body": "Your refund is on its way.",
+        }
+    return "send_refund", {
+        "payment_id": f"pay_chaos_{n}",
+        "amount_cents": 100 + (n * 7919) % (MAX_AMOUNT_CENTS - 100),
+    }
 
 
 # --- the daemons ----------------------------------------------------------------------
@@ -404,6 +484,13 @@ class Tally:
     provider_conflict_windows: int = 0
     lookup_outages: int = 0
     key_prunings: int = 0
+    cpu_starvations: int = 0
+    slow_databases: int = 0
+    decision_bursts: int = 0
+    webhook_drop_windows: int = 0
+    webhook_forge_windows: int = 0
+    webhook_duplicate_windows: int = 0
+    webhook_delay_windows: int = 0
     unplanned_exits: int = 0
     faults_that_found_nothing: int = 0
 
@@ -482,12 +569,16 @@ def run_once(
         # leaves nothing to remove, and its error is the one to report; and it comes
         # before a private broker's boot, which takes seconds.
         scratch.create()
+        # Closed before the database is dropped (in the finally below): no webhook may
+        # hold a session of it then.
+        callbacks = stack.enter_context(contextlib.ExitStack())
         try:
             # Entered after the database, left after it is removed (the stack unwinds
             # backwards): the queues are deleted while the node still runs.
             broker_control = stack.enter_context(_broker(broker, scratch, rabbitmqctl))
             # A cluster's first node only: the proxied daemons' broker faults go through it.
             broker_link = stack.enter_context(_proxy_to(split_amqp_urls(scratch.amqp_url)[0], 5672))
+            _receive_webhooks(callbacks, provider, scratch.database_url)
             chaos = Chaos(
                 scratch=scratch,
                 provider=provider,
@@ -507,17 +598,27 @@ def run_once(
                 chaos.stop()
                 chaos.timings["stop_daemons"] = time.monotonic() - stopping
             checking = time.monotonic()
-            verdict = check(scratch.database_url, operations, provider)
+            verdict = check(
+                scratch.database_url,
+                operations,
+                provider,
+                tools_without_lookup=tools_without_lookup(),
+                lookups_failed=chaos.tally.lookup_outages > 0,
+            )
             if verdict.last_settled_at is not None:
                 verdict.settle_s = max(
                     0.0, verdict.last_settled_at.timestamp() - chaos.faults_ended_at
                 )
+            verdict.recovery_judged = chaos.overload_ended is not None
+            verdict.recovery_s = chaos.recovery()
+            verdict.quiet_rate = chaos.quiet_rate
             chaos.timings["check"] = time.monotonic() - checking
             if not verdict.held or drain_s is None:
                 evidence = _keep_evidence(scratch, Path(log_dir), sessions)
                 scratch.keep()
         finally:
             cleaning = time.monotonic()
+            callbacks.close()
             for problem in scratch.remove():
                 say(f"   ({problem})")
             if evidence is None:
@@ -536,11 +637,46 @@ def run_once(
         f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
         f"escalated={verdict.escalated} lost={verdict.lost} "
         f"duplicate_effects={verdict.duplicate_effects} blind_retries={verdict.blind_retries} "
-        f"illegal_sequences={verdict.illegal_sequences} "
-        f"settle_s={_seconds(verdict.settle_s)} total_s={timings['total']:.0f} "
+        f"illegal_sequences={verdict.illegal_sequences} contradictions={verdict.contradictions} "
+        f"escalated_share={verdict.escalated_share:.1%} "
+        f"recovery_s={_recovery(verdict)} settle_s={_seconds(verdict.settle_s)} "
+        f"total_s={timings['total']:.0f} "
+        f"escalated_by_reason={_reasons(verdict) or '-'} "
         + ("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
     )
     return verdict, summary
+
+
+def _reasons(verdict: Verdict) -> str:
+    return ",".join(f"{r}={n}" for r, n in sorted(verdict.escalation_reasons.items()))
+
+
+def _recovery(verdict: Verdict) -> str:
+    if not verdict.recovery_judged:
+        return "-"
+    return "never" if verdict.recovery_s is None else f"{verdict.recovery_s:.1f}"
+
+
+def tools_without_lookup() -> frozenset[str]:
+    """The sandbox's writes that no lookup can find (their effects are emails)."""
+    registry = load_registry([TOOLS_MODULE])
+    return frozenset(
+        name for name in ("send_refund", "send_email") if registry.get(name, 1).reconcile is None
+    )
+
+
+def _receive_webhooks(
+    stack: contextlib.ExitStack, provider: SandboxProvider, database_url: str
+) -> None:
+    """Fresh secrets for the run; a receiver that verifies and records the sandbox's
+    webhooks into the run's inbox, as ``outbox callbacks serve`` does; the sandbox
+    aimed at it (and stopped sending when ``stack`` closes)."""
+    keys = demo_secrets()
+    receiver = stack.enter_context(
+        LocalReceiver(CallbackReceiver(load_registry([TOOLS_MODULE]), keys), database_url)
+    )
+    provider.set_webhooks(WebhookTarget(receiver.url, keys))
+    stack.callback(provider.set_webhooks, None)
 
 
 def _seconds(value: float | None) -> str:
@@ -593,10 +729,32 @@ def report(
         f"unplanned_exits={tally.unplanned_exits} "
         f"faults_that_found_nothing={tally.faults_that_found_nothing}"
     )
+    say(
+        f"cpu_starvations={tally.cpu_starvations} slow_databases={tally.slow_databases} "
+        f"decision_bursts={tally.decision_bursts} "
+        f"webhook_drop_windows={tally.webhook_drop_windows} "
+        f"webhook_forge_windows={tally.webhook_forge_windows} "
+        f"webhook_duplicate_windows={tally.webhook_duplicate_windows} "
+        f"webhook_delay_windows={tally.webhook_delay_windows}"
+    )
+    say(
+        f"contradictions={verdict.contradictions} "
+        f"settled_by_callback={verdict.settled_by_callback} "
+        f"retried_by_callback={verdict.retried_by_callback} "
+        f"callbacks_unapplied={verdict.callbacks_unapplied} "
+        f"callbacks_unmatched={verdict.callbacks_unmatched} "
+        f"committed_without_one_email={verdict.committed_without_one_email} "
+        f"emails_without_an_effect_state={verdict.emails_without_an_effect_state}"
+    )
+    quiet = "-" if verdict.quiet_rate is None else f"{verdict.quiet_rate:.1f}"
+    say(
+        f"undeliverable={verdict.undeliverable} "
+        f"escalations_excused={verdict.escalations_excused} "
+        f"escalated_share={verdict.escalated_share:.1%} "
+        f"quiet_rate={quiet} recovery_s={_recovery(verdict)}"
+    )
     say("timings: " + " ".join(f"{phase}_s={seconds:.1f}" for phase, seconds in timings.items()))
-    if verdict.escalation_reasons:
-        reasons = ", ".join(f"{r}={n}" for r, n in sorted(verdict.escalation_reasons.items()))
-        say(f"escalated by reason: {reasons}")
+    say(f"escalated by reason: {', '.join(_reasons(verdict).split(',')) or 'none'}")
     for example in verdict.examples[:10]:
         say(f"  {example}")
     say("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
@@ -649,6 +807,23 @@ class Chaos:
     faults_ended_monotonic: float = field(default_factory=time.monotonic)
     # Faults that last a while, by kind: when each ends and what ends it.
     endings: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
+    # The goodput series (every SAMPLE_SECONDS), the quiet rate measured from it when the
+    # first fault came (with the backlog of the quiet phase), and when the last
+    # overload ended (monotonic; None if none ran).
+    samples: list[Sample] = field(default_factory=list)
+    quiet_rate: float | None = None
+    quiet_rate_measured: bool = False
+    quiet_backlog: int = 0
+    overload_ended: float | None = None
+    # A burst under way: since when, at how many decisions a second, and how many
+    # decisions it has pulled forward from the stream so far.
+    burst: tuple[float, float] | None = None
+    burst_base: float = 0.0
+    pulled_forward: float = 0.0
+    # Decisions recorded so far, and the rate the stream offers them at.
+    recorded: int = 0
+    rate: float = 0.0
+    hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def database_url(self) -> str:
@@ -682,6 +857,7 @@ class Chaos:
             **daemon_settings.to_environment(),
             SANDBOX_URL_ENV: self.provider.url,
             REFUND_DEADLINE_ENV: f"{REFUND_DEADLINE_SECONDS:g}",
+            CALLBACK_WAIT_ENV: f"{CALLBACK_WAIT_SECONDS:g}",
         }
 
     def run(self) -> float | None:
@@ -704,26 +880,30 @@ class Chaos:
         retry_until = stream_seconds(self.operations) + FAULT_RETRY_AFTER_STREAM_SECONDS
         recorded = 0
         start = time.monotonic()
+        self.rate = rate
         with psycopg.connect(self.database_url) as connection:
             while recorded < self.operations or pending or self._faults_last():
-                elapsed = time.monotonic() - start
-                due = min(self.operations, int(elapsed * rate) + 1)
+                now = time.monotonic()
+                elapsed = now - start
+                self._pull_forward(now)
+                due = min(self.operations, int(elapsed * rate + self.pulled_forward) + 1)
                 for n in range(recorded, due):
+                    tool, tool_input = decision(n)
                     record_decision(
                         connection,
                         registry,
-                        "send_refund",
-                        {
-                            "payment_id": f"pay_chaos_{n}",
-                            "amount_cents": 100 + (n * 7919) % (MAX_AMOUNT_CENTS - 100),
-                        },
+                        tool,
+                        tool_input,
                         run_id="chaos",
                         decision_key=f"call_{n}",
                     )
                 connection.commit()
                 recorded = max(recorded, due)
+                self.recorded = recorded
+                self._sample(connection, now)
                 while pending and pending[0].at <= elapsed:
                     fault = pending.pop(0)
+                    self._measure_quiet_rate()
                     if self._inject(fault, elapsed):
                         continue
                     if retries[fault] >= FAULT_RETRIES or elapsed >= retry_until:
@@ -749,7 +929,9 @@ class Chaos:
             while time.monotonic() < deadline:
                 self._tend(time.monotonic())
                 if self._settled():
+                    self._sample_now()
                     return time.monotonic() - stream_end
+                self._sample_now()
                 time.sleep(LOOP_SECONDS * 4)  # polling the database, with the deadline above
             return None
         finally:
@@ -758,6 +940,56 @@ class Chaos:
     def _fault_over(self) -> None:
         self.faults_ended_at = time.time()
         self.faults_ended_monotonic = time.monotonic()
+
+    def _overload_over(self) -> None:
+        self.overload_ended = time.monotonic()
+
+    # --- the goodput series ---------------------------------------------------------
+
+    def _sample(self, connection: psycopg.Connection[Any], now: float) -> None:
+        """Count what is settled, at most every SAMPLE_SECONDS."""
+        if self.samples and now - self.samples[-1].at < SAMPLE_SECONDS:
+            return
+        counts = Store(connection).run(store.operations_by_state())
+        connection.commit()
+        goodput = counts[OperationState.COMMITTED] + counts[OperationState.REJECTED]
+        settled = goodput + counts[OperationState.ESCALATED]
+        self.samples.append(Sample(now, self.recorded, goodput, settled))
+
+    def _sample_now(self) -> None:
+        if self.samples and time.monotonic() - self.samples[-1].at < SAMPLE_SECONDS:
+            return
+        with psycopg.connect(self.database_url) as connection:
+            self._sample(connection, time.monotonic())
+
+    def _measure_quiet_rate(self) -> None:
+        """When the first fault comes: the goodput of the quiet phase before it (or, if
+        that saw too few answers, the rate decisions were offered at), and its backlog."""
+        if self.quiet_rate_measured:
+            return
+        self.quiet_rate_measured = True
+        now = time.monotonic()
+        measured = quiet_rate(self.samples, now)
+        self.quiet_rate = measured if measured is not None else self.rate
+        self.quiet_backlog = max((sample.backlog for sample in self.samples), default=0)
+        source = "goodput" if measured is not None else "offered, too few answers"
+        say(f"  quiet rate {self.quiet_rate:.1f}/s ({source}), backlog {self.quiet_backlog}")
+
+    def recovery(self) -> float | None:
+        """Seconds from the last overload's end until goodput was back (None: never)."""
+        if self.overload_ended is None or self.quiet_rate is None:
+            return None
+        return recovery_seconds(
+            self.samples, self.overload_ended, self.quiet_rate, self.quiet_backlog
+        )
+
+    def _pull_forward(self, now: float) -> None:
+        """During a burst, decisions come at its rate: the stream's later ones, early."""
+        if self.burst is None:
+            return
+        since, burst_rate = self.burst
+        extra = max(0.0, burst_rate - self.rate)
+        self.pulled_forward = self.burst_base + extra * (now - since)
 
     def _faults_last(self) -> bool:
         return bool(self.endings) or any(d.stopped_until is not None for d in self.daemons)
@@ -926,6 +1158,101 @@ class Chaos:
             "keys_pruned",
             {"prune_keys_older_than_s": PRUNE_KEYS_OLDER_THAN_SECONDS},
             "key_prunings",
+        )
+
+    # overload (#22)
+
+    def _fault_cpu_starvation(self, fault: ScheduledFault) -> bool:
+        """Busy loops at normal priority, 2x or 4x the cores this process may use: the
+        daemons, Postgres and this harness all get a share of what is left."""
+        if self.hogs:
+            return False
+        count = CPU_HOGS_PER_CORE[fault.slot] * len(os.sched_getaffinity(0))
+        self.hogs = [
+            # This interpreter, a loop of its own: nothing of the caller's reaches it.
+            subprocess.Popen(
+                [sys.executable, "-c", "while True: pass"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for _ in range(count)
+        ]
+        self._lasting("cpu_starvation", OVERLOAD_SECONDS, self._end_cpu_starvation)
+        self.tally.cpu_starvations += 1
+        return True
+
+    def _end_cpu_starvation(self) -> None:
+        hogs, self.hogs = self.hogs, []
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+        self._overload_over()
+
+    def _fault_slow_database(self, fault: ScheduledFault) -> bool:
+        """The proxied daemons' database link: every chunk 50-500 ms late, both ways."""
+        link = self.links["database"]
+
+        def end() -> None:
+            link.restore()
+            self._overload_over()
+
+        # The database link's slot: one link fault at a time on it (link_delay's too).
+        if not self._lasting(f"link_{LINKS.index('database')}", OVERLOAD_SECONDS, end):
+            return False
+        link.delay(SLOW_DATABASE_SECONDS[0], up_to=SLOW_DATABASE_SECONDS[1])
+        self.tally.slow_databases += 1
+        return True
+
+    def _fault_decision_burst(self, fault: ScheduledFault) -> bool:
+        """Decisions at 3x the drain rate measured when quiet, for a while: the stream's
+        later decisions come early, so the run still records --operations."""
+        if self.burst is not None or self.recorded >= self.operations:
+            return False
+        drain_rate = self.quiet_rate if self.quiet_rate else self.rate
+        self.burst = (time.monotonic(), BURST_FACTOR * drain_rate)
+        self.burst_base = self.pulled_forward
+
+        def end() -> None:
+            self._pull_forward(time.monotonic())
+            self.burst = None
+            self._overload_over()
+
+        self._lasting("decision_burst", BURST_SECONDS, end)
+        self.tally.decision_bursts += 1
+        return True
+
+    # callbacks (#25): the webhooks flow all run long; these disturb them for a while
+
+    def _fault_webhooks_dropped(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_dropped", {"webhook_drop_every": WEBHOOK_DROP_EVERY}, "webhook_drop_windows"
+        )
+
+    def _fault_webhooks_forged(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_forged",
+            {
+                "webhook_forge_every": WEBHOOK_FORGE_EVERY,
+                "webhook_stale_every": WEBHOOK_STALE_EVERY,
+            },
+            "webhook_forge_windows",
+        )
+
+    def _fault_webhooks_duplicated(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_duplicated",
+            {
+                "webhook_duplicate_every": WEBHOOK_DUPLICATE_EVERY,
+                "webhook_reorder": WEBHOOK_REORDER,
+            },
+            "webhook_duplicate_windows",
+        )
+
+    def _fault_webhooks_delayed(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_delayed", {"webhook_delay_ms": WEBHOOK_DELAY_MS}, "webhook_delay_windows"
         )
 
     def _provider_window(self, kind: str, fault_fields: dict[str, Any], counter: str) -> bool:

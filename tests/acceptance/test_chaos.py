@@ -130,6 +130,11 @@ def test_chaos_loses_nothing_and_duplicates_nothing(
     assert verdict["blind_retries"] == "0"
     assert verdict["illegal_sequences"] == "0"
     assert verdict["in_flight_past_lease"] == "0"
+    # Overload (#22) and callbacks (#25): what breaks the verdict, spelled out.
+    assert verdict["undeliverable"] == "0", result.stdout
+    assert verdict["contradictions"] == "0", result.stdout
+    assert verdict["recovery_s"] not in ("-", "never"), result.stdout
+    assert verdict["committed_without_one_email"] == "0", result.stdout
     # A daemon that dies of a fault instead of riding it out is a bug, even if the
     # harness's restart hides it from the other figures.
     assert verdict["unplanned_exits"] == "0", result.stdout
