@@ -346,7 +346,7 @@ class ScheduledFault:
             "lookups_unavailable": f"503 to lookups for {PROVIDER_FAULT_SECONDS:g} s",
             "keys_pruned": f"keys older than {PRUNE_KEYS_OLDER_THAN_SECONDS:g} s forgotten "
             f"for {PROVIDER_FAULT_SECONDS:g} s",
-            "cpu_starvation": f"{CPU_HOGS_PER_CORE[self.slot]} busy loops a core for "
+            "cpu_starvation": f"{CPU_HOGS_PER_CORE[self.slot % 2]} busy loops a core for "
             f"{OVERLOAD_SECONDS:g} s",
             "slow_database": f"database link +{SLOW_DATABASE_SECONDS[0] * 1000:g}-"
             f"{SLOW_DATABASE_SECONDS[1] * 1000:g} ms a chunk for {OVERLOAD_SECONDS:g} s",
@@ -1167,7 +1167,7 @@ class Chaos:
         daemons, Postgres and this harness all get a share of what is left."""
         if self.hogs:
             return False
-        count = CPU_HOGS_PER_CORE[fault.slot] * len(os.sched_getaffinity(0))
+        count = CPU_HOGS_PER_CORE[fault.slot % 2] * len(os.sched_getaffinity(0))
         self.hogs = [
             # This interpreter, a loop of its own: nothing of the caller's reaches it.
             subprocess.Popen(

@@ -100,3 +100,9 @@ def test_the_private_broker_needs_rabbitmq_installed(
 
     assert status == 2
     assert "needs rabbitmq-server installed; or use --broker shared" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [1, 2, 7])
+def test_every_fault_of_every_schedule_can_be_described(seed: int) -> None:
+    for fault in fault_schedule(seed, 300, build_parser().parse_args([]).faults):
+        assert fault.kind in fault.describe()
