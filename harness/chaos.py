@@ -196,6 +196,7 @@ FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
 
 
 PROGRAM = "python -m harness.chaos"
+START_APP_TRIES = 3
 BROKER_MODES = ("private", "shared")
 # rabbitmqctl: a command's arguments in, its output out (None, with a line, if it failed).
 BrokerControl = Callable[..., "str | None"]
@@ -1091,6 +1092,8 @@ class Chaos:
     def _fault_broker_connection_close(self, fault: ScheduledFault) -> bool:
         if "broker_restart" in self.endings:
             return False  # nothing to close while the broker is down
+        if self.hogs:
+            return False  # rabbitmqctl's own VM starves beside the hogs: after them
         closed = self._close_broker_connections(self.daemons[fault.slot])
         self.tally.broker_connection_closes += closed
         return closed > 0
@@ -1099,6 +1102,10 @@ class Chaos:
         control = self.broker_control
         assert control is not None
         if "broker_restart" in self.endings:
+            return False
+        if self.hogs:
+            # Its start_app (an Erlang VM of its own) would starve beside the hogs and
+            # leave the broker stopped: the two faults take turns.
             return False
         if control("stop_app") is None:
             return False
@@ -1165,8 +1172,8 @@ class Chaos:
     def _fault_cpu_starvation(self, fault: ScheduledFault) -> bool:
         """Busy loops at normal priority, 2x or 4x the cores this process may use: the
         daemons, Postgres and this harness all get a share of what is left."""
-        if self.hogs:
-            return False
+        if self.hogs or "broker_restart" in self.endings:
+            return False  # one at a time; a stopped broker's start_app first
         count = CPU_HOGS_PER_CORE[fault.slot % 2] * len(os.sched_getaffinity(0))
         self.hogs = [
             # This interpreter, a loop of its own: nothing of the caller's reaches it.
@@ -1323,8 +1330,13 @@ class Chaos:
 
 
 def _start_app(control: BrokerControl) -> None:
-    if control("start_app") is None:
-        raise RuntimeError("rabbitmqctl start_app failed; start the broker by hand")
+    # A CLI call is an Erlang VM of its own, which a starved machine may not boot
+    # within its timeout: a broker left stopped would fail the run for the harness's
+    # sake, so try again before giving up.
+    for _ in range(START_APP_TRIES):
+        if control("start_app") is not None:
+            return
+    raise RuntimeError("rabbitmqctl start_app failed; start the broker by hand")
 
 
 def shared_broker_control(executable: str) -> BrokerControl:
