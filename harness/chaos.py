@@ -172,7 +172,10 @@ OVERLOAD_SECONDS = 10.0
 CPU_HOGS_PER_CORE = (2, 4)
 SLOW_DATABASE_SECONDS = (0.05, 0.5)
 BURST_FACTOR = 3.0
-BURST_SECONDS = 3.0
+# The share of the decisions the steady stream leaves to the bursts (split evenly among
+# the schedule's bursts): a burst then always has decisions to record, even one that
+# comes after the steady stream has ended.
+BURST_SHARE = 0.2
 # With overload on, no fault comes in the stream's first seconds: the quiet rate that
 # recovery is judged against is measured then.
 QUIET_SECONDS = 8.0
@@ -351,8 +354,8 @@ class ScheduledFault:
             f"{OVERLOAD_SECONDS:g} s",
             "slow_database": f"database link +{SLOW_DATABASE_SECONDS[0] * 1000:g}-"
             f"{SLOW_DATABASE_SECONDS[1] * 1000:g} ms a chunk for {OVERLOAD_SECONDS:g} s",
-            "decision_burst": f"decisions at {BURST_FACTOR:g}x the measured drain rate for "
-            f"{BURST_SECONDS:g} s",
+            "decision_burst": f"decisions at {BURST_FACTOR:g}x the measured drain rate (its "
+            f"share of the {BURST_SHARE:.0%} kept for bursts)",
             "webhooks_dropped": f"every {WEBHOOK_DROP_EVERY}nd webhook dropped for "
             f"{PROVIDER_FAULT_SECONDS:g} s",
             "webhooks_forged": f"every {WEBHOOK_FORGE_EVERY}nd webhook forged, every "
@@ -816,11 +819,12 @@ class Chaos:
     quiet_rate_measured: bool = False
     quiet_backlog: int = 0
     overload_ended: float | None = None
-    # A burst under way: since when, at how many decisions a second, and how many
-    # decisions it has pulled forward from the stream so far.
-    burst: tuple[float, float] | None = None
-    burst_base: float = 0.0
-    pulled_forward: float = 0.0
+    # A burst under way (since when, at how many decisions a second, and how many the
+    # bursts had recorded before it); each burst's size; how many decisions the
+    # bursts have recorded (or handed back to the stream, if one never came).
+    burst: tuple[float, float, int] | None = None
+    burst_size: int = 0
+    burst_recorded: int = 0
     # Decisions recorded so far, and the rate the stream offers them at.
     recorded: int = 0
     rate: float = 0.0
@@ -882,12 +886,16 @@ class Chaos:
         recorded = 0
         start = time.monotonic()
         self.rate = rate
+        bursts = sum(fault.kind == "decision_burst" for fault in self.schedule)
+        self.burst_size = int(self.operations * BURST_SHARE / bursts) if bursts else 0
+        steady = self.operations - bursts * self.burst_size
         with psycopg.connect(self.database_url) as connection:
             while recorded < self.operations or pending or self._faults_last():
                 now = time.monotonic()
                 elapsed = now - start
-                self._pull_forward(now)
-                due = min(self.operations, int(elapsed * rate + self.pulled_forward) + 1)
+                self._advance_burst(now)
+                paced = min(steady, int(elapsed * rate) + 1)
+                due = min(self.operations, paced + self.burst_recorded)
                 for n in range(recorded, due):
                     tool, tool_input = decision(n)
                     record_decision(
@@ -910,6 +918,9 @@ class Chaos:
                     if retries[fault] >= FAULT_RETRIES or elapsed >= retry_until:
                         say(f"  ! {fault.kind} found nothing to act on; given up")
                         self.tally.faults_that_found_nothing += 1
+                        if fault.kind == "decision_burst":
+                            # Its decisions still belong to the run: recorded at once.
+                            self.burst_recorded += self.burst_size
                     else:
                         retries[fault] += 1
                         later = ScheduledFault(
@@ -984,13 +995,12 @@ class Chaos:
             self.samples, self.overload_ended, self.quiet_rate, self.quiet_backlog
         )
 
-    def _pull_forward(self, now: float) -> None:
-        """During a burst, decisions come at its rate: the stream's later ones, early."""
+    def _advance_burst(self, now: float) -> None:
+        """During a burst, its decisions come at its rate, on top of the stream's."""
         if self.burst is None:
             return
-        since, burst_rate = self.burst
-        extra = max(0.0, burst_rate - self.rate)
-        self.pulled_forward = self.burst_base + extra * (now - since)
+        since, burst_rate, before = self.burst
+        self.burst_recorded = before + min(self.burst_size, int(burst_rate * (now - since)))
 
     def _faults_last(self) -> bool:
         return bool(self.endings) or any(d.stopped_until is not None for d in self.daemons)
@@ -1213,20 +1223,21 @@ class Chaos:
         return True
 
     def _fault_decision_burst(self, fault: ScheduledFault) -> bool:
-        """Decisions at 3x the drain rate measured when quiet, for a while: the stream's
-        later decisions come early, so the run still records --operations."""
-        if self.burst is not None or self.recorded >= self.operations:
+        """Decisions at 3x the drain rate measured when quiet, on top of the stream's:
+        this burst's share of the decisions the steady stream left to the bursts."""
+        if self.burst is not None:
             return False
         drain_rate = self.quiet_rate if self.quiet_rate else self.rate
-        self.burst = (time.monotonic(), BURST_FACTOR * drain_rate)
-        self.burst_base = self.pulled_forward
+        burst_rate = BURST_FACTOR * drain_rate
+        self.burst = (time.monotonic(), burst_rate, self.burst_recorded)
+        before = self.burst_recorded
 
         def end() -> None:
-            self._pull_forward(time.monotonic())
+            self.burst_recorded = before + self.burst_size
             self.burst = None
             self._overload_over()
 
-        self._lasting("decision_burst", BURST_SECONDS, end)
+        self._lasting("decision_burst", self.burst_size / burst_rate, end)
         self.tally.decision_bursts += 1
         return True
 
