@@ -506,9 +506,6 @@ def _exit_on_terminate(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_terminate)
-    for noisy in ("outbox.sandbox.provider", "outbox.lifecycle", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
     rabbitmqctl = shutil.which("rabbitmqctl")
     categories: frozenset[str] = args.faults
     if args.broker == "private" and not rabbitmq_installed():
@@ -518,6 +515,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         )
     if args.broker == "shared" and "broker" in categories and rabbitmqctl is None:
         raise ConfigurationError("broker faults need rabbitmqctl on PATH; or leave out broker")
+    # Process-wide, so only once the run goes ahead (a refused one changes nothing).
+    signal.signal(signal.SIGTERM, _exit_on_terminate)
+    for noisy in ("outbox.sandbox.provider", "outbox.lifecycle", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     seeds: list[int] = args.seeds or [args.seed]
     drain_timeout = args.drain_timeout if args.drain_timeout is not None else liveness_bound()
     summaries: list[str] = []

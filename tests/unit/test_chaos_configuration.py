@@ -6,7 +6,9 @@ is started, so no service is needed."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +102,9 @@ def test_the_private_broker_needs_rabbitmq_installed(
 
     assert status == 2
     assert "needs rabbitmq-server installed; or use --broker shared" in capsys.readouterr().err
+    # Refused before it touched anything process-wide (other tests share the process).
+    assert logging.getLogger("outbox.sandbox.provider").level == logging.NOTSET
+    assert signal.getsignal(signal.SIGTERM) is not chaos._exit_on_terminate
 
 
 @pytest.mark.parametrize("seed", [1, 2, 7])
