@@ -1,24 +1,40 @@
-"""``python -m harness.chaos``: many refunds through the whole system while it is broken.
+"""``python -m harness.chaos``: many refunds and emails through the whole system while it
+is broken.
 
 Two dispatchers and two consumers run as real subprocesses against a database, broker
 names and payment sandbox of their own; one daemon of each kind reaches the broker and
-the database through TCP proxies. The main process records ``send_refund`` decisions at
-a steady pace while a fault schedule drawn from the seed kills daemons (one of them
-while the provider holds the response of a refund it has just committed), pauses a
-consumer past its lease, restarts the broker, closes one daemon's broker connections,
-ends the daemons' database sessions, slows, silences and cuts the proxied links, and
-turns provider faults on for a while (409 conflicts, lookups unavailable, idempotency
-keys forgotten); throughout, the sandbox drops responses after committing and fails
-before committing. When every operation has settled, a checker reads the event log and
-the provider's ledger and prints a verdict.
+the database through TCP proxies. The sandbox sends signed webhooks for what it does to
+a callbacks receiver of the run's own, which records them in the run's inbox. The main
+process records ``send_refund`` decisions (and every fifth a ``send_email``) at a steady
+pace while a fault schedule drawn from the seed kills daemons (one of them while the
+provider holds the response of a refund it has just committed), pauses a consumer past
+its lease, restarts the broker, closes one daemon's broker connections, ends the
+daemons' database sessions, slows, silences and cuts the proxied links, turns provider
+faults on for a while (409 conflicts, lookups unavailable, idempotency keys forgotten),
+overloads the machine (CPU hogs at 2x and 4x the cores, a database link 50-500 ms slow
+a chunk, a burst of decisions at 3x the measured drain rate) and disturbs the webhooks
+(dropped, forged or stale, duplicated and reordered, delayed); throughout, the sandbox
+drops responses after committing and fails before committing. When every operation has
+settled, a checker reads the event log, the inbox and the provider's ledger and prints
+a verdict, with the escalations by reason and the recovery time after the overload.
 
 The same seed gives the same schedule (the daemons' own timing still varies). Exit
 status 0 only if nothing was lost, no decision had two effects, no operation was
 retried after an unknown outcome that was never proven absent, every operation's
-events follow the state machine, and nothing stayed in flight past its lease.
+events follow the state machine, nothing stayed in flight past its lease, nothing was
+escalated as undeliverable, at most 1% escalated for a reason no fault forces, no
+callback contradicted a recorded ending, and goodput came back within 30 s of the last
+overload (harness/checker.py).
 Everything is removed at the end, and a broker the run stopped is started again.
-Not part of the wheel (it stops the local broker and ends database sessions): run it from
-a checkout, where the editable install puts the repository root on ``sys.path``. Its
+
+``--broker private`` (the default) gives each run a RabbitMQ node of its own (free ports,
+its own cookie and data directory, killed and deleted at the end) and aims the broker
+faults at it alone, so that runs and sweeps can go on beside other work on the same
+machine; ``--broker shared`` uses ``OUTBOX_AMQP_URL`` and ``rabbitmqctl`` on PATH, and
+its ``stop_app`` stops that broker for everyone for a few seconds.
+
+Not part of the wheel (it stops brokers and ends database sessions): run it from a
+checkout, where the editable install puts the repository root on ``sys.path``. Its
 flags, output and exit status are those of the former ``outbox chaos``.
 """
 
@@ -48,18 +64,31 @@ from urllib.parse import urlsplit
 import psycopg
 from pydantic import SecretStr
 
-from harness.checker import SETTLED, Verdict, check
+from harness.checker import (
+    SETTLED,
+    Sample,
+    Verdict,
+    check,
+    quiet_rate,
+    recovery_seconds,
+)
 from harness.diagnostics import session_snapshot, terminate_backends
 from harness.proxy import ThreadedProxy, url_through
+from harness.rabbit_node import ClusterError, Node, RabbitCluster, private_broker
+from harness.rabbit_node import installed as rabbitmq_installed
 from outbox import store
+from outbox.callbacks import CallbackReceiver
 from outbox.cli import add_setting_flags, run_parsed
 from outbox.decisions import record_decision
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import load_registry
+from outbox.sandbox.demo import demo_secrets
 from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
 from outbox.sandbox.provider import Faults, SandboxProvider
+from outbox.sandbox.receiver import LocalReceiver
 from outbox.sandbox.scratch import ScratchEnvironment
-from outbox.sandbox.tools import REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.tools import CALLBACK_WAIT_ENV, REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.webhooks import WebhookTarget
 from outbox.settings import Settings, redact_url, split_amqp_urls
 from outbox.states import OperationState
 from outbox.store import Store
@@ -124,7 +153,37 @@ DAEMONS = ("dispatcher", "dispatcher", "consumer", "consumer")
 PROXIED_INDEX = 1
 LINKS = ("broker", "database")
 
+# Every this-many-th decision is an email (no lookup: its callback settles an unknown
+# outcome, or a person); the others refunds.
+EMAIL_EVERY = 5
+# How long an email's unknown outcome waits for its delivery callback before a person
+# gets it: longer than the webhook faults below hold one, well inside the liveness bound.
+CALLBACK_WAIT_SECONDS = 15.0
+WEBHOOK_DROP_EVERY = 2
+WEBHOOK_FORGE_EVERY = 2
+WEBHOOK_STALE_EVERY = 3
+WEBHOOK_DUPLICATE_EVERY = 2
+WEBHOOK_REORDER = 3
+WEBHOOK_DELAY_MS = 2_000
+
+# Overload (#22): how long the CPU hogs and the slow database last; the hogs per core
+# (slot 0 and 1); the slow database's wait per chunk; the burst.
+OVERLOAD_SECONDS = 10.0
+CPU_HOGS_PER_CORE = (2, 4)
+SLOW_DATABASE_SECONDS = (0.05, 0.5)
+BURST_FACTOR = 3.0
+# The share of the decisions the steady stream leaves to the bursts (split evenly among
+# the schedule's bursts): a burst then always has decisions to record, even one that
+# comes after the steady stream has ended.
+BURST_SHARE = 0.2
+# With overload on, no fault comes in the stream's first seconds: the quiet rate that
+# recovery is judged against is measured then.
+QUIET_SECONDS = 8.0
+# How often the run counts what is recorded and settled (the goodput series).
+SAMPLE_SECONDS = 0.5
+
 PROCESS_FAULTS = ("dispatcher_kill", "consumer_kill", "consumer_kill_in_effect", "consumer_stop")
+OVERLOAD_FAULTS = ("cpu_starvation", "slow_database", "decision_burst")
 FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
     "process": PROCESS_FAULTS,
     "broker": ("broker_connection_close", "broker_restart"),
@@ -133,10 +192,17 @@ FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
     # Besides these windows the sandbox drops responses and fails before committing
     # throughout the run.
     "provider": ("provider_conflicts", "lookups_unavailable", "keys_pruned"),
+    "overload": OVERLOAD_FAULTS,
+    # Webhook faults for a while; the webhooks themselves flow throughout the run.
+    "callbacks": ("webhooks_dropped", "webhooks_forged", "webhooks_duplicated", "webhooks_delayed"),
 }
 
 
 PROGRAM = "python -m harness.chaos"
+START_APP_TRIES = 3
+BROKER_MODES = ("private", "shared")
+# rabbitmqctl: a command's arguments in, its output out (None, with a line, if it failed).
+BrokerControl = Callable[..., "str | None"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a sweep: one run per seed, e.g. 1-20 or 3,5,8 (overrides --seed); exit 0 only "
         "if every run held",
+    )
+    parser.add_argument(
+        "--broker",
+        choices=BROKER_MODES,
+        default="private",
+        help="private: a RabbitMQ node of the run's own, the only one its broker faults touch "
+        "(needs rabbitmq-server installed); shared: OUTBOX_AMQP_URL, whose broker the "
+        "broker faults stop for everyone (private)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -276,6 +350,20 @@ class ScheduledFault:
             "lookups_unavailable": f"503 to lookups for {PROVIDER_FAULT_SECONDS:g} s",
             "keys_pruned": f"keys older than {PRUNE_KEYS_OLDER_THAN_SECONDS:g} s forgotten "
             f"for {PROVIDER_FAULT_SECONDS:g} s",
+            "cpu_starvation": f"{CPU_HOGS_PER_CORE[self.slot % 2]} busy loops a core for "
+            f"{OVERLOAD_SECONDS:g} s",
+            "slow_database": f"database link +{SLOW_DATABASE_SECONDS[0] * 1000:g}-"
+            f"{SLOW_DATABASE_SECONDS[1] * 1000:g} ms a chunk for {OVERLOAD_SECONDS:g} s",
+            "decision_burst": f"decisions at {BURST_FACTOR:g}x the measured drain rate (its "
+            f"share of the {BURST_SHARE:.0%} kept for bursts)",
+            "webhooks_dropped": f"every {WEBHOOK_DROP_EVERY}nd webhook dropped for "
+            f"{PROVIDER_FAULT_SECONDS:g} s",
+            "webhooks_forged": f"every {WEBHOOK_FORGE_EVERY}nd webhook forged, every "
+            f"{WEBHOOK_STALE_EVERY}rd stale, for {PROVIDER_FAULT_SECONDS:g} s",
+            "webhooks_duplicated": f"every {WEBHOOK_DUPLICATE_EVERY}nd webhook twice, "
+            f"{WEBHOOK_REORDER} at a time newest first, for {PROVIDER_FAULT_SECONDS:g} s",
+            "webhooks_delayed": f"webhooks held {WEBHOOK_DELAY_MS} ms for "
+            f"{PROVIDER_FAULT_SECONDS:g} s",
         }[self.kind]
 
 
@@ -296,7 +384,9 @@ def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> li
     extra = max(0, int(duration // FAULT_SPACING_SECONDS) - len(kinds))
     chosen = kinds + [rng.choice(kinds) for _ in range(extra)]
     rng.shuffle(chosen)
-    times = sorted(rng.uniform(1.0, duration) for _ in chosen)
+    # Recovery from overload is judged against the quiet rate: measured first.
+    first = QUIET_SECONDS if "overload" in categories else 1.0
+    times = sorted(rng.uniform(first, duration) for _ in chosen)
     schedule = []
     for at, kind in zip(times, chosen, strict=True):
         # broker closes pick any of the four daemons; the others one of two of a kind
@@ -305,6 +395,20 @@ def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> li
         )
         schedule.append(ScheduledFault(round(at, 1), kind, slot))
     return schedule
+
+
+def decision(n: int) -> tuple[str, dict[str, Any]]:
+    """The n-th decision of the stream: every EMAIL_EVERY-th an email, the rest refunds."""
+    if n % EMAIL_EVERY == EMAIL_EVERY - 1:
+        return "send_email", {
+            "to": f"customer{n}@example.com",
+            "subject": f"About your order {n}",
+            "body": "Your refund is on its way.",
+        }
+    return "send_refund", {
+        "payment_id": f"pay_chaos_{n}",
+        "amount_cents": 100 + (n * 7919) % (MAX_AMOUNT_CENTS - 100),
+    }
 
 
 # --- the daemons ----------------------------------------------------------------------
@@ -384,6 +488,13 @@ class Tally:
     provider_conflict_windows: int = 0
     lookup_outages: int = 0
     key_prunings: int = 0
+    cpu_starvations: int = 0
+    slow_databases: int = 0
+    decision_bursts: int = 0
+    webhook_drop_windows: int = 0
+    webhook_forge_windows: int = 0
+    webhook_duplicate_windows: int = 0
+    webhook_delay_windows: int = 0
     unplanned_exits: int = 0
     faults_that_found_nothing: int = 0
 
@@ -395,20 +506,26 @@ def _exit_on_terminate(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    rabbitmqctl = shutil.which("rabbitmqctl")
+    categories: frozenset[str] = args.faults
+    if args.broker == "private" and not rabbitmq_installed():
+        raise ConfigurationError(
+            "--broker private starts a RabbitMQ node of its own and needs rabbitmq-server "
+            "installed; or use --broker shared"
+        )
+    if args.broker == "shared" and "broker" in categories and rabbitmqctl is None:
+        raise ConfigurationError("broker faults need rabbitmqctl on PATH; or leave out broker")
+    # Process-wide, so only once the run goes ahead (a refused one changes nothing).
     signal.signal(signal.SIGTERM, _exit_on_terminate)
     for noisy in ("outbox.sandbox.provider", "outbox.lifecycle", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    rabbitmqctl = shutil.which("rabbitmqctl")
-    categories: frozenset[str] = args.faults
-    if "broker" in categories and rabbitmqctl is None:
-        raise ConfigurationError("broker faults need rabbitmqctl on PATH; or leave out broker")
     seeds: list[int] = args.seeds or [args.seed]
     drain_timeout = args.drain_timeout if args.drain_timeout is not None else liveness_bound()
     summaries: list[str] = []
     held = 0
     for seed in seeds:
         verdict, summary = run_once(
-            settings, seed, args.operations, categories, rabbitmqctl, drain_timeout
+            settings, seed, args.operations, categories, args.broker, rabbitmqctl, drain_timeout
         )
         held += verdict.held
         summaries.append(f"seed={seed} {summary}")
@@ -425,6 +542,7 @@ def run_once(
     seed: int,
     operations: int,
     categories: frozenset[str],
+    broker: str,
     rabbitmqctl: str | None,
     drain_timeout: float,
 ) -> tuple[Verdict, str]:
@@ -433,7 +551,10 @@ def run_once(
     # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
     scratch = ScratchEnvironment.unique(settings, "chaos", declare_topology=False)
     schedule = fault_schedule(seed, operations, categories)
-    say(f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}")
+    say(
+        f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}"
+        f", broker {broker}"
+    )
     say(f"database {redact_url(scratch.database_url)}, queue {scratch.topology.queue}")
     say(f"fault schedule ({len(schedule)}):")
     for fault in schedule:
@@ -445,17 +566,24 @@ def run_once(
     )
     evidence: Path | None = None
     timings: dict[str, float] = {}
-    with (
-        SandboxProvider(faults=provider_faults) as provider,
-        tempfile.TemporaryDirectory(prefix="outbox-chaos-") as log_dir,
-        # A cluster's first node only: the proxied daemons' broker faults go through it.
-        _proxy_to(split_amqp_urls(scratch.amqp_url)[0], 5672) as broker_link,
-        _proxy_to(scratch.database_url, 5432) as database_link,
-    ):
+    with contextlib.ExitStack() as stack:
+        provider = stack.enter_context(SandboxProvider(faults=provider_faults))
+        log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="outbox-chaos-"))
+        database_link = stack.enter_context(_proxy_to(scratch.database_url, 5432))
         # Before the try: a database that cannot be created (the server unreachable)
-        # leaves nothing to remove, and its error is the one to report.
+        # leaves nothing to remove, and its error is the one to report; and it comes
+        # before a private broker's boot, which takes seconds.
         scratch.create()
+        # Closed before the database is dropped (in the finally below): no webhook may
+        # hold a session of it then.
+        callbacks = stack.enter_context(contextlib.ExitStack())
         try:
+            # Entered after the database, left after it is removed (the stack unwinds
+            # backwards): the queues are deleted while the node still runs.
+            broker_control = stack.enter_context(_broker(broker, scratch, rabbitmqctl))
+            # A cluster's first node only: the proxied daemons' broker faults go through it.
+            broker_link = stack.enter_context(_proxy_to(split_amqp_urls(scratch.amqp_url)[0], 5672))
+            _receive_webhooks(callbacks, provider, scratch.database_url)
             chaos = Chaos(
                 scratch=scratch,
                 provider=provider,
@@ -463,7 +591,7 @@ def run_once(
                 log_dir=Path(log_dir),
                 operations=operations,
                 schedule=schedule,
-                rabbitmqctl=rabbitmqctl,
+                broker_control=broker_control,
                 drain_timeout=drain_timeout,
                 timings=timings,
             )
@@ -475,17 +603,27 @@ def run_once(
                 chaos.stop()
                 chaos.timings["stop_daemons"] = time.monotonic() - stopping
             checking = time.monotonic()
-            verdict = check(scratch.database_url, operations, provider)
+            verdict = check(
+                scratch.database_url,
+                operations,
+                provider,
+                tools_without_lookup=tools_without_lookup(),
+                lookups_failed=chaos.tally.lookup_outages > 0,
+            )
             if verdict.last_settled_at is not None:
                 verdict.settle_s = max(
                     0.0, verdict.last_settled_at.timestamp() - chaos.faults_ended_at
                 )
+            verdict.recovery_judged = chaos.overload_ended is not None
+            verdict.recovery_s = chaos.recovery()
+            verdict.quiet_rate = chaos.quiet_rate
             chaos.timings["check"] = time.monotonic() - checking
             if not verdict.held or drain_s is None:
                 evidence = _keep_evidence(scratch, Path(log_dir), sessions)
                 scratch.keep()
         finally:
             cleaning = time.monotonic()
+            callbacks.close()
             for problem in scratch.remove():
                 say(f"   ({problem})")
             if evidence is None:
@@ -494,17 +632,56 @@ def run_once(
     report(verdict, chaos.tally, drain_s, timings)
     if evidence is not None:
         say(f"evidence kept: the daemons' logs and sessions in {evidence}; the database")
-        say(f"  {redact_url(scratch.database_url)} and the queues {scratch.topology.queue}, ")
-        say(f"  {scratch.topology.dead_letter_queue} stay until you drop them.")
+        if broker == "private":
+            say(f"  {redact_url(scratch.database_url)} stays until you drop it (the queues")
+            say("  went with the run's own broker).")
+        else:
+            say(f"  {redact_url(scratch.database_url)} and the queues {scratch.topology.queue},")
+            say(f"  {scratch.topology.dead_letter_queue} stay until you drop them.")
     summary = (
         f"decisions={verdict.decisions} effects={verdict.effects} rejected={verdict.rejected} "
         f"escalated={verdict.escalated} lost={verdict.lost} "
         f"duplicate_effects={verdict.duplicate_effects} blind_retries={verdict.blind_retries} "
-        f"illegal_sequences={verdict.illegal_sequences} "
-        f"settle_s={_seconds(verdict.settle_s)} total_s={timings['total']:.0f} "
+        f"illegal_sequences={verdict.illegal_sequences} contradictions={verdict.contradictions} "
+        f"escalated_share={verdict.escalated_share:.1%} "
+        f"recovery_s={_recovery(verdict)} settle_s={_seconds(verdict.settle_s)} "
+        f"total_s={timings['total']:.0f} "
+        f"escalated_by_reason={_reasons(verdict) or '-'} "
         + ("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
     )
     return verdict, summary
+
+
+def _reasons(verdict: Verdict) -> str:
+    return ",".join(f"{r}={n}" for r, n in sorted(verdict.escalation_reasons.items()))
+
+
+def _recovery(verdict: Verdict) -> str:
+    if not verdict.recovery_judged:
+        return "-"
+    return "never" if verdict.recovery_s is None else f"{verdict.recovery_s:.1f}"
+
+
+def tools_without_lookup() -> frozenset[str]:
+    """The sandbox's writes that no lookup can find (their effects are emails)."""
+    registry = load_registry([TOOLS_MODULE])
+    return frozenset(
+        name for name in ("send_refund", "send_email") if registry.get(name, 1).reconcile is None
+    )
+
+
+def _receive_webhooks(
+    stack: contextlib.ExitStack, provider: SandboxProvider, database_url: str
+) -> None:
+    """Fresh secrets for the run; a receiver that verifies and records the sandbox's
+    webhooks into the run's inbox, as ``outbox callbacks serve`` does; the sandbox
+    aimed at it (and stopped sending when ``stack`` closes)."""
+    keys = demo_secrets()
+    receiver = stack.enter_context(
+        LocalReceiver(CallbackReceiver(load_registry([TOOLS_MODULE]), keys), database_url)
+    )
+    provider.set_webhooks(WebhookTarget(receiver.url, keys))
+    stack.callback(provider.set_webhooks, None)
 
 
 def _seconds(value: float | None) -> str:
@@ -557,13 +734,51 @@ def report(
         f"unplanned_exits={tally.unplanned_exits} "
         f"faults_that_found_nothing={tally.faults_that_found_nothing}"
     )
+    say(
+        f"cpu_starvations={tally.cpu_starvations} slow_databases={tally.slow_databases} "
+        f"decision_bursts={tally.decision_bursts} "
+        f"webhook_drop_windows={tally.webhook_drop_windows} "
+        f"webhook_forge_windows={tally.webhook_forge_windows} "
+        f"webhook_duplicate_windows={tally.webhook_duplicate_windows} "
+        f"webhook_delay_windows={tally.webhook_delay_windows}"
+    )
+    say(
+        f"contradictions={verdict.contradictions} "
+        f"settled_by_callback={verdict.settled_by_callback} "
+        f"retried_by_callback={verdict.retried_by_callback} "
+        f"callbacks_unapplied={verdict.callbacks_unapplied} "
+        f"callbacks_unmatched={verdict.callbacks_unmatched} "
+        f"committed_without_one_email={verdict.committed_without_one_email} "
+        f"emails_without_an_effect_state={verdict.emails_without_an_effect_state}"
+    )
+    quiet = "-" if verdict.quiet_rate is None else f"{verdict.quiet_rate:.1f}"
+    say(
+        f"undeliverable={verdict.undeliverable} "
+        f"escalations_excused={verdict.escalations_excused} "
+        f"escalated_share={verdict.escalated_share:.1%} "
+        f"quiet_rate={quiet} recovery_s={_recovery(verdict)}"
+    )
     say("timings: " + " ".join(f"{phase}_s={seconds:.1f}" for phase, seconds in timings.items()))
-    if verdict.escalation_reasons:
-        reasons = ", ".join(f"{r}={n}" for r, n in sorted(verdict.escalation_reasons.items()))
-        say(f"escalated by reason: {reasons}")
+    say(f"escalated by reason: {', '.join(_reasons(verdict).split(',')) or 'none'}")
     for example in verdict.examples[:10]:
         say(f"  {example}")
     say("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
+
+
+@contextlib.contextmanager
+def _broker(
+    mode: str, scratch: ScratchEnvironment, rabbitmqctl: str | None
+) -> Iterator[BrokerControl | None]:
+    """The run's broker: a node of its own (``scratch`` is pointed at it, and the node is
+    killed and deleted when the block ends), or the shared one ``scratch`` names."""
+    if mode == "shared":
+        yield None if rabbitmqctl is None else shared_broker_control(rabbitmqctl)
+        return
+    started = time.monotonic()
+    with private_broker() as (cluster, node):
+        scratch.settings = scratch.settings.model_copy(update={"amqp_url": SecretStr(node.url)})
+        say(f"private broker {node.name} on {node.address} ({time.monotonic() - started:.0f} s)")
+        yield private_broker_control(cluster, node)
 
 
 @contextlib.contextmanager
@@ -585,7 +800,7 @@ class Chaos:
     log_dir: Path
     operations: int
     schedule: list[ScheduledFault]
-    rabbitmqctl: str | None
+    broker_control: BrokerControl | None
     drain_timeout: float
     tally: Tally = field(default_factory=Tally)
     daemons: list[Daemon] = field(default_factory=list)
@@ -597,6 +812,24 @@ class Chaos:
     faults_ended_monotonic: float = field(default_factory=time.monotonic)
     # Faults that last a while, by kind: when each ends and what ends it.
     endings: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
+    # The goodput series (every SAMPLE_SECONDS), the quiet rate measured from it when the
+    # first fault came (with the backlog of the quiet phase), and when the last
+    # overload ended (monotonic; None if none ran).
+    samples: list[Sample] = field(default_factory=list)
+    quiet_rate: float | None = None
+    quiet_rate_measured: bool = False
+    quiet_backlog: int = 0
+    overload_ended: float | None = None
+    # A burst under way (since when, at how many decisions a second, and how many the
+    # bursts had recorded before it); each burst's size; how many decisions the
+    # bursts have recorded (or handed back to the stream, if one never came).
+    burst: tuple[float, float, int] | None = None
+    burst_size: int = 0
+    burst_recorded: int = 0
+    # Decisions recorded so far, and the rate the stream offers them at.
+    recorded: int = 0
+    rate: float = 0.0
+    hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def database_url(self) -> str:
@@ -630,6 +863,7 @@ class Chaos:
             **daemon_settings.to_environment(),
             SANDBOX_URL_ENV: self.provider.url,
             REFUND_DEADLINE_ENV: f"{REFUND_DEADLINE_SECONDS:g}",
+            CALLBACK_WAIT_ENV: f"{CALLBACK_WAIT_SECONDS:g}",
         }
 
     def run(self) -> float | None:
@@ -652,31 +886,42 @@ class Chaos:
         retry_until = stream_seconds(self.operations) + FAULT_RETRY_AFTER_STREAM_SECONDS
         recorded = 0
         start = time.monotonic()
+        self.rate = rate
+        bursts = sum(fault.kind == "decision_burst" for fault in self.schedule)
+        self.burst_size = int(self.operations * BURST_SHARE / bursts) if bursts else 0
+        steady = self.operations - bursts * self.burst_size
         with psycopg.connect(self.database_url) as connection:
             while recorded < self.operations or pending or self._faults_last():
-                elapsed = time.monotonic() - start
-                due = min(self.operations, int(elapsed * rate) + 1)
+                now = time.monotonic()
+                elapsed = now - start
+                self._advance_burst(now)
+                paced = min(steady, int(elapsed * rate) + 1)
+                due = min(self.operations, paced + self.burst_recorded)
                 for n in range(recorded, due):
+                    tool, tool_input = decision(n)
                     record_decision(
                         connection,
                         registry,
-                        "send_refund",
-                        {
-                            "payment_id": f"pay_chaos_{n}",
-                            "amount_cents": 100 + (n * 7919) % (MAX_AMOUNT_CENTS - 100),
-                        },
+                        tool,
+                        tool_input,
                         run_id="chaos",
                         decision_key=f"call_{n}",
                     )
                 connection.commit()
                 recorded = max(recorded, due)
+                self.recorded = recorded
+                self._sample(connection, now)
                 while pending and pending[0].at <= elapsed:
                     fault = pending.pop(0)
+                    self._measure_quiet_rate()
                     if self._inject(fault, elapsed):
                         continue
                     if retries[fault] >= FAULT_RETRIES or elapsed >= retry_until:
                         say(f"  ! {fault.kind} found nothing to act on; given up")
                         self.tally.faults_that_found_nothing += 1
+                        if fault.kind == "decision_burst":
+                            # Its decisions still belong to the run: recorded at once.
+                            self.burst_recorded += self.burst_size
                     else:
                         retries[fault] += 1
                         later = ScheduledFault(
@@ -697,7 +942,9 @@ class Chaos:
             while time.monotonic() < deadline:
                 self._tend(time.monotonic())
                 if self._settled():
+                    self._sample_now()
                     return time.monotonic() - stream_end
+                self._sample_now()
                 time.sleep(LOOP_SECONDS * 4)  # polling the database, with the deadline above
             return None
         finally:
@@ -706,6 +953,55 @@ class Chaos:
     def _fault_over(self) -> None:
         self.faults_ended_at = time.time()
         self.faults_ended_monotonic = time.monotonic()
+
+    def _overload_over(self) -> None:
+        self.overload_ended = time.monotonic()
+
+    # --- the goodput series ---------------------------------------------------------
+
+    def _sample(self, connection: psycopg.Connection[Any], now: float) -> None:
+        """Count what is settled, at most every SAMPLE_SECONDS."""
+        if self.samples and now - self.samples[-1].at < SAMPLE_SECONDS:
+            return
+        counts = Store(connection).run(store.operations_by_state())
+        connection.commit()
+        goodput = counts[OperationState.COMMITTED] + counts[OperationState.REJECTED]
+        settled = goodput + counts[OperationState.ESCALATED]
+        self.samples.append(Sample(now, self.recorded, goodput, settled))
+
+    def _sample_now(self) -> None:
+        if self.samples and time.monotonic() - self.samples[-1].at < SAMPLE_SECONDS:
+            return
+        with psycopg.connect(self.database_url) as connection:
+            self._sample(connection, time.monotonic())
+
+    def _measure_quiet_rate(self) -> None:
+        """When the first fault comes: the goodput of the quiet phase before it (or, if
+        that saw too few answers, the rate decisions were offered at), and its backlog."""
+        if self.quiet_rate_measured:
+            return
+        self.quiet_rate_measured = True
+        now = time.monotonic()
+        measured = quiet_rate(self.samples, now)
+        self.quiet_rate = measured if measured is not None else self.rate
+        self.quiet_backlog = max((sample.backlog for sample in self.samples), default=0)
+        source = "goodput" if measured is not None else "offered, too few answers"
+        say(f"  quiet rate {self.quiet_rate:.1f}/s ({source}), backlog {self.quiet_backlog}")
+
+    def recovery(self) -> float | None:
+        """Seconds from the last overload's end until goodput was back (None: never)."""
+        if self.overload_ended is None or self.quiet_rate is None:
+            return None
+        return recovery_seconds(
+            self.samples, self.overload_ended, self.quiet_rate, self.quiet_backlog
+        )
+
+    def _advance_burst(self, now: float) -> None:
+        """During a burst, its decisions come at its rate, on top of the stream's."""
+        if self.burst is None:
+            return
+        since, burst_rate, before = self.burst
+        self.burst_recorded = before + min(self.burst_size, int(burst_rate * (now - since)))
 
     def _faults_last(self) -> bool:
         return bool(self.endings) or any(d.stopped_until is not None for d in self.daemons)
@@ -807,18 +1103,24 @@ class Chaos:
     def _fault_broker_connection_close(self, fault: ScheduledFault) -> bool:
         if "broker_restart" in self.endings:
             return False  # nothing to close while the broker is down
+        if self.hogs:
+            return False  # rabbitmqctl's own VM starves beside the hogs: after them
         closed = self._close_broker_connections(self.daemons[fault.slot])
         self.tally.broker_connection_closes += closed
         return closed > 0
 
     def _fault_broker_restart(self, fault: ScheduledFault) -> bool:
-        assert self.rabbitmqctl is not None
+        control = self.broker_control
+        assert control is not None
         if "broker_restart" in self.endings:
             return False
-        if _rabbitmqctl(self.rabbitmqctl, "stop_app") is None:
+        if self.hogs:
+            # Its start_app (an Erlang VM of its own) would starve beside the hogs and
+            # leave the broker stopped: the two faults take turns.
             return False
-        executable = self.rabbitmqctl
-        self._lasting("broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(executable))
+        if control("stop_app") is None:
+            return False
+        self._lasting("broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(control))
         self.tally.broker_restarts += 1
         return True
 
@@ -876,6 +1178,102 @@ class Chaos:
             "key_prunings",
         )
 
+    # overload (#22)
+
+    def _fault_cpu_starvation(self, fault: ScheduledFault) -> bool:
+        """Busy loops at normal priority, 2x or 4x the cores this process may use: the
+        daemons, Postgres and this harness all get a share of what is left."""
+        if self.hogs or "broker_restart" in self.endings:
+            return False  # one at a time; a stopped broker's start_app first
+        count = CPU_HOGS_PER_CORE[fault.slot % 2] * len(os.sched_getaffinity(0))
+        self.hogs = [
+            # This interpreter, a loop of its own: nothing of the caller's reaches it.
+            subprocess.Popen(
+                [sys.executable, "-c", "while True: pass"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for _ in range(count)
+        ]
+        self._lasting("cpu_starvation", OVERLOAD_SECONDS, self._end_cpu_starvation)
+        self.tally.cpu_starvations += 1
+        return True
+
+    def _end_cpu_starvation(self) -> None:
+        hogs, self.hogs = self.hogs, []
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+        self._overload_over()
+
+    def _fault_slow_database(self, fault: ScheduledFault) -> bool:
+        """The proxied daemons' database link: every chunk 50-500 ms late, both ways."""
+        link = self.links["database"]
+
+        def end() -> None:
+            link.restore()
+            self._overload_over()
+
+        # The database link's slot: one link fault at a time on it (link_delay's too).
+        if not self._lasting(f"link_{LINKS.index('database')}", OVERLOAD_SECONDS, end):
+            return False
+        link.delay(SLOW_DATABASE_SECONDS[0], up_to=SLOW_DATABASE_SECONDS[1])
+        self.tally.slow_databases += 1
+        return True
+
+    def _fault_decision_burst(self, fault: ScheduledFault) -> bool:
+        """Decisions at 3x the drain rate measured when quiet, on top of the stream's:
+        this burst's share of the decisions the steady stream left to the bursts."""
+        if self.burst is not None:
+            return False
+        drain_rate = self.quiet_rate if self.quiet_rate else self.rate
+        burst_rate = BURST_FACTOR * drain_rate
+        self.burst = (time.monotonic(), burst_rate, self.burst_recorded)
+        before = self.burst_recorded
+
+        def end() -> None:
+            self.burst_recorded = before + self.burst_size
+            self.burst = None
+            self._overload_over()
+
+        self._lasting("decision_burst", self.burst_size / burst_rate, end)
+        self.tally.decision_bursts += 1
+        return True
+
+    # callbacks (#25): the webhooks flow all run long; these disturb them for a while
+
+    def _fault_webhooks_dropped(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_dropped", {"webhook_drop_every": WEBHOOK_DROP_EVERY}, "webhook_drop_windows"
+        )
+
+    def _fault_webhooks_forged(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_forged",
+            {
+                "webhook_forge_every": WEBHOOK_FORGE_EVERY,
+                "webhook_stale_every": WEBHOOK_STALE_EVERY,
+            },
+            "webhook_forge_windows",
+        )
+
+    def _fault_webhooks_duplicated(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_duplicated",
+            {
+                "webhook_duplicate_every": WEBHOOK_DUPLICATE_EVERY,
+                "webhook_reorder": WEBHOOK_REORDER,
+            },
+            "webhook_duplicate_windows",
+        )
+
+    def _fault_webhooks_delayed(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "webhooks_delayed", {"webhook_delay_ms": WEBHOOK_DELAY_MS}, "webhook_delay_windows"
+        )
+
     def _provider_window(self, kind: str, fault_fields: dict[str, Any], counter: str) -> bool:
         base = self.provider.faults
         normal = {name: getattr(base, name) for name in fault_fields}
@@ -893,10 +1291,10 @@ class Chaos:
     def _close_broker_connections(self, daemon: Daemon) -> int:
         """Close this daemon's own connections only, found by the connection name it
         gives (application name, host, pid): other work shares the broker."""
-        assert self.rabbitmqctl is not None
+        control = self.broker_control
+        assert control is not None
         marker = f"{APPLICATION_NAMES[daemon.kind]} {socket.gethostname()}:{daemon.pid}:"
-        listing = _rabbitmqctl(
-            self.rabbitmqctl,
+        listing = control(
             "list_connections",
             "-q",
             "--no-table-headers",
@@ -907,7 +1305,7 @@ class Chaos:
         for line in (listing or "").splitlines():
             pid, _, properties = line.partition("\t")
             if marker in properties:
-                _rabbitmqctl(self.rabbitmqctl, "close_connection", pid.strip(), "outbox chaos")
+                control("close_connection", pid.strip(), "outbox chaos")
                 closed += 1
         if not closed:
             self.tally.faults_that_found_nothing += 1
@@ -943,9 +1341,38 @@ class Chaos:
         stop_all([daemon.process for daemon in self.daemons if daemon.process is not None])
 
 
-def _start_app(executable: str) -> None:
-    if _rabbitmqctl(executable, "start_app") is None:
-        raise RuntimeError("rabbitmqctl start_app failed; start the broker by hand")
+def _start_app(control: BrokerControl) -> None:
+    # A CLI call is an Erlang VM of its own, which a starved machine may not boot
+    # within its timeout: a broker left stopped would fail the run for the harness's
+    # sake, so try again before giving up.
+    for _ in range(START_APP_TRIES):
+        if control("start_app") is not None:
+            return
+    raise RuntimeError("rabbitmqctl start_app failed; start the broker by hand")
+
+
+def shared_broker_control(executable: str) -> BrokerControl:
+    """rabbitmqctl on PATH, acting on the broker it finds by default: the shared one."""
+
+    def control(*args: str) -> str | None:
+        return _rabbitmqctl(executable, *args)
+
+    return control
+
+
+def private_broker_control(cluster: RabbitCluster, node: Node) -> BrokerControl:
+    """rabbitmqctl aimed at the run's own node (by name, with the node's own cookie): a
+    mistake here cannot reach the shared broker, whose cookie differs."""
+
+    def control(*args: str) -> str | None:
+        try:
+            return cluster.ctl(node, *args)
+        except ClusterError as failure:
+            first_line = (str(failure).strip().splitlines() or [""])[0]
+            say(f"  (rabbitmqctl {args[0]} failed: {first_line[:200]})")
+            return None
+
+    return control
 
 
 def _rabbitmqctl(executable: str, *args: str) -> str | None:

@@ -1,12 +1,22 @@
-"""The chaos run's checker: from the event log and the provider's ledger, whether the
-guarantee held. Every decision ends in exactly one confirmed effect, one definitive
-rejection or one escalation; no decision has two effects; no operation is called again
-after an unknown outcome that nobody proved absent; every operation's events walk the
-state machine to the state its row is in; nothing stays in flight past its lease."""
+"""The chaos run's checker: from the event log, the callbacks inbox and the provider's
+ledger, whether the guarantee held. Every decision ends in exactly one confirmed effect,
+one definitive rejection or one escalation; no decision has two effects (refunds by
+key, emails by reference); no operation is called again after an unknown outcome that
+nobody proved absent; every operation's events walk the state machine to the state its
+row is in; nothing stays in flight past its lease.
+
+And the runtime must stay useful while it is slow (issue #22) and when providers report
+by callback (#25): no decision is escalated as ``undeliverable`` (the harness's
+consumers serve every tool and live throughout, so the consumers could always have
+handled it); at most 1% of the decisions are escalated for a reason no fault of the run
+forces (see :func:`escalation_excused`); no callback contradicts a recorded ending; and
+after the last overload ends, goodput is back to 90% of the run's quiet rate within 30 s
+(:func:`recovery_seconds`)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -19,6 +29,24 @@ from outbox.states import EventName, OperationState, is_legal
 from outbox.store import Store
 
 SETTLED = (OperationState.COMMITTED, OperationState.REJECTED, OperationState.ESCALATED)
+# Never a fault's due: the consumers live throughout and serve every tool.
+UNDELIVERABLE = "undeliverable"
+# Escalations for a reason no fault of the run forces: at most this share of decisions.
+ESCALATION_SHARE_LIMIT = 0.01
+# For a tool with no lookup, a provider that keeps an outcome unknown (a dropped
+# response whose callback was dropped, forged or stale too; a consumer killed mid-call)
+# leaves only a person: the contract says so.
+NO_LOOKUP_REASONS = frozenset(
+    {"escalate_by_contract", "effect_possible", "retry_budget_exhausted", "no_reconcile"}
+)
+# With a lookup, only lookups that kept failing (the provider's lookups_unavailable
+# window) may use up the reconcile budget.
+LOOKUP_FAILED_REASONS = frozenset({"reconcile_budget_exhausted"})
+# After the last overload ends, goodput must be back to this share of the quiet rate
+# within RECOVERY_BOUND_SECONDS, judged over windows this long.
+RECOVERY_SHARE = 0.9
+RECOVERY_BOUND_SECONDS = 30.0
+GOODPUT_WINDOW_SECONDS = 5.0
 
 
 @dataclass
@@ -37,12 +65,49 @@ class Verdict:
     blind_retries: int = 0
     illegal_sequences: int = 0
     in_flight_past_lease: int = 0
+    committed_without_one_email: int = 0
+    emails_without_an_effect_state: int = 0
     escalation_reasons: Counter[str] = field(default_factory=Counter)
+    # Escalations a fault of the run forces (escalation_excused); the rest count
+    # against ESCALATION_SHARE_LIMIT.
+    escalations_excused: int = 0
+    # Callbacks (#25): operations a callback contradicted (operation.contradicted, or
+    # escalated `contradicted`), unknown outcomes a callback settled or sent back to
+    # be tried again, and what the inbox still holds.
+    contradictions: int = 0
+    settled_by_callback: int = 0
+    retried_by_callback: int = 0
+    callbacks_unapplied: int = 0
+    callbacks_unmatched: int = 0
+    # Recovery after the last overload (None: no overload ran, or never recovered;
+    # recovery_judged tells which).
+    recovery_judged: bool = False
+    recovery_s: float | None = None
+    quiet_rate: float | None = None
     examples: list[str] = field(default_factory=list)
     # From the end of the last fault to the last settlement; reported, not judged: the
     # drain deadline (the liveness bound) is what fails a run that does not settle.
     settle_s: float | None = None
     last_settled_at: datetime | None = None
+
+    @property
+    def undeliverable(self) -> int:
+        return self.escalation_reasons[UNDELIVERABLE]
+
+    @property
+    def escalated_unexcused(self) -> int:
+        return self.escalated - self.escalations_excused
+
+    @property
+    def escalated_share(self) -> float:
+        """The share of decisions escalated for a reason no fault of the run forces."""
+        return self.escalated_unexcused / self.decisions if self.decisions else 0.0
+
+    @property
+    def recovered(self) -> bool:
+        return not self.recovery_judged or (
+            self.recovery_s is not None and self.recovery_s <= RECOVERY_BOUND_SECONDS
+        )
 
     @property
     def held(self) -> bool:
@@ -54,28 +119,57 @@ class Verdict:
             or self.in_flight_past_lease
             or self.committed_without_one_refund
             or self.refunds_without_an_effect_state
+            or self.committed_without_one_email
+            or self.emails_without_an_effect_state
+            or self.undeliverable
+            or self.escalated_share > ESCALATION_SHARE_LIMIT
+            or self.contradictions
+            or not self.recovered
         )
 
 
-def check(database_url: str, decisions: int, provider: SandboxProvider) -> Verdict:
+def escalation_excused(reason: str, *, has_lookup: bool, lookups_failed: bool) -> bool:
+    """Whether a fault of the run forces this escalation: for a tool with no lookup, an
+    outcome the provider kept unknown (its contract hands those to a person); for one
+    with a lookup, a reconcile budget used up while the run made lookups fail. Never
+    ``undeliverable``, ``contradicted``, ``tampered`` or ``unreadable``."""
+    if not has_lookup:
+        return reason in NO_LOOKUP_REASONS
+    return lookups_failed and reason in LOOKUP_FAILED_REASONS
+
+
+def check(
+    database_url: str,
+    decisions: int,
+    provider: SandboxProvider,
+    *,
+    tools_without_lookup: frozenset[str] = frozenset(),
+    lookups_failed: bool = False,
+) -> Verdict:
+    """The verdict on a run: ``tools_without_lookup`` and ``lookups_failed`` (the run
+    made the provider's lookups fail for a while) decide which escalations a fault
+    forced."""
     verdict = Verdict(decisions=decisions)
+    ledger = provider.ledger()
     refunds: dict[str, int] = {
-        str(key): int(count) for key, count in provider.ledger()["refunds_by_key"].items()
+        str(key): int(count) for key, count in ledger["refunds_by_key"].items()
     }
-    verdict.duplicate_effects = sum(count - 1 for count in refunds.values() if count > 1)
+    emails: dict[str, int] = {
+        str(reference): int(count) for reference, count in ledger["emails_by_reference"].items()
+    }
+    verdict.duplicate_effects = sum(
+        count - 1 for count in (*refunds.values(), *emails.values()) if count > 1
+    )
     with psycopg.connect(database_url) as connection:
         runner = Store(connection)
         summaries = runner.run(store.list_operation_summaries(limit=decisions * 2 + 100))
         effect_states: set[str] = set()
         for summary in summaries:
             state = summary.state
+            has_lookup = summary.tool_name not in tools_without_lookup
             if state is OperationState.COMMITTED:
                 verdict.effects += 1
-                if refunds.get(str(summary.id), 0) != 1:
-                    verdict.committed_without_one_refund += 1
-                    verdict.examples.append(
-                        f"{summary.id} committed with {refunds.get(str(summary.id), 0)} refunds"
-                    )
+                _check_one_effect(verdict, str(summary.id), has_lookup, refunds, emails)
             elif state is OperationState.REJECTED:
                 verdict.rejected += 1
             elif state is OperationState.ESCALATED:
@@ -90,11 +184,57 @@ def check(database_url: str, decisions: int, provider: SandboxProvider) -> Verdi
                 effect_states.add(str(summary.id))
             events = runner.run(store.events(summary.id))
             check_sequence(verdict, str(summary.id), state, events)
-    # A refund may exist for a committed operation, or one escalated to a person with
-    # its outcome unsettled; for anything else it is an effect nobody accounts for.
+            if state is OperationState.ESCALATED:
+                reason = _escalation_reason(events)
+                verdict.escalations_excused += escalation_excused(
+                    reason, has_lookup=has_lookup, lookups_failed=lookups_failed
+                )
+        pending = runner.run(store.list_callbacks(pending=True, limit=CALLBACK_LIMIT))
+        unmatched = runner.run(store.list_callbacks(unmatched=True, limit=CALLBACK_LIMIT))
+    verdict.callbacks_unapplied, verdict.callbacks_unmatched = len(pending), len(unmatched)
+    # A refund or email may exist for a committed operation, or one escalated to a
+    # person with its outcome unsettled; for anything else it is an effect nobody
+    # accounts for.
     verdict.refunds_without_an_effect_state = len(set(refunds) - effect_states)
+    verdict.emails_without_an_effect_state = len(set(emails) - effect_states)
     verdict.lost = decisions - (verdict.effects + verdict.rejected + verdict.escalated)
     return verdict
+
+
+# More than any run leaves: the inbox is listed whole.
+CALLBACK_LIMIT = 100_000
+
+
+def _check_one_effect(
+    verdict: Verdict,
+    operation_id: str,
+    has_lookup: bool,
+    refunds: dict[str, int],
+    emails: dict[str, int],
+) -> None:
+    """A committed operation has exactly one effect at the provider: a refund under its
+    key (the tools with a lookup), or an email under its reference (send_email)."""
+    if has_lookup:
+        if refunds.get(operation_id, 0) != 1:
+            verdict.committed_without_one_refund += 1
+            verdict.examples.append(
+                f"{operation_id} committed with {refunds.get(operation_id, 0)} refunds"
+            )
+    elif emails.get(operation_id, 0) != 1:
+        verdict.committed_without_one_email += 1
+        verdict.examples.append(
+            f"{operation_id} committed with {emails.get(operation_id, 0)} emails"
+        )
+
+
+def _escalation_reason(events: list[OperationEvent]) -> str:
+    reasons = [
+        str(event.attributes.get("reason", "unknown"))
+        for event in events
+        if event.name == EventName.ESCALATED
+        or (event.attributes.get("to") == str(OperationState.ESCALATED))
+    ]
+    return reasons[-1] if reasons else "unknown"
 
 
 def check_sequence(
@@ -106,16 +246,33 @@ def check_sequence(
     failure scheduled for retry."""
     state: OperationState | None = None
     unproven_unknown = False
+    contradicted = False
     for event in events:
         name = event.name
         if name == EventName.OUTCOME_UNKNOWN:
             verdict.outcome_unknown_opened += 1
         elif name == EventName.RECONCILED:
             verdict.reconciled += 1
+            if event.attributes.get("method") == "callback":
+                if event.attributes.get("result") == "committed":
+                    verdict.settled_by_callback += 1
+                elif event.attributes.get("result") == "not_found":
+                    verdict.retried_by_callback += 1
         elif name == EventName.DELIVERY_SUPPRESSED:
             verdict.duplicate_deliveries_suppressed += 1
-        elif name == EventName.ESCALATED:
-            verdict.escalation_reasons[str(event.attributes.get("reason", "unknown"))] += 1
+        escalates = name == EventName.ESCALATED or (
+            event.attributes.get("to") == str(OperationState.ESCALATED)
+        )
+        reason = str(event.attributes.get("reason", "unknown"))
+        if escalates:
+            verdict.escalation_reasons[reason] += 1
+        if not contradicted and (
+            name == EventName.CONTRADICTED or (escalates and reason == "contradicted")
+        ):
+            # Once an operation, however many events say so (an illegal walk stops early).
+            contradicted = True
+            verdict.contradictions += 1
+            verdict.examples.append(f"{operation_id}: a callback contradicted its recorded ending")
         if name == EventName.PREPARED:
             source, target = None, OperationState.PREPARED
         elif name == EventName.ATTEMPTED:
@@ -147,3 +304,64 @@ def check_sequence(
     if state is not final:
         verdict.illegal_sequences += 1
         verdict.examples.append(f"{operation_id}: events end in {state}, the row is {final}")
+
+
+# --- recovery after an overload -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The run's counts at one moment (monotonic seconds): decisions recorded, goodput
+    (committed or rejected: an answer the agent can use) and settled (goodput and
+    escalations)."""
+
+    at: float
+    recorded: int
+    goodput: int
+    settled: int
+
+    @property
+    def backlog(self) -> int:
+        return self.recorded - self.settled
+
+
+def quiet_rate(samples: Sequence[Sample], until: float, *, least: int = 5) -> float | None:
+    """Goodput per second before ``until`` (the first fault), from the first answer on:
+    the daemons' start-up is not the system's speed. None if the quiet phase saw fewer
+    than ``least`` answers or under a second of them."""
+    quiet = [s for s in samples if s.at <= until]
+    answered = [s for s in quiet if s.goodput > 0]
+    if not answered:
+        return None
+    first, last = answered[0], quiet[-1]
+    span = last.at - first.at
+    if last.goodput < least or span < 1.0:
+        return None
+    # The first answering sample's goodput accrued before it: count from there.
+    return (last.goodput - first.goodput) / span
+
+
+def recovery_seconds(
+    samples: Sequence[Sample],
+    ended_at: float,
+    rate: float,
+    quiet_backlog: int,
+    *,
+    window: float = GOODPUT_WINDOW_SECONDS,
+    share: float = RECOVERY_SHARE,
+) -> float | None:
+    """How long after ``ended_at`` (the last overload's end) the system is back: the
+    start of the first window of ``window`` seconds, starting then or later, whose
+    goodput reaches ``share`` of ``rate``, or the first moment the backlog is no larger
+    than it was when quiet (nothing waits: no rate to reach). None if neither happens
+    within the samples."""
+    after = [s for s in samples if s.at >= ended_at]
+    for index, start in enumerate(after):
+        if start.backlog <= quiet_backlog:
+            return start.at - ended_at
+        for end in after[index + 1 :]:
+            if end.at - start.at >= window:
+                if (end.goodput - start.goodput) / (end.at - start.at) >= share * rate:
+                    return start.at - ended_at
+                break
+    return None

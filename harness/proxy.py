@@ -1,7 +1,8 @@
 """An asyncio TCP proxy for fault injection: pass traffic, slow it, black-hole it, cut it.
 
 Point a daemon at ``proxy.port`` instead of the real service. ``delay(s)`` holds every
-chunk that long before passing it on (a slow link); ``blackhole()`` keeps every socket
+chunk that long before passing it on (a slow link; ``delay(s, up_to=u)``: each chunk a
+time of its own between the two, as a busy server answers); ``blackhole()`` keeps every socket
 open but forwards nothing (a silent peer, as after a network partition: what arrives
 meanwhile is held, as TCP would retransmit it, and so is a close: neither end learns that
 the other went away); ``cut()`` aborts every open connection (a reset); ``restore()``
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
@@ -39,6 +41,7 @@ class TcpProxy:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._delay_seconds = 0.0
+        self._delay_up_to = 0.0
         self._writers: set[asyncio.StreamWriter] = set()
         self._links: set[asyncio.Event] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -67,15 +70,23 @@ class TcpProxy:
     def open_connections(self) -> int:
         return len(self._writers) // 2
 
-    def delay(self, seconds: float) -> None:
+    def delay(self, seconds: float, *, up_to: float | None = None) -> None:
         self._delay_seconds = seconds
+        self._delay_up_to = max(seconds, up_to if up_to is not None else seconds)
+
+    def chunk_delay(self) -> float:
+        """How long the next chunk waits: the delay, or a draw between it and ``up_to``."""
+        if self._delay_up_to <= self._delay_seconds:
+            return self._delay_seconds
+        # Not for security: jitter of an injected fault.
+        return random.uniform(self._delay_seconds, self._delay_up_to)  # noqa: S311
 
     def blackhole(self) -> None:
         self._flowing.clear()
 
     def restore(self) -> None:
         """Forward again; a connection silenced by ``go_silent_on`` stays silent."""
-        self._delay_seconds = 0.0
+        self._delay_seconds = self._delay_up_to = 0.0
         self._flowing.set()
 
     def go_silent_on(self, pattern: bytes, *, forward: bool = True) -> None:
@@ -144,7 +155,7 @@ class TcpProxy:
             await self._flows(link)
             if self._delay_seconds > 0.0:
                 # Injected latency, per chunk and in order: a slow link, not a timer.
-                await asyncio.sleep(self._delay_seconds)
+                await asyncio.sleep(self.chunk_delay())
                 await self._flows(link)  # a black hole may have opened meanwhile
             sink.write(chunk)
             await sink.drain()
@@ -216,8 +227,8 @@ class ThreadedProxy:
         self._thread.join(timeout=self.CALL_TIMEOUT_SECONDS)
         self._loop.close()
 
-    def delay(self, seconds: float) -> None:
-        self._call(lambda: self._proxy.delay(seconds))
+    def delay(self, seconds: float, *, up_to: float | None = None) -> None:
+        self._call(lambda: self._proxy.delay(seconds, up_to=up_to))
 
     def blackhole(self) -> None:
         self._call(self._proxy.blackhole)

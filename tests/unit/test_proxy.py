@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harness.proxy import ThreadedProxy
+from harness.proxy import TcpProxy, ThreadedProxy
 
 from support.waiting import eventually_sync
 
@@ -88,6 +88,28 @@ def test_bytes_pass_through_intact_and_in_order(proxy: ThreadedProxy) -> None:
 
 def test_a_delayed_link_still_delivers_everything_in_order(proxy: ThreadedProxy) -> None:
     proxy.delay(0.01)
+    with connect(proxy) as client:
+        for n in range(5):
+            client.sendall(b"%d;" % n)
+        assert read_exactly(client, 10) == b"0;1;2;3;4;"
+
+
+def test_a_jittered_delay_draws_each_chunks_wait_between_its_bounds() -> None:
+    proxy = TcpProxy("127.0.0.1", 1)
+    proxy.delay(0.05, up_to=0.5)
+
+    waits = {proxy.chunk_delay() for _ in range(200)}
+
+    assert all(0.05 <= wait <= 0.5 for wait in waits)
+    assert len(waits) > 1  # drawn, not one fixed figure
+    proxy.restore()
+    assert proxy.chunk_delay() == 0.0
+
+
+def test_a_jittered_delayed_link_still_delivers_everything_in_order(
+    proxy: ThreadedProxy,
+) -> None:
+    proxy.delay(0.001, up_to=0.02)
     with connect(proxy) as client:
         for n in range(5):
             client.sendall(b"%d;" % n)
