@@ -263,7 +263,14 @@ class Publisher:
             task.cancel()
         for row, task in zip(rows, tasks, strict=True):
             error: BaseException | None
-            error = TimeoutError() if task in pending else task.exception()
+            if task in pending:
+                error = TimeoutError()
+            elif task.cancelled():
+                # aiormq cancels the confirms outstanding on a connection it closes;
+                # task.exception() would raise that cancellation into the dispatcher.
+                error = ConnectionError("the broker connection closed before the confirm")
+            else:
+                error = task.exception()
             if error is None:
                 outcome.published.append(row)
                 continue

@@ -150,14 +150,18 @@ class ConfirmingChannel:
     """Stands in for the confirm channel: confirms the rows in ``confirmed``, leaves the
     others' confirms outstanding, and notes whether each publish waited for a drain."""
 
-    def __init__(self, confirmed: set[str]) -> None:
+    def __init__(self, confirmed: set[str], cancelled: frozenset[str] = frozenset()) -> None:
         self.confirmed = confirmed
+        self.cancelled = cancelled
         self.waits: list[bool] = []
 
     async def basic_publish(
         self, body: bytes, *, properties: Basic.Properties, wait: bool = True, **_: Any
     ) -> None:
         self.waits.append(wait)
+        if properties.message_id in self.cancelled:
+            # What aiormq does to the confirms outstanding on a connection it closes.
+            raise asyncio.CancelledError
         if properties.message_id not in self.confirmed:
             await asyncio.Event().wait()  # a confirm that never comes
 
@@ -180,4 +184,26 @@ async def test_publishes_skip_the_drain_wait_but_only_confirmed_rows_count(
     assert channel.waits == [False, False]
     assert [published.id for published in outcome.published] == [1]
     assert [(failed.id, reason) for failed, reason, _ in outcome.failed] == [(2, "confirm_timeout")]
+    assert outcome.connection_lost
+
+
+async def test_a_confirm_cancelled_by_a_closing_connection_is_a_lost_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by the chaos run: the cancellation escaped publish() and the dispatcher
+    # exited instead of reconnecting.
+    channel = ConfirmingChannel(confirmed={"outbox-1"}, cancelled=frozenset({"outbox-2"}))
+    publisher = Publisher(
+        "amqp://guest:guest@127.0.0.1/", 15, Topology.from_settings(Settings()), "t"
+    )
+
+    async def underlay() -> ConfirmingChannel:
+        return channel
+
+    monkeypatch.setattr(Publisher, "usable", property(lambda _: True))
+    monkeypatch.setattr(publisher, "_underlay", underlay)
+    outcome = await publisher.publish([row(id=1), row(id=2)], confirm_within=5)
+
+    assert [published.id for published in outcome.published] == [1]
+    assert [(failed.id, reason) for failed, reason, _ in outcome.failed] == [(2, "connection_lost")]
     assert outcome.connection_lost
