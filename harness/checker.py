@@ -19,11 +19,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from uuid import UUID
 
 import psycopg
 
 from outbox import store
-from outbox.models import OperationEvent
+from outbox.callback_policy import CallbackStatus
+from outbox.models import Callback, OperationEvent
 from outbox.sandbox.provider import SandboxProvider
 from outbox.states import EventName, OperationState, is_legal
 from outbox.store import Store
@@ -128,13 +130,18 @@ class Verdict:
         )
 
 
-def escalation_excused(reason: str, *, has_lookup: bool, lookups_failed: bool) -> bool:
+def escalation_excused(
+    reason: str, *, has_lookup: bool, lookups_failed: bool, callback_came_first: bool = False
+) -> bool:
     """Whether a fault of the run forces this escalation: for a tool with no lookup, an
-    outcome the provider kept unknown (its contract hands those to a person); for one
-    with a lookup, a reconcile budget used up while the run made lookups fail. Never
+    outcome the provider kept unknown (its contract hands those to a person) and whose
+    success callback had not arrived when a person was handed it; for one with a
+    lookup, a reconcile budget used up while the run made lookups fail. Never
     ``undeliverable``, ``contradicted``, ``tampered`` or ``unreadable``."""
     if not has_lookup:
-        return reason in NO_LOOKUP_REASONS
+        # A verified success callback in the inbox before the escalation should have
+        # settled it: a person was handed what the provider had already told us.
+        return reason in NO_LOOKUP_REASONS and not callback_came_first
     return lookups_failed and reason in LOOKUP_FAILED_REASONS
 
 
@@ -162,6 +169,9 @@ def check(
     )
     with psycopg.connect(database_url) as connection:
         runner = Store(connection)
+        first_success = _first_success_callbacks(
+            runner.run(store.list_callbacks(limit=CALLBACK_LIMIT))
+        )
         summaries = runner.run(store.list_operation_summaries(limit=decisions * 2 + 100))
         effect_states: set[str] = set()
         for summary in summaries:
@@ -185,9 +195,17 @@ def check(
             events = runner.run(store.events(summary.id))
             check_sequence(verdict, str(summary.id), state, events)
             if state is OperationState.ESCALATED:
-                reason = _escalation_reason(events)
+                reason, escalated_at = _escalation(events)
+                success_at = first_success.get(summary.id)
                 verdict.escalations_excused += escalation_excused(
-                    reason, has_lookup=has_lookup, lookups_failed=lookups_failed
+                    reason,
+                    has_lookup=has_lookup,
+                    lookups_failed=lookups_failed,
+                    callback_came_first=(
+                        success_at is not None
+                        and escalated_at is not None
+                        and success_at < escalated_at
+                    ),
                 )
         pending = runner.run(store.list_callbacks(pending=True, limit=CALLBACK_LIMIT))
         unmatched = runner.run(store.list_callbacks(unmatched=True, limit=CALLBACK_LIMIT))
@@ -227,14 +245,30 @@ def _check_one_effect(
         )
 
 
-def _escalation_reason(events: list[OperationEvent]) -> str:
-    reasons = [
-        str(event.attributes.get("reason", "unknown"))
+def _escalation(events: list[OperationEvent]) -> tuple[str, datetime | None]:
+    """The reason and time of an operation's last escalation."""
+    escalations = [
+        event
         for event in events
         if event.name == EventName.ESCALATED
         or (event.attributes.get("to") == str(OperationState.ESCALATED))
     ]
-    return reasons[-1] if reasons else "unknown"
+    if not escalations:
+        return "unknown", None
+    last = escalations[-1]
+    return str(last.attributes.get("reason", "unknown")), last.created_at
+
+
+def _first_success_callbacks(callbacks: list[Callback]) -> dict[UUID, datetime]:
+    """When each operation's first verified success callback reached the inbox."""
+    first: dict[UUID, datetime] = {}
+    for callback in callbacks:
+        if callback.operation_id is None or callback.status != CallbackStatus.COMMITTED:
+            continue
+        known = first.get(callback.operation_id)
+        if known is None or callback.received_at < known:
+            first[callback.operation_id] = callback.received_at
+    return first
 
 
 def check_sequence(

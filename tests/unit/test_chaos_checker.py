@@ -37,6 +37,15 @@ ATTEMPTED = event("operation.attempted")
 UNKNOWN = event("operation.outcome_unknown", **{"from": "in_flight", "to": "outcome_unknown"})
 
 
+def test_an_email_whose_success_callback_came_before_its_escalation_is_not_excused() -> None:
+    # The provider had already said it was delivered: handing it to a person is the
+    # runtime's failure, not the fault's.
+    assert escalation_excused("escalate_by_contract", has_lookup=False, lookups_failed=False)
+    assert not escalation_excused(
+        "escalate_by_contract", has_lookup=False, lookups_failed=False, callback_came_first=True
+    )
+
+
 @pytest.mark.parametrize(
     ("reason", "has_lookup", "lookups_failed", "excused"),
     [
