@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from uuid import UUID
 
@@ -388,8 +388,12 @@ def recovery_seconds(
     start of the first window of ``window`` seconds, starting then or later, whose
     goodput reaches ``share`` of ``rate``, or the first moment the backlog is no larger
     than it was when quiet (nothing waits: no rate to reach). None if neither happens
-    within the samples."""
+    within the samples. When the samples stop before ``ended_at`` (the run's work was
+    done and sampling over before the overload's end, which then came with the daemons'
+    stop), the last one stands for that moment: nothing was recorded after it."""
     after = [s for s in samples if s.at >= ended_at]
+    if not after and samples:
+        after = [replace(samples[-1], at=ended_at)]
     for index, start in enumerate(after):
         if start.backlog <= quiet_backlog:
             return start.at - ended_at

@@ -273,3 +273,12 @@ def test_a_system_stuck_after_the_overload_never_recovers() -> None:
     run = samples(*((10.0 + n, 300, 100 + n, 100 + n) for n in range(60)))
 
     assert recovery_seconds(run, ended_at=10.0, rate=10.0, quiet_backlog=5) is None
+
+
+def test_an_overload_that_outlasts_the_runs_work_is_judged_by_the_last_sample() -> None:
+    # Seen in a sweep: everything settled, sampling stopped, and the overload's end came
+    # with the daemons' stop: no sample after it, so "never" though nothing waited.
+    settled = [Sample(0.0, 10, 0, 0), Sample(10.0, 300, 300, 300)]
+    assert recovery_seconds(settled, 12.0, rate=10.0, quiet_backlog=5) == 0.0
+    unsettled = [Sample(0.0, 10, 0, 0), Sample(10.0, 300, 250, 250)]
+    assert recovery_seconds(unsettled, 12.0, rate=10.0, quiet_backlog=5) is None
