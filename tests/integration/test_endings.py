@@ -110,9 +110,11 @@ async def test_a_denial_with_no_grant_after_it_ends_rejected(
     assert ledger.calls == []
 
 
-async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
-    settings: Settings, engine: Any, database_url: str
-) -> None:
+def a_ticket_no_consumer_runs(
+    engine: Any, database_url: str
+) -> tuple[ToolRegistry, Any, OperationMessage]:
+    """An open_ticket decision, its message, and consumers' registry that has only
+    send_refund: every consumer turns the message away."""
     everything = build_registry()
     refunds_only = ToolRegistry()
     refunds_only.register(everything.get("send_refund"))
@@ -125,6 +127,13 @@ async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
         tool_version=row.tool_version,
         input_fingerprint=row.input_fingerprint,
     )
+    return refunds_only, orphan, envelope
+
+
+async def test_an_operation_no_consumer_can_run_is_escalated_after_its_requeues(
+    settings: Settings, engine: Any, database_url: str
+) -> None:
+    refunds_only, orphan, envelope = a_ticket_no_consumer_runs(engine, database_url)
     consumer_settings = sweeping(settings, undeliverable_after_requeues=2)
     cycles = 0
     while operation(database_url, orphan.id).state is S.PREPARED:
@@ -187,15 +196,7 @@ async def test_an_old_refusal_does_not_escalate_what_is_now_delivered_nowhere(
     # Refused by consumers without the tool (a rolling deploy), then requeued while the
     # new consumers could not finish it: the latest message was not refused, so the
     # refusals are no evidence that it is undeliverable now.
-    everything = build_registry()
-    refunds_only = ToolRegistry()
-    refunds_only.register(everything.get("send_refund"))
-    orphan = decide(engine, everything, tool="open_ticket")
-    row = operation(database_url, orphan.id)
-    envelope = OperationMessage(
-        operation_id=orphan.id, outbox_id=1, tool=row.tool_name, tool_version=row.tool_version,
-        input_fingerprint=row.input_fingerprint,
-    )  # fmt: skip
+    refunds_only, orphan, envelope = a_ticket_no_consumer_runs(engine, database_url)
     consumer_settings = sweeping(settings, undeliverable_after_requeues=2)
     for _ in range(2):
         consumer = Consumer(consumer_settings, refunds_only)

@@ -166,10 +166,8 @@ class ConfirmingChannel:
             await asyncio.Event().wait()  # a confirm that never comes
 
 
-async def test_publishes_skip_the_drain_wait_but_only_confirmed_rows_count(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    channel = ConfirmingChannel(confirmed={"outbox-1"})
+def publishing_on(channel: ConfirmingChannel, monkeypatch: pytest.MonkeyPatch) -> Publisher:
+    """A publisher whose confirm channel is ``channel``."""
     publisher = Publisher(
         "amqp://guest:guest@127.0.0.1/", 15, Topology.from_settings(Settings()), "t"
     )
@@ -179,6 +177,14 @@ async def test_publishes_skip_the_drain_wait_but_only_confirmed_rows_count(
 
     monkeypatch.setattr(Publisher, "usable", property(lambda _: True))
     monkeypatch.setattr(publisher, "_underlay", underlay)
+    return publisher
+
+
+async def test_publishes_skip_the_drain_wait_but_only_confirmed_rows_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    channel = ConfirmingChannel(confirmed={"outbox-1"})
+    publisher = publishing_on(channel, monkeypatch)
     outcome = await publisher.publish([row(id=1), row(id=2)], confirm_within=0.05)
 
     assert channel.waits == [False, False]
@@ -193,15 +199,7 @@ async def test_a_confirm_cancelled_by_a_closing_connection_is_a_lost_connection(
     # Found by the chaos run: the cancellation escaped publish() and the dispatcher
     # exited instead of reconnecting.
     channel = ConfirmingChannel(confirmed={"outbox-1"}, cancelled=frozenset({"outbox-2"}))
-    publisher = Publisher(
-        "amqp://guest:guest@127.0.0.1/", 15, Topology.from_settings(Settings()), "t"
-    )
-
-    async def underlay() -> ConfirmingChannel:
-        return channel
-
-    monkeypatch.setattr(Publisher, "usable", property(lambda _: True))
-    monkeypatch.setattr(publisher, "_underlay", underlay)
+    publisher = publishing_on(channel, monkeypatch)
     outcome = await publisher.publish([row(id=1), row(id=2)], confirm_within=5)
 
     assert [published.id for published in outcome.published] == [1]
