@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from datetime import timedelta
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from outbox import dlq, ops
 from outbox.errors import ConfigurationError, OutboxError, connect_failure
 from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
+from outbox.metrics import version
 from outbox.migrate import declare_broker_topology, migrate
 from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
 from outbox.text import printable
@@ -46,9 +48,12 @@ def add_setting_flags(parser: argparse.ArgumentParser, *names: str) -> None:
     for name in names:
         field = Settings.model_fields[name]
         default = field.default
-        shown = (
-            redact_url(default.get_secret_value()) if isinstance(default, SecretStr) else default
-        )
+        shown: object = default
+        if isinstance(default, SecretStr):
+            shown = redact_url(default.get_secret_value())
+        elif isinstance(default, timedelta):
+            # str(timedelta(days=7)) is "7 days, 0:00:00"; the flag takes seconds.
+            shown = f"{default.total_seconds():g} s"
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
@@ -137,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outbox", description="effect-outbox: the runtime that owns your agent's effects."
     )
+    parser.add_argument("--version", action="version", version=f"outbox {version()}")
     add_setting_flags(parser, "log_level", "log_format")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Not required: a bare ``outbox`` is someone asking what it does (run_command).
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     migrate_parser = commands.add_parser(
         "migrate",
@@ -252,6 +259,9 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     (2 for configuration, 1 for anything else the runtime refused)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     return run_parsed(args, f"outbox {args.command}")
 
 

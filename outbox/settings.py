@@ -6,6 +6,7 @@ flag and its variable can never drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import ipaddress
 import math
@@ -299,6 +300,16 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"address {number} of {len(urls)}: {problem}; {_SEPARATE_THEM}"
                 ) from None
+        return value
+
+    @field_validator("retention", "requeue_stale_after", "approval_denial_grace", mode="before")
+    @classmethod
+    def _seconds_as_text(cls, value: object) -> object:
+        # pydantic reads "3600" as a malformed ISO 8601 duration, where the docs (and
+        # every other duration setting) take a number of seconds.
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return float(value)
         return value
 
     @field_validator(*DURATION_SETTINGS)

@@ -94,3 +94,14 @@ def test_any_float_and_any_duration_survive_the_trip(interval: float, retention:
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         assert read_back(settings.to_environment(), monkeypatch) == settings
+
+
+@pytest.mark.parametrize("name", ["retention", "requeue_stale_after", "approval_denial_grace"])
+def test_a_timedelta_setting_takes_seconds_as_its_docs_say(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "3600" was refused as a malformed ISO 8601 duration.
+    variable = f"{ENV_PREFIX}{name.upper()}"
+    assert getattr(read_back({variable: "3600"}, monkeypatch), name) == timedelta(hours=1)
+    assert getattr(read_back({variable: "PT1H"}, monkeypatch), name) == timedelta(hours=1)
+    assert getattr(Settings(**{name: "90.5"}), name) == timedelta(seconds=90.5)
