@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -140,8 +139,8 @@ REQUIRE_RABBITMQCTL = "OUTBOX_TEST_REQUIRE_RABBITMQCTL"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Broker-fault tests drive the local broker with rabbitmqctl; the cluster test starts
-    nodes of its own with rabbitmq-server; the console's browser tests drive Debian's
+    """Broker-fault tests, the chaos run and the cluster test start RabbitMQ nodes of
+    their own with rabbitmq-server; the console's browser tests drive Debian's
     chromium through chromedriver; the alert and dashboard tests run Debian's promtool
     and prometheus; the failover tests run private Postgres servers with the installed
     initdb and pg_basebackup. Where those are absent the tests are skipped,
@@ -150,7 +149,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get(REQUIRE_RABBITMQCTL):
         return
     missing = {
-        "rabbitmqctl": None if shutil.which("rabbitmqctl") else "rabbitmqctl",
         "rabbit_cluster": None if rabbit_cluster.installed() else "rabbitmq-server",
         "browser": None
         if all(os.access(p, os.X_OK) for p in ("/usr/bin/chromium", "/usr/bin/chromedriver"))

@@ -104,4 +104,4 @@ def test_a_timedelta_setting_takes_seconds_as_its_docs_say(
     variable = f"{ENV_PREFIX}{name.upper()}"
     assert getattr(read_back({variable: "3600"}, monkeypatch), name) == timedelta(hours=1)
     assert getattr(read_back({variable: "PT1H"}, monkeypatch), name) == timedelta(hours=1)
-    assert getattr(Settings(**{name: "90.5"}), name) == timedelta(seconds=90.5)
+    assert getattr(Settings.model_validate({name: "90.5"}), name) == timedelta(seconds=90.5)
