@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from support.private_postgres import (
     COMMAND_SECONDS,
-    POLL_SECONDS,
     PrivatePostgres,
     PrivatePostgresError,
     private_postgres,
@@ -93,11 +92,7 @@ class ReplicatedPair:
     def _wait(
         self, condition: Callable[[], bool], what: str, deadline_seconds: float = COMMAND_SECONDS
     ) -> None:
-        deadline = time.monotonic() + deadline_seconds
-        while not condition():
-            if time.monotonic() > deadline:
-                raise PrivatePostgresError(f"timed out waiting for {what}:\n{self.standby.tail()}")
-            time.sleep(POLL_SECONDS)
+        self.standby.wait_for(condition, what, deadline_seconds)
 
 
 @contextlib.contextmanager

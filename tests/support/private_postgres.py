@@ -23,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,13 +191,22 @@ class PrivatePostgres:
             return list(cursor.fetchall()) if cursor.description else []
 
     def wait_until_accepting_writes(self, deadline_seconds: float = COMMAND_SECONDS) -> None:
-        deadline = time.monotonic() + deadline_seconds
-        while True:
+        def writable() -> bool:
             with contextlib.suppress(psycopg.Error):
-                if self.execute("SELECT pg_is_in_recovery()") == [(False,)]:
-                    return
+                return self.execute("SELECT pg_is_in_recovery()") == [(False,)]
+            return False
+
+        self.wait_for(writable, f"a writable server on {self.address}", deadline_seconds)
+
+    def wait_for(
+        self, condition: Callable[[], bool], what: str, deadline_seconds: float = COMMAND_SECONDS
+    ) -> None:
+        """Poll ``condition`` until it holds; past the deadline, fail with this server's
+        log tail (which says why a server did not come up or catch up)."""
+        deadline = time.monotonic() + deadline_seconds
+        while not condition():
             if time.monotonic() > deadline:
-                raise PrivatePostgresError(f"no writable server on {self.address}:\n{self.tail()}")
+                raise PrivatePostgresError(f"timed out waiting for {what}:\n{self.tail()}")
             time.sleep(POLL_SECONDS)
 
     def tail(self, lines: int = 25) -> str:
