@@ -967,7 +967,8 @@ class Chaos:
         connection.commit()
         goodput = counts[OperationState.COMMITTED] + counts[OperationState.REJECTED]
         settled = goodput + counts[OperationState.ESCALATED]
-        self.samples.append(Sample(now, self.recorded, goodput, settled))
+        waiting = counts[OperationState.OUTCOME_UNKNOWN]
+        self.samples.append(Sample(now, self.recorded, goodput, settled, waiting))
 
     def _sample_now(self) -> None:
         if self.samples and time.monotonic() - self.samples[-1].at < SAMPLE_SECONDS:

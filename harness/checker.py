@@ -346,17 +346,20 @@ def check_sequence(
 @dataclass(frozen=True)
 class Sample:
     """The run's counts at one moment (monotonic seconds): decisions recorded, goodput
-    (committed or rejected: an answer the agent can use) and settled (goodput and
-    escalations)."""
+    (committed or rejected: an answer the agent can use), settled (goodput and
+    escalations) and waiting by design (an unknown outcome waiting for its callback or
+    its next lookup, which no speed of the runtime would settle sooner)."""
 
     at: float
     recorded: int
     goodput: int
     settled: int
+    waiting: int = 0
 
     @property
     def backlog(self) -> int:
-        return self.recorded - self.settled
+        """Decisions the runtime could be working on: neither settled nor waiting."""
+        return self.recorded - self.settled - self.waiting
 
 
 def quiet_rate(samples: Sequence[Sample], until: float, *, least: int = 5) -> float | None:
@@ -386,11 +389,20 @@ def recovery_seconds(
 ) -> float | None:
     """How long after ``ended_at`` (the last overload's end) the system is back: the
     start of the first window of ``window`` seconds, starting then or later, whose
-    goodput reaches ``share`` of ``rate``, or the first moment the backlog is no larger
-    than it was when quiet (nothing waits: no rate to reach). None if neither happens
-    within the samples. When the samples stop before ``ended_at`` (the run's work was
-    done and sampling over before the overload's end, which then came with the daemons'
-    stop), the last one stands for that moment: nothing was recorded after it."""
+    goodput reaches ``share`` of what it could have answered, or the first moment the
+    backlog is no larger than it was when quiet (nothing waits: no rate to reach).
+
+    What a window could have answered is ``rate`` (the quiet goodput), but never more
+    than what there was to answer: the decisions recorded during it and the backlog at its
+    start beyond the quiet one (what the quiet phase also had in hand is the pipeline,
+    not work left over). The quiet rate is measured while the start-up backlog drains, so it can
+    exceed the rate decisions are offered at; a runtime that keeps up with the stream
+    after the overload has recovered even though it can no longer reach it.
+
+    None if neither happens within the samples. When the samples stop before
+    ``ended_at`` (the run's work was done and sampling over before the overload's end,
+    which then came with the daemons' stop), the last one stands for that moment:
+    nothing was recorded after it."""
     after = [s for s in samples if s.at >= ended_at]
     if not after and samples:
         after = [replace(samples[-1], at=ended_at)]
@@ -398,8 +410,11 @@ def recovery_seconds(
         if start.backlog <= quiet_backlog:
             return start.at - ended_at
         for end in after[index + 1 :]:
-            if end.at - start.at >= window:
-                if (end.goodput - start.goodput) / (end.at - start.at) >= share * rate:
+            span = end.at - start.at
+            if span >= window:
+                excess = start.backlog - quiet_backlog
+                answerable = (excess + end.recorded - start.recorded) / span
+                if (end.goodput - start.goodput) / span >= share * min(rate, answerable):
                     return start.at - ended_at
                 break
     return None

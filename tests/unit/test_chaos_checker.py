@@ -282,3 +282,30 @@ def test_an_overload_that_outlasts_the_runs_work_is_judged_by_the_last_sample() 
     assert recovery_seconds(settled, 12.0, rate=10.0, quiet_backlog=5) == 0.0
     unsettled = [Sample(0.0, 10, 0, 0), Sample(10.0, 300, 250, 250)]
     assert recovery_seconds(unsettled, 12.0, rate=10.0, quiet_backlog=5) is None
+
+
+def test_a_runtime_keeping_up_with_the_stream_has_recovered_below_the_quiet_rate() -> None:
+    # Seen in a sweep: the quiet rate (12.5/s) was measured while the start-up backlog
+    # drained, above the 10/s the stream offers. After the overload the runtime answers
+    # everything offered, with a few decisions always in hand; 90 % of 12.5 is out of
+    # reach, and the runtime has recovered at once.
+    run = samples(*((10.0 + n, 200 + 10 * n, 190 + 10 * n, 190 + 10 * n) for n in range(60)))
+
+    assert recovery_seconds(run, ended_at=10.0, rate=12.5, quiet_backlog=5) == 0.0
+
+
+def test_a_runtime_falling_behind_the_stream_has_not_recovered() -> None:
+    # The same stream, answered at 6/s: the backlog grows, nothing was recovered.
+    run = samples(*((10.0 + n, 200 + 10 * n, 190 + 6 * n, 190 + 6 * n) for n in range(60)))
+
+    assert recovery_seconds(run, ended_at=10.0, rate=12.5, quiet_backlog=5) is None
+
+
+def test_decisions_waiting_for_a_callback_or_a_lookup_are_not_backlog() -> None:
+    # Twenty unknown outcomes wait for their callbacks or their next lookup; everything
+    # else is answered. The runtime has nothing it could be doing faster.
+    waiting = [Sample(10.0 + n, 300, 280, 280, waiting=20) for n in range(60)]
+    assert recovery_seconds(waiting, ended_at=10.0, rate=10.0, quiet_backlog=5) == 0.0
+    # The same twenty in hand and not waiting on anyone: not recovered.
+    stuck = [Sample(10.0 + n, 300, 280, 280) for n in range(60)]
+    assert recovery_seconds(stuck, ended_at=10.0, rate=10.0, quiet_backlog=5) is None
