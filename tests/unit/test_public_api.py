@@ -1,0 +1,206 @@
+"""The public API, pinned before the house moves (#27): ``outbox.__all__`` with each
+function's signature, and ``outbox.store.__all__``, the named operations every
+component calls. A change here is deliberate: update the pin in the same commit and say
+why (temporalio's tests/test_client_exports.py keeps the same watch)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import outbox
+import outbox.store
+
+PUBLIC = {
+    "Approval": "class",
+    "ApprovalCheck": "class",
+    "ApprovalPolicy": "class",
+    "ApprovalStatus": "class",
+    "CallbackPolicy": "class",
+    "CallbackProvider": "class",
+    "CallbackReport": "class",
+    "CallbackStatus": "class",
+    "ConfigurationError": "class",
+    "ContractRefused": "class",
+    "DatabaseError": "class",
+    "DecisionConflict": "class",
+    "DefinitiveRejection": "class",
+    "EffectResult": "class",
+    "EventName": "class",
+    "ExecutionContext": "class",
+    "Found": "class",
+    "IllegalTransition": "class",
+    "InputRejected": "class",
+    "LeaseLost": "class",
+    "NotFound": "class",
+    "NotSent": "class",
+    "OnUnknown": "class",
+    "Operation": "class",
+    "OperationEvent": "class",
+    "OperationNotFound": "class",
+    "OperationState": "class",
+    "OutboxError": "class",
+    "Outcome": "class",
+    "OutcomeStatus": "class",
+    "OutcomeUnknown": "class",
+    "OutcomeWatcher": "class",
+    "RecordedDecision": "class",
+    "Registry": "class",
+    "RetryPolicy": "class",
+    "SchemaMissing": "class",
+    "Scheme": "class",
+    "Settings": "class",
+    "SideEffect": "class",
+    "StillUnknown": "class",
+    "ToolContract": "class",
+    "ToolNotRegistered": "class",
+    "TransientDatabaseError": "class",
+    "agent_completed": "(run_id: 'str', outcome: 'str') -> 'str'",
+    "await_outcome": (
+        "(source: 'AsyncEngine | str | OutcomeWatcher', "
+        "operation: 'UUID | RecordedDecision | Operation | Outcome', *, "
+        "timeout: 'timedelta | float | None' = datetime.timedelta(seconds=30), "
+        "until: 'Until' = 'attention') -> 'Outcome'"
+    ),
+    "await_outcome_sync": (
+        "(source: 'SAEngine | str', "
+        "operation: 'UUID | RecordedDecision | Operation | Outcome', *, "
+        "timeout: 'timedelta | float | None' = datetime.timedelta(seconds=30), "
+        "until: 'Until' = 'attention', "
+        "poll_interval: 'float' = 1.0) -> 'Outcome'"
+    ),
+    "check_approval": "(connection: 'SyncConnection', operation_id: 'UUID') -> 'ApprovalCheck'",
+    "check_approval_async": (
+        "(connection: 'AsyncConnection', operation_id: 'UUID') -> 'ApprovalCheck'"
+    ),
+    "close_shared_watchers": "() -> 'None'",
+    "get_outcome": "(connection: 'SyncConnection', operation_id: 'UUID') -> 'Outcome'",
+    "get_outcome_async": "(connection: 'AsyncConnection', operation_id: 'UUID') -> 'Outcome'",
+    "grant_approval": (
+        "(connection: 'SyncConnection', operation_id: 'UUID', *, "
+        "approved_by: 'str', ttl: 'timedelta', "
+        "intent_hash: 'str | None' = None) -> 'Approval'"
+    ),
+    "grant_approval_async": (
+        "(connection: 'AsyncConnection', operation_id: 'UUID', *, "
+        "approved_by: 'str', ttl: 'timedelta', "
+        "intent_hash: 'str | None' = None) -> 'Approval'"
+    ),
+    "intent_fingerprint": "(tool_name: 'str', tool_version: 'int', input_json: 'Any') -> 'str'",
+    "record_decision": (
+        "(connection: 'SyncConnection', registry: 'Registry', tool: 'str', "
+        "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
+        "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
+        "traceparent: 'str | None' = None) -> 'RecordedDecision'"
+    ),
+    "record_decision_async": (
+        "(connection: 'AsyncConnection', registry: 'Registry', tool: 'str', "
+        "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
+        "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
+        "traceparent: 'str | None' = None) -> 'RecordedDecision'"
+    ),
+}
+STORE = [
+    "NOTIFY_CHANNEL",
+    "RESOLUTION_EVIDENCE_LIMIT",
+    "ROLES",
+    "AsyncConnection",
+    "AsyncStore",
+    "Backlog",
+    "BrokenLink",
+    "CallbackReceipt",
+    "ChainReport",
+    "ClaimedRow",
+    "ConfirmedEffect",
+    "ConsoleLogin",
+    "Cursor",
+    "ExecutionBacklog",
+    "FailedPublish",
+    "NewDecision",
+    "OperationFilter",
+    "OperationPage",
+    "OperationStats",
+    "OperationSummary",
+    "PendingApproval",
+    "Plan",
+    "Row",
+    "Step",
+    "Store",
+    "SyncConnection",
+    "append_event",
+    "apply_roles",
+    "apply_schema",
+    "approver_of",
+    "backend_activity",
+    "callbacks_of",
+    "check_approval",
+    "claim",
+    "claim_callback_batch",
+    "claim_many",
+    "claim_outbox_batch",
+    "claim_reconciliation_batch",
+    "commit_many",
+    "console_login",
+    "create_database",
+    "database_exists",
+    "decide_approval",
+    "defer_reconciliation",
+    "delete_published_outbox_rows",
+    "drop_database",
+    "escalate_undeliverable",
+    "events",
+    "execution_gauges",
+    "find_operation",
+    "find_operations",
+    "fingerprint_key",
+    "get_operation",
+    "lease_for_reconciliation",
+    "list_callbacks",
+    "list_operation_summaries",
+    "listen_operation_changes",
+    "listen_outbox_pending",
+    "lock_operation",
+    "mark_callback",
+    "mark_outbox_failed",
+    "mark_outbox_published",
+    "operation_approvals",
+    "operation_outcomes",
+    "operation_outcomes_changed",
+    "operation_stats",
+    "operations_by_state",
+    "operations_page",
+    "outbox_backlog",
+    "outbox_rows",
+    "pending_approvals",
+    "record_callback",
+    "record_decision",
+    "reject_denied_operations",
+    "requeue_stale_prepared",
+    "resolve_operation",
+    "schema_is_current",
+    "schema_version",
+    "transition",
+    "verify_chain",
+]
+
+
+def shape(obj: Any) -> str:
+    if inspect.isclass(obj):
+        return "class"
+    if callable(obj):
+        return str(inspect.signature(obj))
+    return type(obj).__name__
+
+
+def test_the_public_names_and_signatures_are_pinned() -> None:
+    assert {name: shape(getattr(outbox, name)) for name in outbox.__all__} == PUBLIC
+
+
+def test_the_store_operations_are_pinned() -> None:
+    assert outbox.store.__all__ == STORE
+    assert all(hasattr(outbox.store, name) for name in STORE)
+
+
+def test_every_public_name_is_exported_once() -> None:
+    assert len(set(outbox.__all__)) == len(outbox.__all__)
+    assert len(set(STORE)) == len(STORE)
