@@ -144,6 +144,11 @@ class RabbitCluster:
             self._launch(node)
         for node in others:
             self._await_listening(node, deadline)
+        if not others:
+            # Listening for AMQP is the last step of a boot, and one node is a cluster
+            # of one: no rabbitmqctl to ask. Its own Erlang VM took more than a minute
+            # to answer beside a sweep's CPU hogs and aborted the sweep.
+            return
         # Every node booted (listening for AMQP is the last step of a boot) and all
         # of them in the one cluster, as the first sees it.
         self.ctl(
