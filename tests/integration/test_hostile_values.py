@@ -24,9 +24,9 @@ from outbox import Operation, OperationState, Registry, Settings, record_decisio
 from outbox import store as outbox_store
 from outbox.bounds import MAX_INPUT_BYTES, MAX_PROVIDER_REFERENCE, unreadable_reason
 from outbox.cli import run_command
-from outbox.decisions import derive_intent
 from outbox.fingerprint import canonical_json, intent_fingerprint
 from outbox.fingerprint_key import keyed_fingerprint
+from outbox.intent import derive_intent
 from outbox.models import Approval, ApprovalDecision, ApprovalStatus
 from outbox.store import Store
 
