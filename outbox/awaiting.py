@@ -54,6 +54,7 @@ from outbox.models import (
     Operation,
     RecordedDecision,
     _Record,
+    approval_status,
     display_operation_id,
 )
 from outbox.settings import libpq_url
@@ -130,15 +131,13 @@ class Outcome(_Record):
 
 
 def _approval_status(row: dict[str, Any]) -> ApprovalStatus:
-    if row["approval_decision"] is None:
-        return ApprovalStatus.MISSING
-    if row["approval_decision"] == "denied":
-        return ApprovalStatus.DENIED
-    if row["approval_expires_at"] <= row["checked_at"]:
-        return ApprovalStatus.EXPIRED
-    if row["approval_intent_hash"] != row["input_fingerprint"]:
-        return ApprovalStatus.INTENT_CHANGED
-    return ApprovalStatus.VALID
+    return approval_status(
+        row["approval_decision"],
+        row["approval_expires_at"],
+        row["approval_intent_hash"],
+        fingerprint=row["input_fingerprint"],
+        now=row["checked_at"],
+    )
 
 
 _STATUS_OF_STATE = {

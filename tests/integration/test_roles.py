@@ -900,6 +900,9 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
     codes = [
         run_command(["ops", "list"]),
         run_command(["ops", "show", stuck.display_id]),
+        # What waits for approval shows its check and who decided (latest_approval,
+        # console_operation_approvals); `approvals pending` reads both in one statement.
+        run_command(["ops", "show", waiting.display_id]),
         run_command(["ops", "verify", stuck.display_id]),
         run_command(["ops", "verify", "--all"]),
         run_command(["stats"]),
