@@ -25,8 +25,8 @@ from outbox import store
 from outbox.bounds import is_unreadable
 from outbox.broker import OperationMessage
 from outbox.contracts import Registry, ToolContract
-from outbox.decisions import derive_intent
 from outbox.errors import IllegalTransition, ToolNotRegistered
+from outbox.intent import derive_intent
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Operation
 from outbox.settings import Settings
@@ -153,7 +153,7 @@ class Claims:
             or operation.tool_name != envelope.tool
             or operation.tool_version != envelope.tool_version
         ):
-            return Skip("invalid", "fingerprint_mismatch")
+            return Skip("invalid", "envelope_mismatch")
         try:
             contract = self.registry.get(operation.tool_name, operation.tool_version)
         except ToolNotRegistered:

@@ -14,7 +14,7 @@ import psycopg
 
 from consumer.policy import Transition
 from consumer.telemetry import log
-from outbox import lifecycle, store
+from outbox import lifecycle, schema, store
 from outbox.bounds import unreadable_reason
 from outbox.connections import DatabaseBounds, SessionPool
 from outbox.daemon import is_transient_database_error
@@ -125,7 +125,7 @@ class Database:
         ) as connection:
             # An older schema lacks what this consumer reads (outbox_deployment): that
             # too is "run outbox migrate".
-            return store.schema_is_current(connection)
+            return schema.schema_is_current(connection)
 
     async def close(self) -> None:
         await self.sessions.close()

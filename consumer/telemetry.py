@@ -10,8 +10,8 @@ from consumer.policy import AttemptOutcome, EscalationReason
 from outbox import tracing
 from outbox.connections import SLOW_VERDICTS
 from outbox.contracts import Registry, ToolContract
-from outbox.decisions import TAMPER_CHECKS
 from outbox.fingerprint_key import keyed_fingerprint
+from outbox.intent import TAMPER_CHECKS
 from outbox.logs import log_fields
 from outbox.metrics import ConsumerMetrics, prime
 from outbox.models import CallbackOutcome, Operation
@@ -33,7 +33,7 @@ DEAD_LETTER_REASONS = (
     "oversized",
     "malformed",
     "unknown_operation",
-    "fingerprint_mismatch",
+    "envelope_mismatch",
     "unknown_tool",
 )
 RECONCILIATION_RESULTS = ("committed", "not_found", "still_unknown")

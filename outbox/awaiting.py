@@ -4,9 +4,9 @@
 agent what became of it, so that ``agent.completed ... outcome=refund_confirmed`` is a
 line an agent writes after it *knows*.
 
-An :class:`Outcome` folds the operation's state into the five answers an agent can act
-on (:class:`OutcomeStatus`): done, definitively not done, still running (call again
-later), waiting for a person's approval, or with a person who checks the evidence.
+An :class:`Outcome` (:mod:`outbox.agent_outcome`) folds the operation's state into the
+five answers an agent can act on: done, definitively not done, still running (call
+again later), waiting for a person's approval, or with a person who checks the evidence.
 
 Waiting is read-only and cancellation-safe: it never changes the operation, and a
 timed-out wait says nothing about the operation, only that it had not reached the
@@ -25,9 +25,8 @@ import contextlib
 import logging
 import time
 import weakref
-from datetime import datetime, timedelta
-from enum import StrEnum
-from typing import Any, Literal
+from datetime import timedelta
+from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -40,191 +39,43 @@ from sqlalchemy.ext.asyncio import AsyncSession as SAAsyncSession
 from sqlalchemy.orm import Session as SASession
 
 from outbox import store
+from outbox.agent_outcome import (
+    Outcome,
+    OutcomeStatus,
+    Until,
+    get_outcome,
+    get_outcome_async,
+    not_visible,
+    outcome_from_row,
+    single_outcome,
+    status_of_row,
+    statuses_until,
+)
 from outbox.backoff import Backoff
 from outbox.connections import command_parameters
-from outbox.errors import (
-    ConfigurationError,
-    DatabaseError,
-    OperationNotFound,
-    TransientDatabaseError,
-)
+from outbox.errors import ConfigurationError, DatabaseError, TransientDatabaseError
 from outbox.logs import log_fields
-from outbox.models import (
-    ApprovalStatus,
-    Operation,
-    RecordedDecision,
-    _Record,
-    display_operation_id,
-)
+from outbox.models import Operation, RecordedDecision, display_operation_id
 from outbox.settings import libpq_url
-from outbox.states import OperationState
-from outbox.store import AsyncConnection, AsyncStore, Store, SyncConnection
+from outbox.store import AsyncStore, Store
+
+# Outcome, its statuses and the one-read calls live in outbox.agent_outcome; callers
+# (outbox/__init__.py, the MCP server, the integrations) import them from here too.
+__all__ = [
+    "Outcome",
+    "OutcomeStatus",
+    "OutcomeWatcher",
+    "await_outcome",
+    "await_outcome_sync",
+    "close_shared_watchers",
+    "get_outcome",
+    "get_outcome_async",
+]
 
 logger = logging.getLogger("outbox.awaiting")
 
-Until = Literal["final", "attention"]
-
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 DEFAULT_POLL_INTERVAL = 1.0
-
-
-class OutcomeStatus(StrEnum):
-    """What an agent can do with a decision, now."""
-
-    COMMITTED = "committed"
-    """Final: the provider confirmed the effect."""
-    REJECTED = "rejected"
-    """Final: the effect did not and will not happen. Retrying the same key changes
-    nothing; a changed request is a new decision."""
-    PENDING = "pending"
-    """The runtime is on it (prepared, in flight, or an unknown outcome under
-    reconciliation): ask again later with the same decision key."""
-    AWAITING_APPROVAL = "awaiting_approval"
-    """The contract asks for a person's approval and there is no valid grant yet."""
-    ESCALATED = "escalated"
-    """The outcome is with a person, who decides with the evidence."""
-
-
-FINAL_STATUSES = frozenset({OutcomeStatus.COMMITTED, OutcomeStatus.REJECTED})
-ATTENTION_STATUSES = FINAL_STATUSES | {OutcomeStatus.AWAITING_APPROVAL, OutcomeStatus.ESCALATED}
-
-
-def _target(until: Until) -> frozenset[OutcomeStatus]:
-    if until == "final":
-        return FINAL_STATUSES
-    if until == "attention":
-        return ATTENTION_STATUSES
-    raise ValueError(f"until must be 'final' or 'attention', not {until!r}")
-
-
-class Outcome(_Record):
-    """Where one decision stands, as an agent (or an MCP client) reads it.
-
-    It carries no tool input and no provider message: ``reason`` is a code from a closed
-    alphabet (the error class, the escalation or approval reason), safe to show to a
-    model and to log.
-    """
-
-    operation_id: UUID
-    display_id: str
-    run_id: str
-    decision_key: str | None
-    tool: str
-    tool_version: int
-    status: OutcomeStatus
-    state: OperationState
-    """The operation's own state, for operators; ``status`` is what an agent acts on."""
-    final: bool
-    needs_person: bool
-    provider_reference: str | None
-    result: dict[str, Any] | None
-    """The tool's result, once committed."""
-    reason: str | None
-    approval: ApprovalStatus | None
-    """For an operation whose contract asks for approval and that is not yet executed."""
-    attempts: int
-    updated_at: datetime
-
-
-# --- reading --------------------------------------------------------------------------
-
-
-def _approval_status(row: dict[str, Any]) -> ApprovalStatus:
-    if row["approval_decision"] is None:
-        return ApprovalStatus.MISSING
-    if row["approval_decision"] == "denied":
-        return ApprovalStatus.DENIED
-    if row["approval_expires_at"] <= row["checked_at"]:
-        return ApprovalStatus.EXPIRED
-    if row["approval_intent_hash"] != row["input_fingerprint"]:
-        return ApprovalStatus.INTENT_CHANGED
-    return ApprovalStatus.VALID
-
-
-_STATUS_OF_STATE = {
-    OperationState.COMMITTED: OutcomeStatus.COMMITTED,
-    OperationState.REJECTED: OutcomeStatus.REJECTED,
-    OperationState.ESCALATED: OutcomeStatus.ESCALATED,
-}
-
-
-def status_of_row(row: dict[str, Any]) -> OutcomeStatus:
-    """The status alone: cheap enough to run on every row of every wake-up (building
-    the :class:`Outcome` is left for the waiters it answers)."""
-    state = OperationState(row["state"])
-    settled = _STATUS_OF_STATE.get(state)
-    if settled is not None:
-        return settled
-    if (
-        state is OperationState.PREPARED
-        and row["requires_approval"]
-        and _approval_status(row) is not ApprovalStatus.VALID
-    ):
-        return OutcomeStatus.AWAITING_APPROVAL
-    return OutcomeStatus.PENDING
-
-
-def outcome_from_row(row: dict[str, Any]) -> Outcome:
-    """Fold one ``operation_outcomes`` row into the status an agent acts on."""
-    state = OperationState(row["state"])
-    status = status_of_row(row)
-    approval = (
-        _approval_status(row)
-        if row["requires_approval"] and state is OperationState.PREPARED
-        else None
-    )
-    reason: str | None = row["last_error_class"]
-    if status is OutcomeStatus.COMMITTED:
-        reason = None
-    elif status is OutcomeStatus.AWAITING_APPROVAL:
-        reason = f"approval_{approval}"
-    operation_id: UUID = row["id"]
-    return Outcome(
-        operation_id=operation_id,
-        display_id=display_operation_id(operation_id),
-        run_id=row["run_id"],
-        decision_key=row["decision_key"],
-        tool=row["tool_name"],
-        tool_version=row["tool_version"],
-        status=status,
-        state=state,
-        final=status in FINAL_STATUSES,
-        needs_person=status in (OutcomeStatus.AWAITING_APPROVAL, OutcomeStatus.ESCALATED),
-        provider_reference=row["provider_reference"],
-        result=row["result"] if state is OperationState.COMMITTED else None,
-        reason=reason,
-        approval=approval,
-        attempts=row["attempts"],
-        updated_at=row["updated_at"],
-    )
-
-
-def get_outcome(connection: SyncConnection, operation_id: UUID) -> Outcome:
-    """One read of where ``operation_id`` stands. Raises :class:`OperationNotFound`."""
-    rows = Store(connection, require_transaction=False).run(
-        store.operation_outcomes([operation_id])
-    )
-    return _only(rows, operation_id)
-
-
-async def get_outcome_async(connection: AsyncConnection, operation_id: UUID) -> Outcome:
-    """The async twin of :func:`get_outcome`."""
-    runner = await AsyncStore.on(connection, require_transaction=False)
-    return _only(await runner.run(store.operation_outcomes([operation_id])), operation_id)
-
-
-def _only(rows: list[dict[str, Any]], operation_id: UUID) -> Outcome:
-    if not rows:
-        raise _not_found(operation_id)
-    return outcome_from_row(rows[0])
-
-
-def _not_found(operation_id: UUID) -> OperationNotFound:
-    return OperationNotFound(
-        f"no operation {display_operation_id(operation_id)} is visible: if you just "
-        "recorded it, await its outcome after your transaction commits (an uncommitted "
-        "decision exists for no other session)"
-    )
 
 
 # --- what callers pass ----------------------------------------------------------------
@@ -436,7 +287,7 @@ class OutcomeWatcher:
         session can see, and :class:`TransientDatabaseError` only when no read at all
         succeeded before the timeout."""
         operation_id = operation_id_of(operation)
-        target = _target(until)
+        target = statuses_until(until)
         seconds = _seconds(timeout)
         if self._closed_by_caller:
             raise ConfigurationError(
@@ -579,7 +430,7 @@ class OutcomeWatcher:
                     continue
                 waiter.read.set()
                 if row is None:
-                    waiter.future.set_exception(_not_found(operation_id))
+                    waiter.future.set_exception(not_visible(operation_id))
                     continue
                 waiter.latest_row = row
                 if status in waiter.target:
@@ -673,7 +524,7 @@ def await_outcome_sync(
     ``poll_interval``)."""
     _refuse_connection(source)
     operation_id = operation_id_of(operation)
-    target = _target(until)
+    target = statuses_until(until)
     seconds = _seconds(timeout)
     deadline = None if seconds is None else time.monotonic() + seconds
     with psycopg.connect(
@@ -686,7 +537,9 @@ def await_outcome_sync(
         runner = Store(connection, require_transaction=False)
         runner.run(store.listen_operation_changes())
         while True:
-            outcome = _only(runner.run(store.operation_outcomes([operation_id])), operation_id)
+            outcome = single_outcome(
+                runner.run(store.operation_outcomes([operation_id])), operation_id
+            )
             remaining = None if deadline is None else deadline - time.monotonic()
             if outcome.status in target or (remaining is not None and remaining <= 0):
                 return outcome

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from outbox import store
+from outbox import schema
 from outbox.callback_policy import CallbackStatus
 from outbox.callbacks import REFUSED_STATUS, CallbackReceiver, Received, record_callback_async
 from outbox.cli import add_setting_flags
@@ -252,7 +252,7 @@ def check_schema(settings: Settings) -> None:
             application_name=APPLICATION_NAME,
             **DatabaseBounds.from_settings(settings).libpq_parameters(),
         ) as connection:
-            current = store.schema_is_current(connection)
+            current = schema.schema_is_current(connection)
     except psycopg.Error as error:
         raise ConfigurationError(
             f"could not reach {redact_url(settings.libpq_url)} to check its schema "

@@ -51,7 +51,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from outbox.awaiting import Outcome, OutcomeStatus, OutcomeWatcher, get_outcome_async
 from outbox.connections import DatabaseBounds, bounded_transaction, command_parameters
 from outbox.contracts import Registry, SideEffect, ToolContract
-from outbox.decisions import MAX_ID_LENGTH, prepare_decision, record_decision_async
+from outbox.decisions import record_decision_async
 from outbox.errors import (
     ConfigurationError,
     DatabaseError,
@@ -63,6 +63,7 @@ from outbox.errors import (
     ToolNotRegistered,
 )
 from outbox.failover import ServerTracker, follow_failovers
+from outbox.intent import MAX_ID_LENGTH, prepare_decision
 from outbox.logs import log_fields
 from outbox.mcp_server import BEARER_PRINCIPAL as BEARER_PRINCIPAL
 from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS

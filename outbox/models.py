@@ -126,6 +126,34 @@ class ApprovalStatus(StrEnum):
     DENIED = "denied"
 
 
+def approval_status(
+    decision: str | None,
+    expires_at: datetime | None,
+    intent_hash: str | None,
+    *,
+    fingerprint: str,
+    now: datetime,
+) -> ApprovalStatus:
+    """May an operation whose intent is ``fingerprint`` be executed at ``now`` under its
+    latest approval decision (``decision`` None: there is none; an
+    :class:`ApprovalDecision` or its stored text)?
+
+    The one rule: the consumer applies it before it executes (``check_approval``), the
+    operator lists by it (``pending_approvals``) and the agent reads it in an
+    :class:`outbox.Outcome`, so none of them can be told something the others are not.
+    ``now`` is the database's clock, which the expiry was written on.
+    """
+    if decision is None or expires_at is None:
+        return ApprovalStatus.MISSING
+    if decision == ApprovalDecision.DENIED:
+        return ApprovalStatus.DENIED
+    if expires_at <= now:
+        return ApprovalStatus.EXPIRED
+    if intent_hash != fingerprint:
+        return ApprovalStatus.INTENT_CHANGED
+    return ApprovalStatus.VALID
+
+
 class ApprovalCheck(_Record):
     status: ApprovalStatus
     reason: str

@@ -548,13 +548,22 @@ ORDER BY updated_at DESC, id
 LIMIT %(limit)s
 
 -- name: list_approval_candidates
--- Prepared operations that need an approval, oldest first; each is then checked like the consumer checks it. Never the input.
-SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
-       state, attempts, reconcile_attempts, provider_reference, last_error_class,
-       created_at, updated_at
-FROM operations
-WHERE state = 'prepared' AND requires_approval
-ORDER BY created_at, id
+-- Prepared operations that need an approval, oldest first, each with the database's clock and its most recent approval decision as latest_approval reads it (and who decided), so that each is checked like the consumer checks it in one statement. Never the input.
+SELECT o.id, o.run_id, o.tool_name, o.tool_version, o.side_effect, o.input_fingerprint,
+       o.requires_approval, o.state, o.attempts, o.reconcile_attempts, o.provider_reference,
+       o.last_error_class, o.created_at, o.updated_at, now() AS checked_at,
+       a.id AS approval_id, a.intent_hash AS approval_intent_hash,
+       a.decision AS approval_decision, a.expires_at AS approval_expires_at,
+       a.created_at AS approval_created_at, a.approved_by AS approval_approved_by
+FROM operations o
+LEFT JOIN LATERAL (
+    SELECT id, intent_hash, decision, expires_at, created_at, approved_by FROM approvals
+    WHERE operation_id = o.id
+    ORDER BY created_at DESC
+    LIMIT 1
+) a ON true
+WHERE o.state = 'prepared' AND o.requires_approval
+ORDER BY o.created_at, o.id
 
 -- name: count_operations_by_tool_and_state
 -- How many operations each tool has in each state, for `outbox stats`.

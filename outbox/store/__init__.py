@@ -17,28 +17,16 @@
 
 Every statement they run is named in ``outbox/sql/queries.sql``, as are the two that
 only the chaos harness runs (``harness/diagnostics.py``, which the wheel leaves out).
-The DDL and database administration live in :mod:`outbox.schema`.
+The DDL and database administration live in :mod:`outbox.schema`, which callers import
+directly: it runs its statements through :mod:`outbox.store.runner`, so a re-export here
+would make the two packages import each other.
 
 Callers use the package as one namespace (``from outbox import store``;
-``store.transition(...)``), so everything public is re-exported here, the schema
-functions included.
+``store.transition(...)``), so everything public is re-exported here.
 """
 
 from __future__ import annotations
 
-# outbox.schema runs its statements through outbox.store.runner, and this package
-# re-exports its functions: the import works because ``import outbox`` loads the store
-# (through outbox.awaiting) before anything can import outbox.schema.
-from outbox.schema import (
-    ROLES,
-    apply_roles,
-    apply_schema,
-    create_database,
-    database_exists,
-    drop_database,
-    schema_is_current,
-    schema_version,
-)
 from outbox.store.approvals import check_approval, decide_approval
 from outbox.store.awaiting import (
     listen_operation_changes,
@@ -126,7 +114,6 @@ from outbox.store.runner import (
 __all__ = [
     "NOTIFY_CHANNEL",
     "RESOLUTION_EVIDENCE_LIMIT",
-    "ROLES",
     "AsyncConnection",
     "AsyncStore",
     "Backlog",
@@ -151,8 +138,6 @@ __all__ = [
     "Store",
     "SyncConnection",
     "append_event",
-    "apply_roles",
-    "apply_schema",
     "approver_of",
     "backend_activity",
     "callbacks_of",
@@ -164,12 +149,9 @@ __all__ = [
     "claim_reconciliation_batch",
     "commit_many",
     "console_login",
-    "create_database",
-    "database_exists",
     "decide_approval",
     "defer_reconciliation",
     "delete_published_outbox_rows",
-    "drop_database",
     "escalate_undeliverable",
     "events",
     "execution_gauges",
@@ -200,8 +182,6 @@ __all__ = [
     "reject_denied_operations",
     "requeue_stale_prepared",
     "resolve_operation",
-    "schema_is_current",
-    "schema_version",
     "transition",
     "verify_chain",
 ]

@@ -1,20 +1,28 @@
 """Approvals: a person's grant or denial bound to an operation's intent, and the rule
 that says whether an operation's effect may be attempted under one right now.
 
-The consumer applies :func:`check_approval` before it executes; ``outbox approvals``
-lists with the same rule (:func:`outbox.store.operator.pending_approvals`).
+The rule itself is :func:`outbox.models.approval_status`: the consumer applies it
+through :func:`check_approval` before it executes, ``outbox approvals`` lists with it
+(:func:`outbox.store.operator.pending_approvals`, through :func:`approval_check`), and
+an agent's :class:`outbox.Outcome` reads it (``outbox/awaiting.py``).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from uuid import UUID, uuid4
 
 from outbox import lifecycle
 from outbox.bounds import MAX_APPROVAL_TTL
 from outbox.errors import OperationNotFound
 from outbox.fingerprint_key import keyed_fingerprint
-from outbox.models import Approval, ApprovalCheck, ApprovalDecision, ApprovalStatus
+from outbox.models import (
+    Approval,
+    ApprovalCheck,
+    ApprovalDecision,
+    ApprovalStatus,
+    approval_status,
+)
 from outbox.states import EventName
 from outbox.store.operations import fingerprint_key, get_operation
 from outbox.store.runner import Plan, Step
@@ -78,21 +86,34 @@ def check_approval(operation_id: UUID) -> Plan[ApprovalCheck]:
     if not rows:
         raise OperationNotFound(f"no operation with id {operation_id}")
     row = rows[0]
-    if row["id"] is None:
+    latest = None if row["id"] is None else Approval.model_validate(row)
+    return approval_check(
+        latest, fingerprint=row["operation_fingerprint"], now=row["checked_at"], key=key
+    )
+
+
+def approval_check(
+    latest: Approval | None, *, fingerprint: str, now: datetime, key: str
+) -> ApprovalCheck:
+    """:func:`outbox.models.approval_status` of an operation whose intent is
+    ``fingerprint`` under its ``latest`` approval decision, with the reason a person
+    reads; ``now`` and ``fingerprint`` as the database read them with the decision."""
+    if latest is None:
         return ApprovalCheck(
             status=ApprovalStatus.MISSING, reason="no approval was granted for this operation"
         )
-    approval = Approval.model_validate(row)
-    if approval.decision is ApprovalDecision.DENIED:
-        status, reason = ApprovalStatus.DENIED, "a person denied it"
-    elif approval.expires_at <= row["checked_at"]:
-        status, reason = ApprovalStatus.EXPIRED, f"the grant expired at {approval.expires_at}"
-    elif approval.intent_hash != row["operation_fingerprint"]:
-        status, reason = (
-            ApprovalStatus.INTENT_CHANGED,
-            f"the grant approved intent {keyed_fingerprint(key, approval.intent_hash)}, the "
-            f"operation's intent is {keyed_fingerprint(key, row['operation_fingerprint'])}",
+    status = approval_status(
+        latest.decision, latest.expires_at, latest.intent_hash, fingerprint=fingerprint, now=now
+    )
+    if status is ApprovalStatus.DENIED:
+        reason = "a person denied it"
+    elif status is ApprovalStatus.EXPIRED:
+        reason = f"the grant expired at {latest.expires_at}"
+    elif status is ApprovalStatus.INTENT_CHANGED:
+        reason = (
+            f"the grant approved intent {keyed_fingerprint(key, latest.intent_hash)}, the "
+            f"operation's intent is {keyed_fingerprint(key, fingerprint)}"
         )
     else:
-        status, reason = ApprovalStatus.VALID, f"granted until {approval.expires_at}"
-    return ApprovalCheck(status=status, reason=reason, approval=approval)
+        reason = f"granted until {latest.expires_at}"
+    return ApprovalCheck(status=status, reason=reason, approval=latest)

@@ -4,7 +4,7 @@ resolve one with evidence."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -12,11 +12,11 @@ from psycopg.types.json import Jsonb
 
 from outbox import lifecycle
 from outbox.errors import IllegalTransition
-from outbox.models import ApprovalCheck, Operation
+from outbox.models import Approval, ApprovalCheck, Operation
 from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
-from outbox.store.approvals import check_approval
+from outbox.store.approvals import approval_check
 from outbox.store.dispatch import Backlog, outbox_backlog
-from outbox.store.operations import get_operation
+from outbox.store.operations import fingerprint_key, get_operation
 from outbox.store.runner import Plan, Row, Step
 
 # How many characters of an operator's evidence a resolution keeps in its event.
@@ -44,7 +44,12 @@ class OperationSummary:
 
     @classmethod
     def from_row(cls, row: Row) -> OperationSummary:
-        return cls(**{**row, "state": OperationState(row["state"])})
+        """From a row that holds at least these columns (a listing may read more)."""
+        values = {name: row[name] for name in _SUMMARY_FIELDS}
+        return cls(**{**values, "state": OperationState(row["state"])})
+
+
+_SUMMARY_FIELDS = tuple(field.name for field in fields(OperationSummary))
 
 
 @dataclass(frozen=True)
@@ -90,16 +95,32 @@ def list_operation_summaries(
 def pending_approvals() -> Plan[list[PendingApproval]]:
     """Prepared operations that need an approval and have no valid one.
 
-    Each candidate goes through :func:`check_approval`, the rule the consumer applies,
-    so what this lists is exactly what the consumer would refuse to execute.
+    Each candidate, read with its latest approval decision in one statement, goes
+    through :func:`approval_check`, the rule the consumer applies, so what this lists is
+    exactly what the consumer would refuse to execute.
     """
+    key = yield from fingerprint_key()
     rows = yield Step("list_approval_candidates", {})
     pending = []
     for row in rows:
         summary = OperationSummary.from_row(row)
-        check = yield from check_approval(summary.id)
+        latest = (
+            None
+            if row["approval_id"] is None
+            else Approval(
+                id=row["approval_id"],
+                operation_id=summary.id,
+                intent_hash=row["approval_intent_hash"],
+                decision=row["approval_decision"],
+                expires_at=row["approval_expires_at"],
+                created_at=row["approval_created_at"],
+            )
+        )
+        check = approval_check(
+            latest, fingerprint=summary.input_fingerprint, now=row["checked_at"], key=key
+        )
         if not check.is_valid:
-            decided_by = yield from approver_of(check)
+            decided_by = None if latest is None else row["approval_approved_by"]
             pending.append(PendingApproval(operation=summary, check=check, decided_by=decided_by))
     return pending
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from outbox import store
+from outbox import schema as outbox_schema
 from outbox.sandbox.scratch import ScratchDatabase
 
 OUTBOX = str(Path(sys.executable).parent / "outbox")
@@ -46,7 +46,7 @@ def test_migrate_creates_a_missing_database_then_is_a_no_op(missing_database_url
     assert "created" not in second.stdout
     assert "schema version 7 is applied" in second.stdout
     with psycopg.connect(missing_database_url) as connection:
-        assert store.schema_version(connection) == 7
+        assert outbox_schema.schema_version(connection) == 7
 
 
 def test_migrate_against_an_unreachable_server_fails_clearly_without_the_password() -> None:

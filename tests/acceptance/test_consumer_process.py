@@ -365,7 +365,7 @@ def test_poison_messages_are_dead_lettered_with_no_effect(
     assert sorted(m.body for m in dead) == sorted(poison), output
     assert refunds_in_ledger(system) == 0
     assert system.operation(op.id).state is S.PREPARED
-    for reason in ("malformed", "fingerprint_mismatch", "unknown_operation"):
+    for reason in ("malformed", "envelope_mismatch", "unknown_operation"):
         assert f"consumer.dead_lettered reason={reason}" in output
     assert "canary-poison-1" not in output
 

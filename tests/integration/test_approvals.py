@@ -12,9 +12,11 @@ from outbox import (
     ApprovalStatus,
     Operation,
     OperationNotFound,
+    OutcomeStatus,
     Registry,
     check_approval,
     check_approval_async,
+    get_outcome,
     grant_approval,
     grant_approval_async,
     record_decision,
@@ -183,3 +185,56 @@ async def test_async_grant_and_check(
 
     assert check.status is ApprovalStatus.VALID
     assert check.approval == grant.model_copy(update={"approved_by": None})
+
+
+def test_the_consumer_the_operator_and_the_agent_read_one_approval_status(
+    engine: sa.Engine, registry: Registry
+) -> None:
+    """The same approval rows, read through the consumer's check, the operator's
+    listing and the agent's outcome, give one status each: a front end that disagreed
+    would tell a person or an agent something other than what the consumer does."""
+    operations = {status: record(engine, registry) for status in ApprovalStatus}
+    valid, expired, denied, changed = (
+        operations[ApprovalStatus.VALID],
+        operations[ApprovalStatus.EXPIRED],
+        operations[ApprovalStatus.DENIED],
+        operations[ApprovalStatus.INTENT_CHANGED],
+    )
+    other_intent = record(engine, registry, amount_cents=80_000).input_fingerprint
+    with engine.begin() as connection:
+        grant_approval(connection, valid.id, approved_by="a@example.com", ttl=TTL)
+        grant_approval(
+            connection, expired.id, approved_by="a@example.com", ttl=timedelta(microseconds=1)
+        )
+        grant_approval(connection, denied.id, approved_by="a@example.com", ttl=TTL)
+        Store(connection).run(
+            outbox_store.decide_approval(
+                denied.id, decision=ApprovalDecision.DENIED, approved_by="b@example.com", ttl=TTL
+            )
+        )
+        grant_approval(
+            connection, changed.id, approved_by="a@example.com", ttl=TTL, intent_hash=other_intent
+        )
+    # A later transaction's clock is past the grant that lived one microsecond.
+    with engine.begin() as connection:
+        consumer = {s: check_approval(connection, op.id).status for s, op in operations.items()}
+        agent = {s: get_outcome(connection, op.id) for s, op in operations.items()}
+        listed = Store(connection).run(outbox_store.pending_approvals())
+    operator = {
+        s: pending.check.status
+        for pending in listed
+        for s, op in operations.items()
+        if pending.operation.id == op.id
+    }
+
+    assert consumer == {status: status for status in ApprovalStatus}
+    assert {s: outcome.approval for s, outcome in agent.items()} == consumer
+    assert {
+        s for s, outcome in agent.items() if outcome.status is OutcomeStatus.AWAITING_APPROVAL
+    } == set(ApprovalStatus) - {ApprovalStatus.VALID}
+    assert operator == {s: s for s in ApprovalStatus if s is not ApprovalStatus.VALID}
+    decided_by = {p.operation.id: p.decided_by for p in listed}
+    assert (decided_by[denied.id], decided_by[operations[ApprovalStatus.MISSING].id]) == (
+        "b@example.com",
+        None,
+    )

@@ -220,7 +220,7 @@ async def test_a_version_this_consumer_does_not_have_is_dead_lettered(
         ({"v": 2}, "malformed"),
         ({"extra": "field"}, "malformed"),
         ({"input_fingerprint": "ZZ" * 32}, "malformed"),
-        ({"tool_version": 7}, "fingerprint_mismatch"),
+        ({"tool_version": 7}, "envelope_mismatch"),
     ],
 )
 async def test_envelopes_that_bend_the_rules_are_dead_lettered(

@@ -261,7 +261,7 @@ async def test_poison_messages_are_dead_lettered_without_effect(
     assert ledger.calls == []
 
 
-@pytest.mark.parametrize("lie", ["unknown_operation", "fingerprint_mismatch", "unknown_tool"])
+@pytest.mark.parametrize("lie", ["unknown_operation", "envelope_mismatch", "unknown_tool"])
 async def test_messages_that_do_not_match_the_database_cause_no_effect(
     fast: Settings,
     registry: Registry,
@@ -281,7 +281,7 @@ async def test_messages_that_do_not_match_the_database_cause_no_effect(
     }
     if lie == "unknown_operation":
         envelope["operation_id"] = "00000000-0000-4000-8000-000000000000"
-    elif lie == "fingerprint_mismatch":
+    elif lie == "envelope_mismatch":
         envelope["input_fingerprint"] = "0" * 64
     limited = Registry()  # a consumer that lacks the tool
     for contract in registry:

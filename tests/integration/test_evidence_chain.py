@@ -22,6 +22,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from outbox import Operation, OperationState, Registry
+from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.cli import run_command
 from outbox.models import ApprovalDecision
@@ -444,7 +445,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
 ) -> None:
     as_version_4(database_url)
     with psycopg.connect(database_url) as connection:
-        assert not outbox_store.schema_is_current(connection)
+        assert not outbox_schema.schema_is_current(connection)
     # Events written by version 4, interleaved across operations.
     first, second = ops.new(), ops.new()
     first = ops.move(first, S.IN_FLIGHT)
@@ -455,9 +456,9 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     )
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_schema(connection) == 7
+        assert outbox_schema.apply_schema(connection) == 7
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.schema_is_current(connection)
+        assert outbox_schema.schema_is_current(connection)
 
     assert (
         execute_admin(
@@ -476,7 +477,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     ops.move(second, S.OUTCOME_UNKNOWN)
     chains = execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_schema(connection) == 7
+        assert outbox_schema.apply_schema(connection) == 7
     assert (
         execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
         == chains

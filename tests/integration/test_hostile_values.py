@@ -21,12 +21,13 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from outbox import Operation, OperationState, Registry, Settings, record_decision
+from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.bounds import MAX_INPUT_BYTES, MAX_PROVIDER_REFERENCE, unreadable_reason
 from outbox.cli import run_command
-from outbox.decisions import derive_intent
 from outbox.fingerprint import canonical_json, intent_fingerprint
 from outbox.fingerprint_key import keyed_fingerprint
+from outbox.intent import derive_intent
 from outbox.models import Approval, ApprovalDecision, ApprovalStatus
 from outbox.store import Store
 
@@ -41,7 +42,7 @@ from support.sample_tools import Ledger
 from support.waiting import eventually
 
 S = OperationState
-AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_store.ROLES
+AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_schema.ROLES
 DEEP = "[" * 2000 + "]" * 2000
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 RECORD_DECISION = (
@@ -191,7 +192,7 @@ def test_every_function_of_the_schema_pins_its_search_path(database_url: str) ->
 
 
 def test_no_login_may_create_a_temporary_table(login: Login) -> None:
-    for group in outbox_store.ROLES:
+    for group in outbox_schema.ROLES:
         error = refused(login(group), "CREATE TEMP TABLE pg_roles (rolname name)")
         assert isinstance(error, psycopg.errors.InsufficientPrivilege)
 

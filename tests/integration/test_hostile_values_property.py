@@ -24,7 +24,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from outbox import OperationState, Registry, Settings, record_decision
-from outbox import store as outbox_store
+from outbox import schema as outbox_schema
 from outbox.cli import run_command
 from outbox.errors import OutboxError
 from outbox.states import TERMINAL_STATES
@@ -37,7 +37,7 @@ from support.logins import group_logins
 from support.waiting import eventually
 
 S = OperationState
-AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_store.ROLES
+AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_schema.ROLES
 ENDINGS = {*TERMINAL_STATES, S.ESCALATED}
 
 # Keys and strings chosen to look like the runtime's own, to break a renderer, or to be
@@ -211,7 +211,7 @@ HOSTILE_EXAMPLES = hypothesis_settings(
 @pytest.fixture
 def logins(postgres_server_url: str, database_url: str) -> Iterator[dict[str, str]]:
     with group_logins(postgres_server_url, database_url) as make:
-        yield {group: make(group) for group in outbox_store.ROLES}
+        yield {group: make(group) for group in outbox_schema.ROLES}
 
 
 def settled(database_url: str) -> Callable[[], Any]:

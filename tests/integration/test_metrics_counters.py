@@ -26,7 +26,7 @@ from dispatcher.publisher import PUBLISH_FAILURE_REASONS
 from harness.proxy import tcp_proxy_for, url_through
 from outbox import OperationState, Registry, Settings
 from outbox.daemon import PEERS
-from outbox.decisions import TAMPER_CHECKS
+from outbox.intent import TAMPER_CHECKS
 
 from support.consume_helpers import in_state, running_consumer
 from support.dispatch_helpers import counter_value, record_many, record_one, running_dispatcher

@@ -17,7 +17,8 @@ from pydantic import SecretStr
 
 from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
-from outbox import Registry, Settings, store
+from outbox import Registry, Settings
+from outbox import schema as outbox_schema
 from outbox.errors import ConfigurationError, SchemaMissing
 from outbox.migrate import declare_broker_topology
 from outbox.observability import serve_http
@@ -100,7 +101,7 @@ async def test_a_least_privilege_consumer_passes_the_schema_check(
     # The consumer's role may not read the schema version table: the check must not
     # take that refusal for a missing schema, or a least-privilege consumer never starts.
     with psycopg.connect(database_url) as connection:
-        store.apply_roles(connection)
+        outbox_schema.apply_roles(connection)
     user = f"outbox_test_consumer_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_server_url, autocommit=True) as admin:
         admin.execute(

@@ -20,6 +20,7 @@ from outbox import (
     record_decision,
     record_decision_async,
 )
+from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.store import Store
@@ -359,7 +360,7 @@ def test_each_migration_keeps_the_deployment_key_it_first_made(database_url: str
     query = "SELECT fingerprint_key FROM outbox_deployment"
     (first,) = execute_admin(database_url, query)
     with psycopg.connect(database_url) as connection:
-        outbox_store.apply_schema(connection)
+        outbox_schema.apply_schema(connection)
 
     assert execute_admin(database_url, query) == [first]
     assert len(first[0]) == 64

@@ -42,6 +42,7 @@ from outbox import (
     grant_approval,
     record_decision,
 )
+from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.callback_policy import CallbackReport, CallbackStatus
@@ -60,7 +61,7 @@ from support.sample_tools import Ledger
 
 S = OperationState
 LEASE = timedelta(seconds=60)
-AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_store.ROLES
+AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_schema.ROLES
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 TABLES = (
     "operation_status",
@@ -364,7 +365,7 @@ REFUSED: dict[str, list[str]] = {
 @pytest.fixture
 def roles_database(database_url: str) -> str:
     with psycopg.connect(database_url) as connection:
-        assert outbox_store.apply_roles(connection) == outbox_store.ROLES
+        assert outbox_schema.apply_roles(connection) == outbox_schema.ROLES
     return database_url
 
 
@@ -503,7 +504,7 @@ def test_every_query_belongs_to_a_component() -> None:
 def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_database: str) -> None:
     held = {
         (role, table, privilege)
-        for role in outbox_store.ROLES
+        for role in outbox_schema.ROLES
         for table in TABLES
         for privilege in PRIVILEGES
         if execute_admin(
@@ -528,7 +529,7 @@ def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_databas
         roles_database,
         "SELECT rolname, rolcanlogin, rolsuper, rolcreaterole, rolcreatedb, rolbypassrls "
         "FROM pg_roles WHERE rolname = ANY(%s) ORDER BY rolname",
-        (list(outbox_store.ROLES),),
+        (list(outbox_schema.ROLES),),
     )
     temporary = execute_admin(
         roles_database,
@@ -552,13 +553,13 @@ def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_databas
     assert public == []
     assert "TEMPORARY" not in {privilege for (privilege,) in temporary}
     assert groups == [
-        (role, False, False, False, False, False) for role in sorted(outbox_store.ROLES)
+        (role, False, False, False, False, False) for role in sorted(outbox_schema.ROLES)
     ]
 
 
 def test_the_roles_need_the_schema_first(empty_database_url: str) -> None:
     with psycopg.connect(empty_database_url) as connection, pytest.raises(SchemaMissing):
-        outbox_store.apply_roles(connection)
+        outbox_schema.apply_roles(connection)
 
 
 def test_roles_sql_is_the_file_at_the_repository_root() -> None:
@@ -613,8 +614,8 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_store.apply_schema(connection) == 7
-            outbox_store.apply_roles(connection)
+            assert outbox_schema.apply_schema(connection) == 7
+            outbox_schema.apply_roles(connection)
 
 
 # --- each component does its job with its own role --------------------------------
@@ -759,7 +760,7 @@ def test_the_consumer_executes_reconciles_and_escalates(
 
     # At start: is the schema there? The catalog answers without a grant.
     with psycopg.connect(consumer) as connection:
-        assert outbox_store.schema_is_current(connection)
+        assert outbox_schema.schema_is_current(connection)
     # The key of the short fingerprints its spans show.
     assert len(run(consumer, outbox_store.fingerprint_key())) == 64
     # A message arrives: load, check the approval, note the wait.
@@ -850,7 +851,7 @@ def test_the_callbacks_receiver_records_callbacks_and_nothing_else(
     before = execute_admin(roles_database, "SELECT state, lease_token FROM operations")
 
     with psycopg.connect(receiver) as connection:
-        assert outbox_store.schema_is_current(connection)
+        assert outbox_schema.schema_is_current(connection)
     report = CallbackReport(
         event_id="evt_1", status=CallbackStatus.COMMITTED, operation_id=operation.id
     )
@@ -900,6 +901,9 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
     codes = [
         run_command(["ops", "list"]),
         run_command(["ops", "show", stuck.display_id]),
+        # What waits for approval shows its check and who decided (latest_approval,
+        # console_operation_approvals); `approvals pending` reads both in one statement.
+        run_command(["ops", "show", waiting.display_id]),
         run_command(["ops", "verify", stuck.display_id]),
         run_command(["ops", "verify", "--all"]),
         run_command(["stats"]),
@@ -935,7 +939,7 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
 
 @pytest.mark.parametrize(
     ("group", "statement"),
-    [(group, statement) for group in outbox_store.ROLES for statement in EVERYONE_REFUSED]
+    [(group, statement) for group in outbox_schema.ROLES for statement in EVERYONE_REFUSED]
     + [(group, statement) for group, statements in REFUSED.items() for statement in statements],
 )
 def test_a_role_is_refused_what_its_component_never_does(
@@ -1163,7 +1167,7 @@ def test_the_agent_appends_to_the_evidence_chain_without_choosing_its_link(
     assert report.events_checked == len(events)
 
 
-@pytest.mark.parametrize("group", outbox_store.ROLES)
+@pytest.mark.parametrize("group", outbox_schema.ROLES)
 def test_no_role_hangs_the_chain_trigger_on_a_table_of_its_own(
     login: Login, roles_database: str, seeded: dict[str, Operation], group: str
 ) -> None:

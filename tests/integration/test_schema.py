@@ -4,7 +4,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from outbox import Registry, record_decision, store
+from outbox import Registry, record_decision
+from outbox import schema as outbox_schema
 from outbox.sql import schema_sql
 
 from support.db_helpers import execute_admin
@@ -28,7 +29,7 @@ def test_applying_the_schema_again_is_harmless(
 
     for _ in range(2):
         with psycopg.connect(database_url) as connection:
-            assert store.apply_schema(connection) == 7
+            assert outbox_schema.apply_schema(connection) == 7
 
     assert execute_admin(database_url, SCHEMA_OBJECTS) == before
     assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(1,)]
@@ -36,9 +37,9 @@ def test_applying_the_schema_again_is_harmless(
 
 def test_schema_version_is_none_on_an_empty_database(empty_database_url: str) -> None:
     with psycopg.connect(empty_database_url) as connection:
-        assert store.schema_version(connection) is None
-        assert store.apply_schema(connection) == 7
-        assert store.schema_version(connection) == 7
+        assert outbox_schema.schema_version(connection) is None
+        assert outbox_schema.apply_schema(connection) == 7
+        assert outbox_schema.schema_version(connection) == 7
 
 
 def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> None:
@@ -48,12 +49,12 @@ def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> N
     execute_admin(database_url, "ALTER TABLE operations DROP COLUMN effect_possible")
     execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 4")
     with psycopg.connect(database_url) as connection:
-        assert not store.schema_is_current(connection)
+        assert not outbox_schema.schema_is_current(connection)
 
     with psycopg.connect(database_url) as connection:
-        assert store.apply_schema(connection) == 7
+        assert outbox_schema.apply_schema(connection) == 7
     with psycopg.connect(database_url) as connection:
-        assert store.schema_is_current(connection)
+        assert outbox_schema.schema_is_current(connection)
 
 
 def test_an_operation_is_born_with_no_possible_effect(

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from starlette.testclient import TestClient
 
 from outbox import Registry, Settings
-from outbox import store as outbox_store
+from outbox import schema as outbox_schema
 from outbox.broker import OperationMessage, Topology, declare_topology
 from outbox.console.app import Console, create_app
 from outbox.console.config import AuthConfig, Credential, ProxyIdentity, parse_proxies
@@ -44,7 +44,7 @@ def operator_login(postgres_server_url: str, database_url: str) -> Iterator[str]
     """roles.sql applied to the database, and a LOGIN user whose only role is
     outbox_operator; yields its URL for that database and drops it afterwards."""
     with psycopg.connect(database_url) as connection:
-        outbox_store.apply_roles(connection)
+        outbox_schema.apply_roles(connection)
     user = f"outbox_test_console_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_server_url, autocommit=True) as admin:
         admin.execute(

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg import sql
 
-from outbox import store as outbox_store
+from outbox import schema as outbox_schema
 
 # login(group, temporary=False) -> URL of this test's database as a new user in that group.
 Login = Callable[..., str]
@@ -33,7 +33,7 @@ def group_logins(postgres_server_url: str, database_url: str) -> Iterator[Login]
     what a test needs to show the functions' pinned search_path holds on its own.
     """
     with psycopg.connect(database_url) as connection:
-        outbox_store.apply_roles(connection)
+        outbox_schema.apply_roles(connection)
     database = urlsplit(database_url).path.lstrip("/")
     made: list[tuple[str, str]] = []
 

@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_seriali
 
 from outbox.bounds import MAX_INPUT_BYTES
 from outbox.contracts import ApprovalPolicy, Registry, SideEffect, ToolContract
-from outbox.decisions import MAX_INPUT_DEPTH, prepare_decision
 from outbox.errors import InputRejected, ToolNotRegistered
 from outbox.fingerprint import intent_fingerprint
+from outbox.intent import MAX_INPUT_DEPTH, prepare_decision
 from outbox.outcomes import EffectResult, ExecutionContext
 
 CANARY = "CANARY-5b1f0e7a-never-in-messages"

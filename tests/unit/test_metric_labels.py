@@ -1,5 +1,5 @@
 """The closed sets of label values each daemon exports at 0 from its start
-(consumer/telemetry.py, dispatcher/publisher.py, outbox/decisions.py, outbox/daemon.py)
+(consumer/telemetry.py, dispatcher/publisher.py, outbox/intent.py, outbox/daemon.py)
 against the literals the code really reports. A value missing from its set would be
 born at 1 on its first event, and rate() and increase() would read that event as 0.
 
@@ -20,7 +20,7 @@ from consumer import telemetry
 from consumer.policy import AttemptOutcome
 from dispatcher.publisher import PUBLISH_FAILURE_REASONS
 from outbox.daemon import PEERS
-from outbox.decisions import TAMPER_CHECKS
+from outbox.intent import TAMPER_CHECKS
 from outbox.models import CallbackOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def test_every_delivery_result_and_dead_letter_reason_is_primed_and_used() -> No
 
 
 def test_every_check_derive_intent_names_is_primed() -> None:
-    source = ast.parse((ROOT / "outbox" / "decisions.py").read_text(encoding="utf-8"))
+    source = ast.parse((ROOT / "outbox" / "intent.py").read_text(encoding="utf-8"))
     [function] = [
         node
         for node in ast.walk(source)

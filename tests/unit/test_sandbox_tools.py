@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from outbox.contracts import OnUnknown, SideEffect
-from outbox.decisions import prepare_decision
 from outbox.errors import InputRejected
+from outbox.intent import prepare_decision
 from outbox.outcomes import (
     DefinitiveRejection,
     EffectResult,
