@@ -8,17 +8,16 @@ and ``outbox mcp`` says what to install.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from outbox.cli import add_setting_flags, run_async
+from outbox.cli import add_setting_flags, add_tools_flag, run_async, seconds
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.credentials import Credential, parse_credentials
 from outbox.errors import ConfigurationError
-from outbox.loading import TOOLS_ENV, load_registry, module_list
+from outbox.loading import load_registry, module_list
 from outbox.settings import Settings, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
@@ -44,16 +43,6 @@ LOOPBACK_PRINCIPAL = "loopback"
 _CALLER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError("must be a finite number of seconds, 0 or more")
-    return value
-
-
 def register(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         "mcp",
@@ -67,14 +56,7 @@ def register(commands: Any) -> None:
         "refused without one. Approvals are never asked of the client: a person grants them "
         "with `outbox approvals grant`. Needs the mcp extra (pip install 'effect-outbox[mcp]').",
     )
-    parser.add_argument(
-        "--tools",
-        dest="tool_modules",
-        action="append",
-        metavar="MODULE",
-        help="a module exposing `registry` or `build_registry()`; repeatable, or "
-        f"comma-separated [env {TOOLS_ENV}]",
-    )
+    add_tools_flag(parser, used_for="each of their tools is served")
     parser.add_argument(
         "--transport",
         choices=("stdio", "http"),
@@ -137,7 +119,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     credentials = bearer_credentials(args.bearer_token_env) if http else ()
     if http:
         check_exposure(host, credentials)
-    registry = load_registry(module_list(args.tool_modules or [os.environ.get(TOOLS_ENV, "")]))
+    registry = load_registry(module_list([settings.tools]))
     try:
         from outbox import mcp_tools, mcp_transports
     except ImportError as missing:

@@ -156,7 +156,8 @@ class Settings(BaseSettings):
     )
     tools: str = Field(
         default="",
-        description="comma-separated modules exposing a tools Registry (consumer, contracts)",
+        description="the tools modules, comma-separated: each exposes `registry` or "
+        "`build_registry()`",
     )
     prefetch: int = Field(
         default=16, ge=1, le=1000, description="deliveries a consumer works on at once"

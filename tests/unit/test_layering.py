@@ -62,7 +62,6 @@ FRONT_ENDS = (
     "outbox.callbacks_server",
     "outbox.cli",
     "outbox.console",
-    "outbox.daemon_flags",
     "outbox.dlq",
     "outbox.integrations",
     "outbox.mcp",
