@@ -47,9 +47,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox.awaiting import Outcome, OutcomeWatcher, get_outcome_async
-from outbox.connections import DatabaseBounds, bounded_transaction, command_parameters
+from outbox.connections import DatabaseBounds, command_parameters
 from outbox.contracts import Registry, ToolContract
-from outbox.decisions import MAX_ID_LENGTH, prepare_decision, record_decision_async
+from outbox.decisions import MAX_ID_LENGTH, prepare_decision
 from outbox.errors import (
     ConfigurationError,
     DatabaseError,
@@ -79,8 +79,11 @@ from outbox.mcp.tools import (
     registry_tools,
 )
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
+from outbox.recording import record_decision_whole
 from outbox.schema import schema_is_current_async
 from outbox.settings import Settings
+from outbox.store import NewDecision
+from outbox.tracing import current_traceparent
 
 logger = logging.getLogger("outbox.mcp")
 
@@ -141,8 +144,7 @@ class ToolHost:
         arguments = params.arguments or {}
         try:
             identity = self._identity(ctx, contract)
-            self._validate(contract, arguments, identity)
-            recorded = await self._record(contract, arguments, identity)
+            recorded = await self._record(self._prepare(contract, arguments, identity))
         except _Refused as refused:
             log_fields(
                 logger,
@@ -255,48 +257,35 @@ class ToolHost:
         # Bound to the caller, so that nobody else can read or collide with its decisions.
         return f"{principal}:{client_run_id}"
 
-    def _validate(
+    def _prepare(
         self, contract: ToolContract[Any], arguments: Mapping[str, Any], identity: _Identity
-    ) -> None:
-        """Refuse bad input before a connection is taken (the SDK validates nothing)."""
+    ) -> NewDecision:
+        """Validate once, before a connection is taken (the SDK validates nothing)."""
         try:
-            prepare_decision(
+            return prepare_decision(
                 self.registry,
                 contract.name,
                 arguments,
                 run_id=identity.run_id,
                 decision_key=identity.decision_key,
                 tool_version=contract.version,
+                traceparent=current_traceparent(),
             )
         except InputRejected as rejected:
             raise _Refused(input_refusal(rejected), "input_rejected") from None
 
-    async def _record(
-        self, contract: ToolContract[Any], arguments: Mapping[str, Any], identity: _Identity
-    ) -> RecordedDecision:
+    async def _record(self, decision: NewDecision) -> RecordedDecision:
         try:
-            # A client timeout cancels this handler; a commit cut in half would leave the
-            # client unsure, so recording finishes (or fails) whole. Its transaction is
-            # bounded, so the shield cannot hold a call forever.
-            with anyio.CancelScope(shield=True):
-                async with bounded_transaction(self.engine, self.bounds.transaction) as conn:
-                    recorded = await record_decision_async(
-                        conn,
-                        self.registry,
-                        contract.name,
-                        arguments,
-                        run_id=identity.run_id,
-                        decision_key=identity.decision_key,
-                        tool_version=contract.version,
-                    )
-        except InputRejected as rejected:
-            raise _Refused(input_refusal(rejected), "input_rejected") from None
+            # A client timeout cancels this handler: the recording still ends whole,
+            # within the transaction's bound.
+            return await record_decision_whole(
+                self.engine, decision, seconds=self.bounds.transaction
+            )
         except DecisionConflict:
             raise _Refused(refusal(CONFLICT), "decision_conflict") from None
         except (OutboxError, *_DATABASE_FAILURES) as error:
             self._log_database_failure("record", error)
             raise _Refused(refusal(UNRECORDED), "not_recorded") from None
-        return recorded
 
     async def _wait(self, ctx: ServerRequestContext[Any], operation_id: UUID) -> Outcome | None:
         """The outcome once it is final or needs a person, else after ``wait`` seconds the

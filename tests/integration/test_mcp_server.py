@@ -379,6 +379,26 @@ async def test_a_call_records_one_decision_and_answers_pending(
     assert committed_counts(database_url).outbox == 1
 
 
+async def test_a_call_validates_its_arguments_once(
+    registry: Registry, settings: Settings, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They were validated before a connection was taken and again inside the recording.
+    parsed: list[str] = []
+    parse_input = ToolContract.parse_input
+
+    def counted(contract: ToolContract[Any], raw: Any) -> Any:
+        parsed.append(contract.name)
+        return parse_input(contract, raw)
+
+    monkeypatch.setattr(ToolContract, "parse_input", counted)
+    async with connected(registry, settings, wait=0) as client:
+        result = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
+
+    assert result.is_error is False
+    assert parsed == ["pay"]
+    assert committed_counts(database_url).operations == 1
+
+
 async def test_the_same_key_twice_is_one_operation_and_a_status_check(
     registry: Registry, settings: Settings, database_url: str
 ) -> None:
