@@ -39,7 +39,8 @@ from outbox.cli.run import (
 from outbox.loading import load_registry, module_list
 from outbox.metrics import version
 from outbox.migrate import declare_broker_topology, migrate
-from outbox.settings import Settings, redact_url
+from outbox.settings import Settings
+from outbox.urls import redact_url
 
 __all__ = [
     "EXIT_BROKEN_PIPE",

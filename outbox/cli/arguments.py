@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import SecretStr
 
 from outbox.loading import TOOLS_ENV
-from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
+from outbox.settings import ENV_PREFIX, Settings, load_settings
+from outbox.urls import redact_url
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, *names: str) -> None:

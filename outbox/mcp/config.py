@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from outbox.credentials import Credential, parse_credentials
 from outbox.errors import ConfigurationError
-from outbox.settings import is_loopback
+from outbox.urls import is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
