@@ -108,7 +108,7 @@ from bench.e2e_tools import TOOL, build_registry
 from bench.reporting import json_safe, percentile
 from outbox import Settings, record_decision, record_decision_async
 from outbox.broker import Topology, declare_topology, delete_topology
-from outbox.cli import run_async
+from outbox.cli import positive_int, run_async
 from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
 from outbox.sandbox.scratch import ScratchDatabase
 from outbox.settings import libpq_url
@@ -1224,13 +1224,6 @@ def child(args: argparse.Namespace) -> None:
         raise SystemExit(f"unknown child role {role!r}")
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
-    return value
-
-
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
@@ -1252,17 +1245,19 @@ def parse_arguments() -> argparse.Namespace:
         f"with --scale-out {DEFAULT_SCALE_OUT_JSON.relative_to(REPOSITORY)})",
     )
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--operations", type=positive, default=5_000, help="throughput: per run")
-    parser.add_argument("--runs", type=positive, default=3, help="throughput runs per system")
+    parser.add_argument(
+        "--operations", type=positive_int, default=5_000, help="throughput: per run"
+    )
+    parser.add_argument("--runs", type=positive_int, default=3, help="throughput runs per system")
     parser.add_argument("--rate", type=float, default=500.0, help="latency: decisions/s")
     parser.add_argument("--seconds", type=float, default=20.0, help="latency: seconds per system")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument(
-        "--outbox-consumers", type=positive, default=1, help="effect-outbox consumer processes"
+        "--outbox-consumers", type=positive_int, default=1, help="effect-outbox consumer processes"
     )
     parser.add_argument(
         "--outbox-dispatchers",
-        type=positive,
+        type=positive_int,
         default=1,
         help="effect-outbox dispatcher processes (they share the outbox table, SKIP LOCKED)",
     )
@@ -1283,7 +1278,7 @@ def parse_arguments() -> argparse.Namespace:
     )
     parser.add_argument(
         "--scale-consumers",
-        type=positive,
+        type=positive_int,
         nargs="+",
         default=[1, 2, 4],
         metavar="N",
@@ -1291,7 +1286,7 @@ def parse_arguments() -> argparse.Namespace:
     )
     parser.add_argument(
         "--scale-dispatchers",
-        type=positive,
+        type=positive_int,
         nargs="+",
         default=[1, 2],
         metavar="N",

@@ -9,10 +9,16 @@ from typing import Any
 
 from consumer.processes import supervise
 from consumer.worker import DEFAULT_METRICS_PORT, Consumer
-from outbox.cli import add_setting_flags, run_async, run_command
+from outbox.cli import (
+    add_declare_topology_flag,
+    add_setting_flags,
+    add_tools_flag,
+    positive_int_up_to,
+    run_async,
+    run_command,
+)
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.daemon import freeze_startup_heap
-from outbox.daemon_flags import add_declare_topology_flag, add_tools_flag
 from outbox.loading import load_registry, module_list
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled
@@ -59,7 +65,7 @@ def register(commands: Any) -> None:
     add_setting_flags(parser, *SETTINGS)
     parser.add_argument(
         "--processes",
-        type=_process_count,
+        type=positive_int_up_to(MAX_PROCESSES),
         default=1,
         help="run this many consumer processes and supervise them, so that one host uses "
         "its cores; each serves metrics on --metrics-port plus its index [default 1]",
@@ -67,16 +73,6 @@ def register(commands: Any) -> None:
     add_tools_flag(parser)
     add_declare_topology_flag(parser)
     parser.set_defaults(handler=run)
-
-
-def _process_count(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= count <= MAX_PROCESSES:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_PROCESSES}")
-    return count
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:

@@ -8,10 +8,9 @@ import sys
 from typing import Any
 
 from dispatcher.daemon import DEFAULT_METRICS_PORT, Dispatcher
-from outbox.cli import add_setting_flags, run_async, run_command
+from outbox.cli import add_declare_topology_flag, add_setting_flags, run_async, run_command
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.daemon import failed_peer, freeze_startup_heap, is_transient
-from outbox.daemon_flags import add_declare_topology_flag
 from outbox.errors import ServiceUnavailable, connect_failure
 from outbox.settings import Settings
 from outbox.signals import run_until_signalled

@@ -25,7 +25,7 @@ import psycopg
 
 from dispatcher.publisher import PUBLISH_FAILURE_REASONS, Publisher, PublishOutcome
 from outbox import store
-from outbox.backoff import jittered
+from outbox.backoff import exponential_delay
 from outbox.broker import BrokerUnavailable, Topology
 from outbox.connections import SLOW_VERDICTS, DatabaseBounds, LivenessProbe, deadline
 from outbox.daemon import PEERS, Daemon, is_transient
@@ -312,11 +312,13 @@ class Dispatcher(Daemon):
         return outcome
 
     def _retry_delay(self, failed_attempts: int) -> timedelta:
-        exponent = min(max(0, failed_attempts - 1), 32)
-        base = min(
-            self.settings.publish_retry_max, self.settings.publish_retry_initial * 2**exponent
+        return timedelta(
+            seconds=exponential_delay(
+                failed_attempts,
+                first=self.settings.publish_retry_initial,
+                longest=self.settings.publish_retry_max,
+            )
         )
-        return timedelta(seconds=jittered(base))
 
     # --- housekeeping ----------------------------------------------------------------
 

@@ -78,7 +78,7 @@ from harness.rabbit_node import ClusterError, Node, RabbitCluster, private_broke
 from harness.rabbit_node import installed as rabbitmq_installed
 from outbox import store
 from outbox.callbacks import CallbackReceiver
-from outbox.cli import add_setting_flags, run_parsed
+from outbox.cli import add_setting_flags, positive_int, run_parsed
 from outbox.decisions import record_decision
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.loading import load_registry
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(parser, "log_level", "log_format")
     add_setting_flags(parser, "database_url", "amqp_url")
     parser.add_argument(
-        "--operations", type=_positive_int, default=300, help="decisions to record (300)"
+        "--operations", type=positive_int, default=300, help="decisions to record (300)"
     )
     parser.add_argument("--seed", type=int, default=7, help="seed of the fault schedule (7)")
     parser.add_argument(
@@ -254,13 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, then run as ``outbox`` runs its commands: the same settings, logging and
     exit codes (2 for configuration, 1 for anything the runtime refused)."""
     return run_parsed(build_parser().parse_args(argv), PROGRAM)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def seed_range(text: str) -> list[int]:

@@ -1,9 +1,13 @@
 """How long to wait before trying again: exponential delays with jitter, so a peer
-that is down is not hammered and many processes do not retry in lockstep. Used by
-both daemons' reconnects and by the outcome watcher."""
+that is down is not hammered and many processes do not retry in lockstep.
+
+One formula (:func:`exponential_delay`) for every backoff: both daemons' reconnects,
+the outcome watcher, the consumer's holds and reconciler passes (through
+:class:`Backoff`), and the dispatcher's failed publishes."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -11,11 +15,33 @@ from dataclasses import dataclass, field
 FIRST_RETRY_SECONDS = 0.2
 LONGEST_RETRY_SECONDS = 10.0
 HEALTHY_SESSION_SECONDS = 10.0
+# Each delay is drawn from +-50% around its nominal value.
+JITTER = 0.5
 
 
-def jittered(seconds: float) -> float:
-    """``seconds`` spread by +-50%, so many processes do not retry in lockstep."""
-    return seconds * random.uniform(0.5, 1.5)  # noqa: S311 - spreading retries, not crypto
+def jittered(seconds: float, *, jitter: float = JITTER, rng: random.Random | None = None) -> float:
+    """``seconds`` spread by +-``jitter`` (a fraction), so many processes do not retry
+    in lockstep."""
+    return seconds * (rng or random).uniform(1.0 - jitter, 1.0 + jitter)
+
+
+def exponential_delay(
+    failures: int,
+    *,
+    first: float,
+    longest: float,
+    multiplier: float = 2.0,
+    jitter: float = JITTER,
+    rng: random.Random | None = None,
+) -> float:
+    """The wait after ``failures`` (>= 1) failures in a row: ``first``, growing
+    ``multiplier`` times per failure up to ``longest``, spread by +-``jitter``."""
+    exponent = max(0, failures - 1)
+    if multiplier > 1.0 and longest > first > 0:
+        # Past this exponent the delay is capped anyway; stopping there keeps
+        # multiplier ** exponent from overflowing after very many failures.
+        exponent = min(exponent, math.ceil(math.log(longest / first, multiplier)))
+    return jittered(min(longest, first * multiplier**exponent), jitter=jitter, rng=rng)
 
 
 @dataclass
@@ -33,7 +59,7 @@ class Backoff:
         if session_lasted >= self.healthy_after:
             self.failures = 0
         self.failures += 1
-        return jittered(min(self.longest, self.first * 2 ** min(self.failures - 1, 32)))
+        return exponential_delay(self.failures, first=self.first, longest=self.longest)
 
     def reset(self) -> None:
         self.failures = 0

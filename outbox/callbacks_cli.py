@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from outbox import store
-from outbox.cli import add_setting_flags
-from outbox.dlq import positive_int
+from outbox.cli import add_setting_flags, positive_int
 from outbox.models import Callback, display_operation_id
 from outbox.ops import _connect, stamp, table
 from outbox.settings import Settings

@@ -26,12 +26,12 @@ import psycopg.errors
 from outbox import schema
 from outbox.callback_policy import CallbackStatus
 from outbox.callbacks import REFUSED_STATUS, CallbackReceiver, Received, record_callback_async
-from outbox.cli import add_setting_flags
+from outbox.cli import add_setting_flags, add_tools_flag
 from outbox.connections import DatabaseBounds, SessionPool
 from outbox.contracts import Registry
 from outbox.daemon import is_transient_database_error
 from outbox.errors import CallbackRefused, ConfigurationError, DatabaseError, SchemaMissing
-from outbox.loading import TOOLS_ENV, load_registry, module_list
+from outbox.loading import load_registry, module_list
 from outbox.logs import log_fields
 from outbox.metrics import CallbackMetrics, prime
 from outbox.models import display_operation_id
@@ -226,14 +226,7 @@ def add_serve_command(actions: Any) -> None:
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port to bind, 0 for any [{DEFAULT_PORT}]"
     )
-    parser.add_argument(
-        "--tools",
-        dest="tool_modules",
-        action="append",
-        metavar="MODULE",
-        help="tools modules whose contracts declare the providers to serve; repeatable or "
-        f"comma-separated [env {TOOLS_ENV}]",
-    )
+    add_tools_flag(parser, used_for="their contracts declare the providers to serve")
     add_setting_flags(parser, "database_url", "callback_tolerance", "callback_max_body")
     parser.set_defaults(handler=run)
 
@@ -268,7 +261,7 @@ def check_schema(settings: Settings) -> None:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigurationError("--port must be between 0 and 65535")
-    modules = module_list(args.tool_modules or [settings.tools])
+    modules = module_list([settings.tools])
     registry = load_registry(modules)
     receiver = receiver_for(registry, settings)
     try:

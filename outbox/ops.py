@@ -28,9 +28,9 @@ import psycopg
 
 from outbox import store
 from outbox.bounds import is_unreadable, unreadable_reason
+from outbox.cli.arguments import positive_int
 from outbox.connections import command_parameters
 from outbox.decisions import grant_approval
-from outbox.dlq import positive_int
 from outbox.errors import (
     ConfigurationError,
     IllegalTransition,

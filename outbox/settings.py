@@ -1,29 +1,38 @@
 """One settings model for every process, read from ``OUTBOX_*`` environment variables.
 
 CLI flags override the environment; the CLI builds its flags from these fields, so a
-flag and its variable can never drift apart.
+flag and its variable can never drift apart. The URL settings are checked, converted and
+redacted by :mod:`outbox.urls`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import ipaddress
 import math
 import os
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, SecretStr, TypeAdapter, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox.errors import ConfigurationError
+
+# The URL helpers live in outbox.urls; named here too, where every caller found them
+# before, so that an import of outbox.settings keeps working.
+from outbox.urls import DatabaseHost as DatabaseHost
+from outbox.urls import check_amqp_url, check_database_hosts, check_libpq_reads, url_scheme
+from outbox.urls import database_hosts as database_hosts
+from outbox.urls import database_name as database_name
+from outbox.urls import is_loopback as is_loopback
+from outbox.urls import libpq_url as libpq_url
+from outbox.urls import redact_amqp_urls as redact_amqp_urls
+from outbox.urls import redact_url as redact_url
+from outbox.urls import split_amqp_urls as split_amqp_urls
+from outbox.urls import sqlalchemy_url as sqlalchemy_url
+from outbox.urls import with_database as with_database
 
 ENV_PREFIX = "OUTBOX_"
 
@@ -88,10 +97,6 @@ LEASE_BOUNDED_SETTINGS = (
 # less is no wait at all.
 MIN_SECONDS = 0.001
 
-_ENCODE_IT = (
-    "percent-encode spaces and the characters @ : / ? # [ ] in the user name and password "
-    "(a space is %20, # is %23)"
-)
 _SEPARATE_THEM = (
     "several broker URLs are separated by commas, so a comma in a user name or password "
     "must be written %2C"
@@ -156,7 +161,8 @@ class Settings(BaseSettings):
     )
     tools: str = Field(
         default="",
-        description="comma-separated modules exposing a tools Registry (consumer, contracts)",
+        description="the tools modules, comma-separated: each exposes `registry` or "
+        "`build_registry()`",
     )
     prefetch: int = Field(
         default=16, ge=1, le=1000, description="deliveries a consumer works on at once"
@@ -276,14 +282,14 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _postgres_scheme(cls, value: SecretStr) -> SecretStr:
-        scheme = _scheme(value.get_secret_value())
+        scheme = url_scheme(value.get_secret_value())
         if scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
             raise ValueError(
                 f"database URL scheme {scheme!r} is not supported; use postgresql:// "
                 "or postgresql+psycopg:// (psycopg 3)"
             )
-        _check_libpq_reads(value.get_secret_value())
-        _check_database_hosts(value.get_secret_value())
+        check_libpq_reads(value.get_secret_value())
+        check_database_hosts(value.get_secret_value())
         return value
 
     @field_validator("amqp_url")
@@ -291,11 +297,11 @@ class Settings(BaseSettings):
     def _amqp_scheme(cls, value: SecretStr) -> SecretStr:
         urls = split_amqp_urls(value.get_secret_value())
         if len(urls) == 1:
-            _check_amqp_url(urls[0], first=True)
+            check_amqp_url(urls[0], first=True)
             return value
         for number, url in enumerate(urls, start=1):
             try:
-                _check_amqp_url(url, first=number == 1)
+                check_amqp_url(url, first=number == 1)
             except ValueError as problem:
                 raise ValueError(
                     f"address {number} of {len(urls)}: {problem}; {_SEPARATE_THEM}"
@@ -458,115 +464,6 @@ def _environment_value(value: object) -> str:
     raise TypeError(f"no environment form for a {type(value).__name__} setting")
 
 
-def split_amqp_urls(value: str) -> list[str]:
-    """``OUTBOX_AMQP_URL`` as its addresses: one URL, or several separated by commas
-    (spaces around a comma are ignored). Empty ones are kept for validation to refuse."""
-    return [url.strip() for url in value.split(",")]
-
-
-def redact_amqp_urls(value: str) -> str:
-    """Every address of ``OUTBOX_AMQP_URL`` with its password replaced. redact_url alone
-    would hide the first address's password only: urlsplit reads the rest as a path."""
-    return ", ".join(redact_url(url) for url in split_amqp_urls(value))
-
-
-def _check_amqp_url(url: str, *, first: bool) -> None:
-    if not url:
-        raise ValueError("the URL is empty")
-    scheme = _scheme(url)
-    if scheme not in ("amqp", "amqps"):
-        if not first:
-            # What precedes a ":" in a later address may be the tail of a password that
-            # held an unencoded comma: never quote it.
-            raise ValueError("the URL does not start with amqp:// or amqps://")
-        raise ValueError(f"AMQP URL scheme {scheme!r} is not supported; use amqp:// or amqps://")
-    try:
-        _ = urlsplit(url).port  # raises on a port that is no number
-    except ValueError:
-        # Its message quotes the "port", which is part of the password when an
-        # unencoded "#", "?", "/" or "," cut the URL short.
-        raise ValueError(f"the URL's port is not a number; {_ENCODE_IT}") from None
-
-
-def _scheme(url: str) -> str:
-    try:
-        return urlsplit(url).scheme
-    except ValueError:
-        # An unclosed "[" reads as an IPv6 host; the message is ours either way.
-        raise ValueError(f"the URL cannot be parsed; {_ENCODE_IT}") from None
-
-
-def _check_libpq_reads(url: str) -> None:
-    """Refuse a URL libpq cannot read, or reads otherwise than we do (we redact what
-    urlsplit calls the password), before anything connects with it. The messages are
-    ours: libpq's quote the offending part of the URL, often the password itself."""
-    url = libpq_url(url)
-    try:
-        parsed = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        raise ValueError(f"libpq cannot read this URL; {_ENCODE_IT}") from None
-    parts = urlsplit(url)
-    in_query = dict(parse_qsl(parts.query))
-    for key, ours in (("user", parts.username), ("password", parts.password)):
-        if key not in in_query and parsed.get(key) != (None if ours is None else unquote(ours)):
-            raise ValueError(f"libpq reads the {key} of this URL differently; {_ENCODE_IT}")
-
-
-# What a URL naming several hosts must ask libpq for: a daemon that landed on a standby
-# (libpq's default, "any", takes the first host that answers) would fail every write
-# there, and reconnect to that same standby each time.
-WRITABLE_SESSION_ATTRS = ("read-write", "primary")
-
-
-@dataclass(frozen=True)
-class DatabaseHost:
-    host: str
-    port: int | None
-
-
-def database_hosts(url: str) -> list[DatabaseHost]:
-    """The hosts of a libpq URL, in the order libpq tries them: one, or the several of
-    the multi-host form ``postgresql://u@h1:5432,h2:5432/db``. A host with no port has
-    None (libpq's default, 5432, or the URL's ``port`` parameter). Raises ValueError
-    naming the host by its place, never quoting the URL."""
-    places = urlsplit(libpq_url(url)).netloc.rpartition("@")[2].split(",")
-    hosts = []
-    for number, place in enumerate(places, start=1):
-        where = f"host {number} of {len(places)}" if len(places) > 1 else "the host"
-        host, port = place, ""
-        if place.startswith("["):  # [IPv6]:port
-            host, _, rest = place[1:].partition("]")
-            port = rest.removeprefix(":")
-        elif ":" in place:
-            host, _, port = place.rpartition(":")
-        if not host and len(places) > 1:
-            raise ValueError(f"{where} is empty")
-        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
-            raise ValueError(f"{where}: the port is not a number from 1 to 65535")
-        hosts.append(DatabaseHost(host=host, port=int(port) if port else None))
-    return hosts
-
-
-def _host_and_port(host: DatabaseHost) -> str:
-    name = f"[{host.host}]" if ":" in host.host else host.host  # an IPv6 address
-    return f"{name}:{host.port}" if host.port else name
-
-
-def _check_database_hosts(url: str) -> None:
-    """Several hosts are checked one by one and named by place ("host 2 of 2"), as the
-    broker addresses are; a host list must ask for the writable one."""
-    hosts = database_hosts(url)
-    if len(hosts) == 1:
-        return
-    attrs = dict(parse_qsl(urlsplit(url).query)).get("target_session_attrs")
-    if attrs not in WRITABLE_SESSION_ATTRS:
-        raise ValueError(
-            f"the URL names {len(hosts)} hosts without ?target_session_attrs=read-write: "
-            "libpq would connect to the first that answers, a standby included, where every "
-            "write fails. Add target_session_attrs=read-write (or primary)"
-        )
-
-
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment, with explicit values (CLI flags) on top: what every
     command runs on. An ``OUTBOX_*`` variable nothing reads is refused first (a typo is
@@ -590,73 +487,3 @@ def _problem(error: Any) -> str:
     if not error["loc"]:  # the combination check names its settings itself
         return text
     return f"{setting_variable('.'.join(map(str, error['loc'])))}: {text}"
-
-
-def sqlalchemy_url(url: str) -> str:
-    """The URL with the psycopg 3 driver named, as SQLAlchemy wants it. SQLAlchemy reads
-    one host in the URL's authority; several go to its ``host=`` query parameters, which
-    its psycopg dialect hands to libpq as the same host list."""
-    parts = urlsplit(url)
-    if parts.scheme in ("postgresql", "postgres"):
-        parts = parts._replace(scheme="postgresql+psycopg")
-    credentials, at, netloc = parts.netloc.rpartition("@")
-    if "," in netloc:
-        hosts = [("host", _host_and_port(h)) for h in database_hosts(url)]
-        query = urlencode([*hosts, *parse_qsl(parts.query)], safe=":[]")
-        parts = parts._replace(netloc=f"{credentials}{at}", query=query)
-    return urlunsplit(parts)
-
-
-def libpq_url(url: str) -> str:
-    """The URL without a SQLAlchemy driver suffix, as psycopg and libpq want it."""
-    parts = urlsplit(url)
-    if parts.scheme in ("postgresql+psycopg", "postgres"):
-        parts = parts._replace(scheme="postgresql")
-    return urlunsplit(parts)
-
-
-_QUERY_PASSWORD = re.compile(r"(?i)((?:^|&)password=)[^&]*")
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, fit for a log line or an error message."""
-    parts = urlsplit(url)
-    if parts.password is None and "@" in url.partition("://")[2]:
-        # An unencoded "#", "?" or "/" in the password ends urlsplit's netloc early, but
-        # libpq reads credentials up to the "@": hide everything from the user's ":" to
-        # the last "@" rather than print the tail of a password.
-        scheme, _, rest = url.partition("://")
-        credentials, _, host = rest.rpartition("@")
-        if ":" in credentials:
-            return f"{scheme}://{credentials.split(':', 1)[0]}:***@{redact_url(host)}"
-    query = _QUERY_PASSWORD.sub(r"\1***", parts.query)
-    if parts.password is None and query == parts.query:
-        return url
-    if parts.password is not None:
-        netloc = parts.netloc.rsplit("@", 1)[1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
-    return urlunsplit(parts._replace(query=query))
-
-
-def database_name(url: str) -> str:
-    name = urlsplit(url).path.lstrip("/")
-    if not name:
-        raise ConfigurationError("the database URL names no database (add /outbox to it)")
-    return name
-
-
-def with_database(url: str, name: str) -> str:
-    """The same server URL pointing at another database."""
-    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address to bind) reaches only this machine: the
-    servers that take requests (`outbox mcp`, `outbox console`) bind nothing else
-    without being told to."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

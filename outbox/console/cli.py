@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
 
 import psycopg
 
 from outbox import store
-from outbox.cli import add_setting_flags
+from outbox.cli import add_setting_flags, add_tools_flag
 from outbox.console.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -27,7 +26,7 @@ from outbox.console.config import (
 )
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
-from outbox.loading import TOOLS_ENV, load_registry, module_list
+from outbox.loading import load_registry, module_list
 from outbox.logs import log_fields
 from outbox.ops import _connect
 from outbox.settings import Settings, redact_url
@@ -63,13 +62,10 @@ def register(commands: Any) -> None:
         action="store_true",
         help="mark the session cookie Secure (on by default with --allow-remote)",
     )
-    parser.add_argument(
-        "--tools",
-        dest="tool_modules",
-        action="append",
-        metavar="MODULE",
-        help="tools modules whose contract cards the operation pages show, and which say "
-        f"whether a retry is allowed; repeatable or comma-separated [env {TOOLS_ENV}]",
+    add_tools_flag(
+        parser,
+        used_for="the operation pages show their contract cards, and they say whether a "
+        "retry is allowed",
     )
     add_setting_flags(parser, "database_url", "amqp_url", "exchange", "dead_letter_queue")
     parser.set_defaults(handler=run)
@@ -103,8 +99,8 @@ def check_login(settings: Settings) -> store.ConsoleLogin:
     return login
 
 
-def tools(args: argparse.Namespace) -> Registry | None:
-    modules = module_list(args.tool_modules or [os.environ.get(TOOLS_ENV, "")])
+def tools(settings: Settings) -> Registry | None:
+    modules = module_list([settings.tools])
     return load_registry(modules) if modules else None
 
 
@@ -140,7 +136,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     hosts = served_hosts(args.host, LOOPBACK_HOSTS)
     if not 0 <= args.port <= 65535:
         raise ConfigurationError("--port must be between 0 and 65535")
-    registry = tools(args)
+    registry = tools(settings)
     try:
         from outbox.console.app import Console, create_app
         from outbox.console.server import ConsoleServer

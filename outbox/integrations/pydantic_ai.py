@@ -26,8 +26,6 @@ instead of making a second one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, Self
@@ -38,9 +36,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.awaiting import Outcome, OutcomeStatus, OutcomeWatcher
 from outbox.contracts import Registry, ToolContract
-from outbox.decisions import record_decision_async
+from outbox.intent import prepare_decision
 from outbox.errors import InputRejected, OutboxError, TransientDatabaseError
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
+from outbox.recording import record_decision_whole
+from outbox.tracing import current_traceparent
 
 try:
     from pydantic_ai import (
@@ -72,8 +72,9 @@ __all__ = [
 DEFAULT_WAIT = timedelta(seconds=10)
 """How long a tool call waits for its outcome before it defers."""
 DEFAULT_RESUME_TIMEOUT = timedelta(seconds=30)
-# How long a cancelled tool call still waits for its decision's transaction to end.
-CANCELLED_RECORDING_GRACE_SECONDS = 30.0
+# How long recording a decision may take, its transaction cut past it; a cancelled tool
+# call waits that long at most for its decision's transaction to end.
+RECORDING_DEADLINE_SECONDS = 30.0
 # A run with a deadline is cancelled when it passes, and the deferral that would have
 # let the app resume goes with it: a call stops waiting this long before.
 DEADLINE_MARGIN_SECONDS = 1.0
@@ -236,58 +237,33 @@ class OutboxToolset(AbstractToolset[Any]):
     ) -> RecordedDecision:
         if ctx.tool_call_id is None:
             raise OutboxError("pydantic-ai called the tool without a tool_call_id")
-        recording = asyncio.ensure_future(
-            self._record_in_own_transaction(
-                name, tool_args, run_id=self._run_id(ctx), key=ctx.tool_call_id, version=version
-            )
-        )
         try:
-            return await asyncio.shield(recording)
-        except asyncio.CancelledError:
-            # A cancelled call (a sibling failed, the run was stopped or timed out) lets
-            # the transaction end first: a connection abandoned halfway through its commit
-            # goes back to the pool in an unknown state. anyio cancels again on every turn
-            # of the loop until the task leaves its scope, hence the loop; a database that
-            # does not answer is left to finish in the background after a grace period.
-            # Whatever the transaction ended with, the call stays cancelled; a rerun of
-            # the same call finds the decision by its key.
-            deadline = time.monotonic() + CANCELLED_RECORDING_GRACE_SECONDS
-            while not recording.done() and (remaining := deadline - time.monotonic()) > 0:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([recording], timeout=remaining)
-            recording.add_done_callback(_retrieve_quietly)
-            raise
+            decision = prepare_decision(
+                self.registry,
+                name,
+                tool_args,
+                run_id=self._run_id(ctx),
+                decision_key=ctx.tool_call_id,
+                tool_version=version,
+                traceparent=current_traceparent(),
+            )
         except InputRejected as rejected:
             if _IDENTITY_PROBLEMS.intersection(rejected.problems):
                 raise
             # The message names fields and rules, never values (outbox.decisions).
             raise ModelRetry(rejected.message) from None
-
-    async def _record_in_own_transaction(
-        self, name: str, tool_args: dict[str, Any], *, run_id: str, key: str, version: int | None
-    ) -> RecordedDecision:
-        async with self.engine.begin() as connection:
-            return await record_decision_async(
-                connection,
-                self.registry,
-                name,
-                tool_args,
-                run_id=run_id,
-                decision_key=key,
-                tool_version=version,
-            )
+        # A cancelled call (a sibling failed, the run was stopped or timed out) lets the
+        # transaction end first, within its deadline, and stays cancelled; a rerun of the
+        # same call finds the decision by its key.
+        return await record_decision_whole(
+            self.engine, decision, seconds=RECORDING_DEADLINE_SECONDS
+        )
 
     def _wait_seconds(self, ctx: RunContext[Any]) -> float:
         remaining = ctx.remaining_time()
         if remaining is None:
             return self.wait_seconds
         return max(0.0, min(self.wait_seconds, remaining - DEADLINE_MARGIN_SECONDS))
-
-
-def _retrieve_quietly(recording: asyncio.Future[RecordedDecision]) -> None:
-    # The call that wanted the result was cancelled: nobody is left to hear of an error.
-    if not recording.cancelled():
-        recording.exception()
 
 
 def _offered_version(tool: ToolsetTool[Any]) -> int | None:

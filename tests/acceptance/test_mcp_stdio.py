@@ -27,7 +27,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.types import RequestParamsMeta, TextContent
 
 from outbox import Outcome, Settings
-from outbox.mcp_tools import DECISION_KEY_META, RECORDED_META
+from outbox.mcp.tools import DECISION_KEY_META, RECORDED_META
 from outbox.sandbox.provider import Faults
 
 from support.ports import closed_port, taken_port

@@ -24,7 +24,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.types import CallToolResult, RequestParamsMeta, TextContent
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-import outbox
+import outbox.mcp
 from outbox import (
     ApprovalPolicy,
     OnUnknown,
@@ -36,26 +36,23 @@ from outbox import (
     Settings,
     SideEffect,
     ToolContract,
-    mcp_tools,
 )
 from outbox import store as outbox_store
 from outbox.cli import run_command
 from outbox.credentials import Credential, FailureThrottle
 from outbox.errors import ConfigurationError, SchemaMissing, TransientDatabaseError
-from outbox.mcp_tools import (
-    BEARER_PRINCIPAL,
+from outbox.mcp import server as mcp_server
+from outbox.mcp.config import BEARER_PRINCIPAL, PRINCIPAL_SCOPE_KEY, ServerOptions
+from outbox.mcp.server import ToolHost, build_server
+from outbox.mcp.tools import (
     CONTRACT_META,
     DECISION_KEY_META,
     OPERATION_META,
-    PRINCIPAL_SCOPE_KEY,
     RECORDED_META,
     RUN_ID_META,
     STATUS_TOOL,
-    ServerOptions,
-    ToolHost,
-    build_server,
 )
-from outbox.mcp_transports import BearerGuard, http_app
+from outbox.mcp.transports import BearerGuard, http_app
 from outbox.outcomes import EffectResult, ExecutionContext
 
 from support.db_helpers import committed_counts, execute_admin
@@ -380,6 +377,26 @@ async def test_a_call_records_one_decision_and_answers_pending(
         f"{operation.display_id}; do not start a new call."
     )
     assert committed_counts(database_url).outbox == 1
+
+
+async def test_a_call_validates_its_arguments_once(
+    registry: Registry, settings: Settings, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They were validated before a connection was taken and again inside the recording.
+    parsed: list[str] = []
+    parse_input = ToolContract.parse_input
+
+    def counted(contract: ToolContract[Any], raw: Any) -> Any:
+        parsed.append(contract.name)
+        return parse_input(contract, raw)
+
+    monkeypatch.setattr(ToolContract, "parse_input", counted)
+    async with connected(registry, settings, wait=0) as client:
+        result = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
+
+    assert result.is_error is False
+    assert parsed == ["pay"]
+    assert committed_counts(database_url).operations == 1
 
 
 async def test_the_same_key_twice_is_one_operation_and_a_status_check(
@@ -1176,7 +1193,7 @@ async def test_a_decision_whose_status_cannot_be_read_says_it_was_recorded(
     async with connected(registry, settings, wait=1) as client:
         with monkeypatch.context() as patched:
             patched.setattr(OutcomeWatcher, "wait", _unreadable)
-            patched.setattr(mcp_tools, "get_outcome_async", _unreadable)
+            patched.setattr(mcp_server, "get_outcome_async", _unreadable)
             unread = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
             status = await client.call_tool(
                 STATUS_TOOL, {"operation_id": only_operation(database_url).display_id}
@@ -1210,9 +1227,9 @@ async def test_a_server_on_a_database_without_the_schema_refuses_to_start(
 def test_without_the_mcp_extra_the_command_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for module in ("outbox.mcp_tools", "outbox.mcp_transports"):
-        monkeypatch.delitem(sys.modules, module)
-        monkeypatch.delattr(outbox, module.removeprefix("outbox."))
+    for module in ("server", "tools", "answers", "transports"):
+        monkeypatch.delitem(sys.modules, f"outbox.mcp.{module}")
+        monkeypatch.delattr(outbox.mcp, module)
     monkeypatch.setitem(sys.modules, "mcp", None)  # what an absent package imports as
 
     code = run_command(["mcp", "--tools", "outbox.sandbox.tools"])

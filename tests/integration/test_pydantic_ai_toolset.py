@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import anyio
+import psycopg
 import pytest
 from pydantic import BaseModel, ConfigDict
 from pydantic_ai import (
@@ -43,7 +44,6 @@ from outbox import (
     OperationState,
     OutcomeStatus,
     OutcomeWatcher,
-    RecordedDecision,
     Registry,
     Settings,
     SideEffect,
@@ -56,9 +56,10 @@ from outbox.integrations.pydantic_ai import OperationsUnsettled, OutboxToolset, 
 from outbox.models import parse_operation_id
 from outbox.sandbox.provider import Faults
 
-from support.db_helpers import committed_counts
+from support.db_helpers import committed_counts, execute_admin
 from support.logs import lifecycle_lines, rendered
 from support.system import System, running_system
+from support.waiting import eventually
 
 REFUND = {"payment_id": "pay_agent_1", "amount_cents": 2500, "reason": "parcel arrived damaged"}
 # Above the sandbox contract's approval threshold (50 000 cents).
@@ -414,16 +415,7 @@ async def test_a_tool_call_made_again_finds_its_decision(
 async def test_a_cancelled_tool_call_still_ends_its_transaction(
     database_url: str, async_engine: AsyncEngine, canceller: str
 ) -> None:
-    recording_started = asyncio.Event()
-
-    class ObservedToolset(OutboxToolset):
-        async def _record_in_own_transaction(
-            self, name: str, tool_args: dict[str, Any], **identity: Any
-        ) -> RecordedDecision:
-            recording_started.set()
-            return await super()._record_in_own_transaction(name, tool_args, **identity)
-
-    toolset = ObservedToolset(sandbox_registry(), async_engine, wait=SETTLE_SECONDS)
+    toolset = OutboxToolset(sandbox_registry(), async_engine, wait=SETTLE_SECONDS)
     ctx = run_context(conversation_id="conv_cancel", tool_call_id="call_1")
     scopes: list[anyio.CancelScope] = []
 
@@ -436,20 +428,41 @@ async def test_a_cancelled_tool_call_still_ends_its_transaction(
 
     async with toolset:
         tool = (await toolset.get_tools(ctx))["send_refund"]
-        call = asyncio.create_task(call_tool(tool))
-        await recording_started.wait()
-        # Before the transaction could have committed.
+        with psycopg.connect(database_url) as blocker:
+            # The recording waits mid-transaction, so the cancellation comes before any
+            # commit could.
+            blocker.execute("LOCK TABLE operations IN EXCLUSIVE MODE")
+            call = asyncio.create_task(call_tool(tool))
+            await eventually(
+                lambda: asyncio.to_thread(waits_for_a_lock, database_url, blocker),
+                within=10,
+                what="the recording to wait for the lock",
+            )
+            if canceller == "asyncio":
+                call.cancel()
+            else:
+                scopes[0].cancel()
+            await asyncio.sleep(0)
+            blocker.rollback()
         if canceller == "asyncio":
-            call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
         else:
-            scopes[0].cancel()
             await call  # the scope absorbs its own cancellation
 
     # Cancelled as it was, the call's transaction ran to its end: committed, whole.
     counts = committed_counts(database_url)
     assert (counts.operations, counts.outbox) == (1, 1)
+
+
+def waits_for_a_lock(database_url: str, blocker: psycopg.Connection) -> bool:
+    rows = execute_admin(
+        database_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND datname = current_database() AND pid <> %s",
+        (blocker.info.backend_pid,),
+    )
+    return bool(rows[0][0])
 
 
 def test_without_pydantic_ai_the_import_says_what_to_install() -> None:

@@ -14,7 +14,8 @@ from pydantic import SecretStr
 import outbox.broker
 from outbox.broker import attempt_order, broker_urls, connect, connect_for_command
 from outbox.errors import ConfigurationError
-from outbox.settings import Settings, load_settings, redact_amqp_urls, split_amqp_urls
+from outbox.settings import Settings, load_settings
+from outbox.urls import redact_amqp_urls, split_amqp_urls
 
 from support.ports import closed_port
 

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from outbox.cli import run_command
+from outbox.cli import (
+    EXIT_CONFIGURATION,
+    build_parser,
+    positive_int,
+    positive_int_up_to,
+    run_command,
+    settings_from,
+)
 from outbox.metrics import version
 
 
@@ -32,3 +41,49 @@ def test_a_duration_flags_default_is_shown_in_seconds(capsys: pytest.CaptureFixt
     text = " ".join(capsys.readouterr().out.split())
     assert "[env OUTBOX_RETENTION; default 604800 s]" in text
     assert "days," not in text
+
+
+# Every command that loads tools modules, as a user types it.
+TOOLS_COMMANDS = [
+    ["consumer"],
+    ["contracts"],
+    ["mcp"],
+    ["console"],
+    ["callbacks", "serve"],
+]
+
+
+@pytest.mark.parametrize("command", TOOLS_COMMANDS, ids=" ".join)
+def test_tools_means_one_thing_in_every_command(
+    command: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was two behaviours: a setting joined from every use, or a list read by hand.
+    monkeypatch.setenv("OUTBOX_TOOLS", "from.the.variable")
+    parser = build_parser()
+    given = settings_from(parser.parse_args([*command, "--tools", "a.b", "--tools", "c.d,e.f"]))
+    assert given.tools == "a.b,c.d,e.f"
+    assert settings_from(parser.parse_args(command)).tools == "from.the.variable"
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "1.5"])
+def test_a_count_is_a_whole_number_from_one(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_int(text)
+
+
+def test_a_bounded_count_names_its_bounds() -> None:
+    up_to_four = positive_int_up_to(4)
+    assert [up_to_four(text) for text in ("1", "4")] == [1, 4]
+    for text in ("0", "5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="between 1 and 4"):
+            up_to_four(text)
+
+
+def test_a_configuration_refusal_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_TOOLS", "")
+    assert run_command(["contracts"]) == EXIT_CONFIGURATION
+    assert (
+        "outbox contracts: configuration error: no tools modules given" in capsys.readouterr().err
+    )

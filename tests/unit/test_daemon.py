@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+from datetime import timedelta
 
 import aiormq.exceptions
 import psycopg
@@ -12,8 +14,9 @@ import pytest
 import sqlalchemy.exc
 from prometheus_client import CollectorRegistry
 
-from outbox.backoff import Backoff
+from outbox.backoff import Backoff, exponential_delay
 from outbox.broker import BrokerUnavailable
+from outbox.contracts import RetryPolicy
 from outbox.daemon import Daemon, failed_peer, is_transient, is_transient_database_error
 from outbox.errors import (
     ConfigurationError,
@@ -91,6 +94,28 @@ def test_backoff_doubles_up_to_its_ceiling_within_the_jitter() -> None:
         nominal = min(10.0, 0.2 * 2**attempt)
         assert 0.5 * nominal <= delay <= 1.5 * nominal
     assert backoff.failures == 9
+
+
+def test_a_very_long_run_of_failures_stays_at_the_ceiling() -> None:
+    for multiplier in (1.0, 1.5, 2.0, 10.0):
+        delay = exponential_delay(10**6, first=0.2, longest=10.0, multiplier=multiplier, jitter=0)
+        assert delay == (0.2 if multiplier == 1.0 else 10.0)
+
+
+@pytest.mark.parametrize("attempts", [1, 2, 3, 9, 10_000])
+def test_a_contracts_retry_policy_draws_the_shared_backoffs_delays(attempts: int) -> None:
+    # RetryPolicy.backoff (outbox/contracts.py) has a formula of its own; this keeps the
+    # two agreeing, draw for draw, until it calls exponential_delay.
+    policy = RetryPolicy(
+        initial_backoff=timedelta(seconds=1),
+        max_backoff=timedelta(minutes=5),
+        multiplier=3.0,
+        jitter=0.2,
+    )
+    shared = exponential_delay(
+        attempts, first=1.0, longest=300.0, multiplier=3.0, jitter=0.2, rng=random.Random(7)
+    )
+    assert policy.backoff(attempts, random.Random(7)).total_seconds() == pytest.approx(shared)
 
 
 def test_a_session_that_lived_long_starts_the_backoff_again() -> None:

@@ -8,14 +8,8 @@ import sqlalchemy as sa
 from pydantic import SecretStr
 
 from outbox.errors import ConfigurationError
-from outbox.settings import (
-    DatabaseHost,
-    Settings,
-    database_hosts,
-    load_settings,
-    redact_url,
-    sqlalchemy_url,
-)
+from outbox.settings import Settings, load_settings
+from outbox.urls import DatabaseHost, database_hosts, redact_url, sqlalchemy_url
 
 MULTI = "postgresql://app:s3cr%40t@db-a:5432,db-b:6432,[::1]:5433/outbox?target_session_attrs=read-write"
 

@@ -54,7 +54,12 @@ def test_the_sandbox_and_the_demo_ship_on_purpose(wheel: zipfile.ZipFile) -> Non
     for module in ("provider.py", "demo.py", "tools.py", "cli.py"):
         assert f"outbox/sandbox/{module}" in files
     # The rest of the runtime is there too, so the listing above is not of an empty wheel.
-    assert {"outbox/cli.py", "dispatcher/cli.py", "consumer/cli.py", "outbox/schema.sql"} <= files
+    assert {
+        "outbox/cli/__init__.py",
+        "dispatcher/cli.py",
+        "consumer/cli.py",
+        "outbox/schema.sql",
+    } <= files
 
 
 def test_no_outbox_command_runs_chaos(wheel: zipfile.ZipFile) -> None:

@@ -1,4 +1,4 @@
-"""The tool registry as MCP tools, with the guarantee (``outbox mcp``).
+"""The MCP server of ``outbox mcp``: what a tool call does, and the server's lifespan.
 
 Every registered contract (its latest version) becomes one MCP tool. A call does not run
 the tool: it records the decision in its own short transaction, the dispatcher and the
@@ -16,7 +16,8 @@ They stay on the operator path, ``outbox approvals grant``.
 
 Built on the SDK's low-level ``Server``: schemas come from each contract's
 ``input_model``, and nothing in the SDK validates arguments there, so
-:func:`outbox.decisions.prepare_decision` does.
+:func:`outbox.decisions.prepare_decision` does. What is listed is in
+:mod:`outbox.mcp.tools`; what the model reads, in :mod:`outbox.mcp.answers`.
 """
 
 from __future__ import annotations
@@ -41,17 +42,13 @@ from mcp.types import (
     CallToolResult,
     ListToolsResult,
     PaginatedRequestParams,
-    TextContent,
-    Tool,
-    ToolAnnotations,
 )
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.awaiting import Outcome, OutcomeStatus, OutcomeWatcher, get_outcome_async
-from outbox.connections import DatabaseBounds, bounded_transaction, command_parameters
-from outbox.contracts import Registry, SideEffect, ToolContract
-from outbox.decisions import record_decision_async
+from outbox.awaiting import Outcome, OutcomeWatcher, get_outcome_async
+from outbox.connections import DatabaseBounds, command_parameters
+from outbox.contracts import Registry, ToolContract
 from outbox.errors import (
     ConfigurationError,
     DatabaseError,
@@ -65,34 +62,35 @@ from outbox.errors import (
 from outbox.failover import ServerTracker, follow_failovers
 from outbox.intent import MAX_ID_LENGTH, prepare_decision
 from outbox.logs import log_fields
-from outbox.mcp_server import BEARER_PRINCIPAL as BEARER_PRINCIPAL
-from outbox.mcp_server import DEFAULT_RUN_ID, DEFAULT_WAIT_SECONDS
-from outbox.mcp_server import LOOPBACK_PRINCIPAL as LOOPBACK_PRINCIPAL
+from outbox.mcp.answers import (
+    CONFLICT,
+    UNRECORDED,
+    answer,
+    input_refusal,
+    missing_key_refusal,
+    refusal,
+)
+from outbox.mcp.config import PRINCIPAL_SCOPE_KEY, ServerOptions
+from outbox.mcp.tools import (
+    DECISION_KEY_META,
+    RUN_ID_META,
+    STATUS_TOOL,
+    key_required,
+    registry_tools,
+)
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
+from outbox.recording import record_decision_whole
 from outbox.schema import schema_is_current_async
 from outbox.settings import Settings
+from outbox.store import NewDecision
+from outbox.tracing import current_traceparent
 
 logger = logging.getLogger("outbox.mcp")
 
-# Reverse-DNS prefix for our `_meta` keys; MCP reserves `*.modelcontextprotocol/` and `*.mcp/`.
-META_PREFIX = "io.effect-outbox"
-DECISION_KEY_META = f"{META_PREFIX}/decision-key"
-RUN_ID_META = f"{META_PREFIX}/run-id"
-OPERATION_META = f"{META_PREFIX}/operation"
-RECORDED_META = f"{META_PREFIX}/recorded"
-CONTRACT_META = f"{META_PREFIX}/contract"
-
-STATUS_TOOL = "outbox_operation_status"
 # A waiting call tells a caller that asked for progress where it stands this often.
 PROGRESS_INTERVAL_SECONDS = 1.0
 APPLICATION_NAME = "outbox-mcp"
 
-# Where the HTTP guard leaves the authenticated principal for the handlers: the name
-# the caller's token maps to, or LOOPBACK_PRINCIPAL when no token is configured.
-PRINCIPAL_SCOPE_KEY = "outbox.mcp.principal"
-
-# Writes whose repeat would be a second effect unless it carries the same identity.
-KEY_REQUIRED = frozenset({SideEffect.DEDUPLICATED_WRITE, SideEffect.NON_REPEATABLE_WRITE})
 
 INSTRUCTIONS = (
     "Each tool records a decision that the effect-outbox runtime carries out exactly once, "
@@ -103,173 +101,7 @@ INSTRUCTIONS = (
 )
 
 
-@dataclass(frozen=True)
-class ServerOptions:
-    run_id: str = DEFAULT_RUN_ID
-    """The run a call belongs to when its `_meta` names none; decision keys are unique
-    per run, so it must stay the same across restarts for a retry to find its decision."""
-    wait: float = DEFAULT_WAIT_SECONDS
-    """How long a call waits for the outcome before it answers ``pending``."""
-    require_key: bool = False
-    """Refuse keyless calls of every class, reads and idempotent writes included."""
-
-
-# --- tools/list ----------------------------------------------------------------------
-
-
-def outcome_schema() -> dict[str, Any]:
-    return Outcome.model_json_schema(mode="serialization")
-
-
-def key_required(contract: ToolContract[Any], options: ServerOptions) -> bool:
-    return options.require_key or contract.side_effect in KEY_REQUIRED
-
-
-def contract_meta(contract: ToolContract[Any], options: ServerOptions) -> dict[str, Any]:
-    """The enforced contract, for hosts and people; the annotations only hint at it."""
-    window = contract.dedupe_window
-    return {
-        "name": contract.name,
-        "version": contract.version,
-        "side_effect": contract.side_effect.value,
-        "additive_only": contract.additive_only,
-        "decision_key": "required" if key_required(contract, options) else "optional",
-        "approval": contract.approval.explanation if contract.approval.required else None,
-        "dedupe_window_seconds": window.total_seconds() if window is not None else None,
-        "on_unknown": contract.on_unknown.value,
-        "card": contract.card(),
-    }
-
-
-def contract_tool(contract: ToolContract[Any], options: ServerOptions) -> Tool:
-    return Tool(
-        name=contract.name,
-        description=contract.description
-        or f"{contract.name} v{contract.version} ({contract.side_effect.value})",
-        input_schema=contract.input_schema(),
-        output_schema=outcome_schema(),
-        annotations=ToolAnnotations.model_validate(contract.mcp_annotations()),
-        meta={CONTRACT_META: contract_meta(contract, options)},
-    )
-
-
-def status_tool() -> Tool:
-    return Tool(
-        name=STATUS_TOOL,
-        description="Where an operation an earlier call of this server recorded stands now: "
-        "committed, rejected, pending, awaiting_approval or escalated, with the sentence that "
-        "says what to do. Changes nothing. Use it when you cannot call the tool again with "
-        "the same decision key.",
-        input_schema={
-            "type": "object",
-            "properties": {
-                "operation_id": {
-                    "type": "string",
-                    "description": "the operation id an earlier answer gave (op_<uuid>)",
-                }
-            },
-            "required": ["operation_id"],
-            "additionalProperties": False,
-        },
-        output_schema=outcome_schema(),
-        annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False),
-    )
-
-
-def registry_tools(registry: Registry, options: ServerOptions) -> list[Tool]:
-    """One tool per contract name, at its latest version, and the status tool."""
-    names = sorted({contract.name for contract in registry})
-    if STATUS_TOOL in names:
-        raise ConfigurationError(
-            f"a tools module registers a tool named {STATUS_TOOL!r}, which `outbox mcp` "
-            "serves itself; rename that tool"
-        )
-    return [contract_tool(registry.get(name), options) for name in names] + [status_tool()]
-
-
-# --- what the model reads --------------------------------------------------------------
-
-
-def sentence(outcome: Outcome, *, keyed: bool, approval: str | None = None) -> str:
-    """One sentence per status that tells the model what to do next."""
-    operation = outcome.display_id
-    if outcome.status is OutcomeStatus.COMMITTED:
-        evidence = (
-            f"provider reference {outcome.provider_reference}"
-            if outcome.provider_reference
-            else operation
-        )
-        return f"Done: {outcome.tool} committed ({evidence})."
-    if outcome.status is OutcomeStatus.REJECTED:
-        return (
-            f"Not done: {outcome.tool} was rejected ({outcome.reason or 'no reason recorded'}). "
-            "Do not retry with the same key; a changed request is a new decision."
-        )
-    if outcome.status is OutcomeStatus.AWAITING_APPROVAL:
-        return (
-            f"Waiting for a person to approve {operation} ({approval or 'approval required'}). "
-            "Tell the user; do not retry."
-        )
-    if outcome.status is OutcomeStatus.ESCALATED:
-        return (
-            f"The outcome of {operation} is unknown and a person is checking it with the "
-            "evidence. Do not retry; tell the user."
-        )
-    # A keyless call repeated would be a new decision: only the status tool finds this one.
-    again = "call again with the same arguments and decision key, or " if keyed else ""
-    return (
-        f"Accepted as {operation} and not settled yet. To check, {again}call {STATUS_TOOL} "
-        f"with operation_id {operation}; do not start a new call."
-    )
-
-
-def answer(
-    outcome: Outcome, *, keyed: bool, approval: str | None = None, created: bool | None = None
-) -> CallToolResult:
-    meta: dict[str, Any] = {OPERATION_META: outcome.display_id}
-    if created is not None:
-        meta[RECORDED_META] = "new" if created else "existing"
-    return CallToolResult(
-        content=[TextContent(text=sentence(outcome, keyed=keyed, approval=approval))],
-        structured_content=outcome.model_dump(mode="json"),
-        is_error=outcome.status is OutcomeStatus.REJECTED,
-        meta=meta,
-    )
-
-
-def refusal(text: str) -> CallToolResult:
-    """A call the model should correct; nothing of it was recorded."""
-    return CallToolResult(content=[TextContent(text=text)], is_error=True)
-
-
-def missing_key_refusal(contract: ToolContract[Any]) -> CallToolResult:
-    why = (
-        "this server requires one for every call"
-        if contract.side_effect not in KEY_REQUIRED
-        else "it changes something that must not happen twice"
-    )
-    return refusal(
-        f"Not done: {contract.name} needs a decision key ({why}), and nothing was recorded. "
-        f'Send a value unique to this decision in the request _meta under "{DECISION_KEY_META}" '
-        "(for example the tool call id), and send the same value again when you retry."
-    )
-
-
-CONFLICT = (
-    "Not done: this decision key was used for a different request (another tool or other "
-    "arguments), and nothing was recorded. A retry must send the original arguments; a new "
-    "decision needs a new decision key."
-)
-UNRECORDED = (
-    "Not done yet: the runtime could not record this call (its database did not answer). "
-    "Call again with the same arguments and decision key; that is safe and will not repeat "
-    "an effect."
-)
-
 _DATABASE_FAILURES = (DatabaseError, SQLAlchemyError, psycopg.Error, OSError)
-
-
-# --- tools/call ------------------------------------------------------------------------
 
 
 class _Refused(Exception):
@@ -312,8 +144,7 @@ class ToolHost:
         arguments = params.arguments or {}
         try:
             identity = self._identity(ctx, contract)
-            self._validate(contract, arguments, identity)
-            recorded = await self._record(contract, arguments, identity)
+            recorded = await self._record(self._prepare(contract, arguments, identity))
         except _Refused as refused:
             log_fields(
                 logger,
@@ -426,48 +257,35 @@ class ToolHost:
         # Bound to the caller, so that nobody else can read or collide with its decisions.
         return f"{principal}:{client_run_id}"
 
-    def _validate(
+    def _prepare(
         self, contract: ToolContract[Any], arguments: Mapping[str, Any], identity: _Identity
-    ) -> None:
-        """Refuse bad input before a connection is taken (the SDK validates nothing)."""
+    ) -> NewDecision:
+        """Validate once, before a connection is taken (the SDK validates nothing)."""
         try:
-            prepare_decision(
+            return prepare_decision(
                 self.registry,
                 contract.name,
                 arguments,
                 run_id=identity.run_id,
                 decision_key=identity.decision_key,
                 tool_version=contract.version,
+                traceparent=current_traceparent(),
             )
         except InputRejected as rejected:
-            raise _Refused(_input_refusal(rejected), "input_rejected") from None
+            raise _Refused(input_refusal(rejected), "input_rejected") from None
 
-    async def _record(
-        self, contract: ToolContract[Any], arguments: Mapping[str, Any], identity: _Identity
-    ) -> RecordedDecision:
+    async def _record(self, decision: NewDecision) -> RecordedDecision:
         try:
-            # A client timeout cancels this handler; a commit cut in half would leave the
-            # client unsure, so recording finishes (or fails) whole. Its transaction is
-            # bounded, so the shield cannot hold a call forever.
-            with anyio.CancelScope(shield=True):
-                async with bounded_transaction(self.engine, self.bounds.transaction) as conn:
-                    recorded = await record_decision_async(
-                        conn,
-                        self.registry,
-                        contract.name,
-                        arguments,
-                        run_id=identity.run_id,
-                        decision_key=identity.decision_key,
-                        tool_version=contract.version,
-                    )
-        except InputRejected as rejected:
-            raise _Refused(_input_refusal(rejected), "input_rejected") from None
+            # A client timeout cancels this handler: the recording still ends whole,
+            # within the transaction's bound.
+            return await record_decision_whole(
+                self.engine, decision, seconds=self.bounds.transaction
+            )
         except DecisionConflict:
             raise _Refused(refusal(CONFLICT), "decision_conflict") from None
         except (OutboxError, *_DATABASE_FAILURES) as error:
             self._log_database_failure("record", error)
             raise _Refused(refusal(UNRECORDED), "not_recorded") from None
-        return recorded
 
     async def _wait(self, ctx: ServerRequestContext[Any], operation_id: UUID) -> Outcome | None:
         """The outcome once it is final or needs a person, else after ``wait`` seconds the
@@ -526,13 +344,6 @@ def _principal(request: Any) -> str | None:
     return principal if isinstance(principal, str) and principal else None
 
 
-def _input_refusal(rejected: InputRejected) -> CallToolResult:
-    # InputRejected names fields and rules, never the values sent.
-    return refusal(
-        f"Not done: {rejected.message}. Nothing was recorded; correct the arguments and call again."
-    )
-
-
 async def _report_progress(ctx: ServerRequestContext[Any], operation: str, total: float) -> None:
     """Every second of the wait, until cancelled. Nothing is sent unless the caller asked
     for progress. A wait still running means the operation is pending: any other status
@@ -545,9 +356,6 @@ async def _report_progress(ctx: ServerRequestContext[Any], operation: str, total
             await ctx.session.report_progress(
                 min(anyio.current_time() - started, total), total, f"{operation} is pending"
             )
-
-
-# --- the server ------------------------------------------------------------------------
 
 
 def _log_database_failover(previous: str, current: str) -> None:

@@ -1,7 +1,7 @@
 """How `outbox mcp` is reached: stdio, or streamable HTTP behind a bearer-token guard.
 
 Over HTTP, decisions are bound to the caller: the guard names the request's principal
-(the name its token maps to), and :mod:`outbox.mcp_tools` prefixes every run id with it.
+(the name its token maps to), and :mod:`outbox.mcp.server` prefixes every run id with it.
 Without tokens the only principal is whoever can reach a loopback address, so anything
 else is refused. Refused tokens are counted per client address; past the limit, the
 address is refused unread (429) for the rest of the window.
@@ -21,8 +21,8 @@ from starlette.applications import Starlette
 from outbox.credentials import Credential, FailureThrottle, credential_for
 from outbox.errors import ServiceUnavailable
 from outbox.logs import log_fields
-from outbox.mcp_server import check_exposure
-from outbox.mcp_tools import LOOPBACK_PRINCIPAL, PRINCIPAL_SCOPE_KEY, ToolHost
+from outbox.mcp.config import LOOPBACK_PRINCIPAL, PRINCIPAL_SCOPE_KEY, check_exposure
+from outbox.mcp.server import ToolHost
 from outbox.signals import run_until_signalled
 
 logger = logging.getLogger("outbox.mcp")
@@ -155,9 +155,6 @@ def http_app(
     check_exposure(host, credentials)
     app: Starlette = server.streamable_http_app(host=host)
     return BearerGuard(cast("ASGIApp", app), credentials, throttle or FailureThrottle())
-
-
-# --- transports ----------------------------------------------------------------------
 
 
 async def serve_stdio(server: Server[ToolHost]) -> None:
