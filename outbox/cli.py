@@ -22,12 +22,13 @@ from typing import Any, TypeVar
 import psycopg
 from pydantic import SecretStr
 
-from outbox import dlq, ops
 from outbox.errors import ConfigurationError, OutboxError, connect_failure
 from outbox.loading import TOOLS_ENV, load_registry, module_list
 from outbox.logs import configure_logging
 from outbox.metrics import version
 from outbox.migrate import declare_broker_topology, migrate
+from outbox.operator import commands as operator_commands
+from outbox.operator import dlq
 from outbox.settings import ENV_PREFIX, Settings, load_settings, redact_url
 from outbox.text import printable
 
@@ -246,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dlq_requeue.set_defaults(handler=cmd_dlq_requeue)
 
-    # Operator commands (ops, approvals, stats): ops cannot import this module back.
-    ops.add_commands(commands, add_setting_flags)
+    # Operator commands (ops, approvals, stats): they cannot import this module back.
+    operator_commands.configure_ops(commands, add_setting_flags)
+    operator_commands.configure_approvals(commands, add_setting_flags)
+    operator_commands.configure_stats(commands, add_setting_flags)
 
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)

@@ -21,13 +21,13 @@ from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import Response
 
-from outbox import dlq, store
+from outbox import store
 from outbox.bounds import is_unreadable
+from outbox.connections import command_transaction
 from outbox.console.app import HTTPProblem, console_of, page, render
 from outbox.console.rules import (
     APPROVAL_TTLS,
     DEFAULT_APPROVAL_TTL,
-    RESOLUTIONS,
     has_controls,
     operation_id_from,
     resolution_choices,
@@ -36,7 +36,8 @@ from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation, OperationEvent
-from outbox.ops import _connect, stamp, stats_json, unreadable_text
+from outbox.operator import dlq
+from outbox.operator.render import stamp, stats_json, unreadable_text
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
@@ -52,7 +53,7 @@ BROKER_SECONDS = 5.0
 
 
 def _db(settings: Settings, work: Callable[[Store], T]) -> T:
-    with _connect(settings) as connection:
+    with command_transaction(settings) as connection:
         # A page only reads: a read-only transaction makes that Postgres's rule too, so
         # no GET (which a link, a prefetch or a refresh can send) can ever write.
         connection.read_only = True
@@ -307,7 +308,6 @@ async def operation(request: Request) -> Response:
         card=contract_card(console.registry, view.operation),
         attributes_text=attributes_text,
         resolutions=resolution_choices(console.registry, view.operation),
-        resolution_labels=RESOLUTIONS,
         approval_pending=approval_pending(view),
         ttls=APPROVAL_TTLS,
         default_ttl=DEFAULT_APPROVAL_TTL,

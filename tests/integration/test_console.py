@@ -22,6 +22,7 @@ from outbox import OperationState, Registry, Settings
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.callback_policy import CallbackReport, CallbackStatus
+from outbox.cli import run_command
 from outbox.console.app import MAX_BODY_BYTES, SECURITY_HEADERS, Console, create_app
 from outbox.console.config import LOOPBACK_HOSTS
 from outbox.console.security import COOKIE, LoginThrottle, Sessions
@@ -46,6 +47,7 @@ from support.console_helpers import (
     operator_login,
     proxy_auth,
 )
+from support.db_helpers import execute_admin
 from support.ops_helpers import Ops
 
 S = OperationState
@@ -414,7 +416,9 @@ def test_a_retry_queues_the_operation_again(browser: TestClient, ops: Ops) -> No
     op = ops.at(S.ESCALATED)
     logged_in(browser)
 
-    answer = resolve(browser, op, resolution="retry", reason="provider says nothing arrived")
+    answer = resolve(
+        browser, op, resolution="not_committed", reason="provider says nothing arrived"
+    )
 
     assert answer.status_code == 303
     assert ops.get(op.id).state is S.PREPARED
@@ -430,9 +434,9 @@ def test_a_retry_is_refused_where_the_contract_is_unknown(
         logged_in(test_client)
         page = test_client.get(f"/operations/{op.display_id}").text
         before = counts(database_url)
-        answer = resolve(test_client, op, resolution="retry", reason="try again")
+        answer = resolve(test_client, op, resolution="not_committed", reason="try again")
 
-    assert 'value="retry" id="resolution-retry" required disabled' in page
+    assert 'value="not_committed" id="resolution-not_committed" required disabled' in page
     assert answer.status_code == 409
     assert "cannot tell whether a retry is safe" in answer.text
     assert counts(database_url) == before
@@ -445,7 +449,11 @@ def test_a_retry_is_refused_where_the_contract_is_unknown(
         ({"resolution": "rejected", "reason": "  "}, 400, "reason is required"),
         ({"resolution": "rejected", "reason": "x" * 501}, 400, "at most 500"),
         ({"resolution": "rejected", "reason": "no", "provider_reference": "re_1"}, 400, "only"),
-        ({"resolution": "refunded", "reason": "no"}, 400, "choose committed, rejected or retry"),
+        (
+            {"resolution": "refunded", "reason": "no"},
+            400,
+            "choose one of committed, not_committed, rejected",
+        ),
     ],
 )
 def test_a_bad_resolution_form_changes_nothing(
@@ -589,7 +597,7 @@ def test_a_grant_for_an_intent_not_shown_is_refused(
     )
 
     assert answer.status_code == 409
-    assert "the intent changed since this page was shown" in answer.text
+    assert "the intent changed since it was shown" in answer.text
     assert counts(database_url) == before
 
 
@@ -1129,3 +1137,91 @@ def test_the_keyset_is_read_from_an_index(database_url: str) -> None:
         )
 
     assert "Scan Backward using operations_updated" in plan, plan
+
+
+# --- one rule for both front ends: the console and `outbox ops resolve` agree -------------
+
+
+def attempted_long_ago(database_url: str, op: Operation, hours: int) -> None:
+    """The first attempt moved back in time, as if the escalation had waited that long."""
+    execute_admin(
+        database_url,
+        "UPDATE operations SET first_attempt_at = now() - make_interval(hours => %s) WHERE id = %s",
+        (hours, op.id),
+    )
+
+
+RESOLUTION_CASES = {
+    # name: (tool, escalated after an attempt made this many hours ago (None: never
+    # attempted), the tools both front ends load, the resolution asked for, offered?)
+    "a retry inside the dedupe window": ("send_refund", 1, True, "not_committed", True),
+    "a retry past the dedupe window": ("send_refund", 25, True, "not_committed", False),
+    "a retry of a dedupe write, no tools": ("send_refund", 1, False, "not_committed", False),
+    "a retry of a non-repeatable write, no tools": ("open_ticket", 1, False, "not_committed", True),
+    "committed, never attempted": ("send_refund", None, True, "committed", False),
+    "committed after an attempt": ("send_refund", 1, True, "committed", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESOLUTION_CASES))
+def test_the_console_and_ops_resolve_give_the_same_answer(
+    case: str,
+    settings: Settings,
+    operator_url: str,
+    registry: Registry,
+    ops: Ops,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tool, hours, tools, resolution, offered = RESOLUTION_CASES[case]
+    if hours is None:
+        op = ops.move(ops.new(tool=tool), S.ESCALATED)
+    else:
+        op = ops.at(S.ESCALATED, tool=tool)
+        attempted_long_ago(database_url, op, hours)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    if tools:
+        monkeypatch.setenv("OUTBOX_TOOLS", "support.sample_tools")
+    else:
+        monkeypatch.delenv("OUTBOX_TOOLS", raising=False)
+    web = console(console_settings(settings, operator_url), registry=registry if tools else None)
+    with client(web) as test_client:
+        logged_in(test_client)
+        page = test_client.get(f"/operations/{op.display_id}").text
+        choice = re.search(
+            rf'value="{resolution}" id="resolution-{resolution}" required( disabled)?', page
+        )
+        assert choice is not None
+        console_offers = choice.group(1) is None
+        before = counts(database_url)
+        posted = resolve(
+            test_client,
+            op,
+            resolution=resolution,
+            reason="checked with the provider",
+            **({"provider_reference": "re_9"} if resolution == "committed" else {}),
+        )
+        console_changed = counts(database_url) != before
+    # The same operation again, through the CLI (the console's post changed nothing if it
+    # refused; if it accepted, the CLI meets an operation no longer escalated).
+    if console_offers:
+        op = ops.at(S.ESCALATED, tool=tool)
+        attempted_long_ago(database_url, op, hours or 0)
+    flags = ["--provider-ref", "re_9"] if resolution == "committed" else []
+    code = run_command(
+        [
+            "ops", "resolve", op.display_id, "--" + resolution.replace("_", "-"), *flags,
+            "--evidence", "checked with the provider", "--by", "ana",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+
+    assert console_offers is offered
+    assert (code == 0) is offered, err
+    assert (posted.status_code == 303) is offered
+    assert console_changed is offered
+    if not offered:
+        # The same sentence, from the one rule.
+        refused = err.split(" is not offered: ", 1)[1].split(";")[0]
+        assert refused in posted.text.replace("&#39;", "'")

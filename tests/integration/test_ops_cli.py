@@ -54,6 +54,8 @@ class Cli:
 @pytest.fixture
 def ops(database_url: str, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> Ops:
     monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    # The contracts a retry (--not-committed) asks about its dedupe window.
+    monkeypatch.setenv("OUTBOX_TOOLS", "support.sample_tools")
     return Ops(database_url, registry, free_text=CANARY)
 
 
@@ -294,6 +296,25 @@ def test_resolve_not_committed_queues_one_more_attempt_now(cli: Cli, ops: Ops) -
     assert ops.run(outbox_store.claim(operation.id, owner="w2", lease=LEASE)) is not None
 
 
+def test_a_retry_of_a_deduplicated_write_asks_its_contract(
+    cli: Cli, ops: Ops, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refund = ops.at(S.ESCALATED)  # a deduplicated write
+    ticket = ops.at(S.ESCALATED, tool="open_ticket")  # a non-repeatable one: no window
+    monkeypatch.delenv("OUTBOX_TOOLS")
+    retry = ["--not-committed", "--evidence", "not at the provider", "--by", "ana"]
+
+    code, _, err = cli("ops", "resolve", refund.display_id, *retry)
+    assert code == 1
+    assert "is a deduplicated write and no tools are loaded here" in err
+    assert "nothing was changed" in err
+    assert ops.get(refund.id).state is S.ESCALATED
+
+    cli.ok("ops", "resolve", ticket.display_id, *retry)
+    cli.ok("ops", "resolve", refund.display_id, *retry, "--tools", "support.sample_tools")
+    assert ops.get(refund.id).state is S.PREPARED
+
+
 def test_resolve_rejected_from_escalated_ends_the_operation(cli: Cli, ops: Ops) -> None:
     operation = ops.at(S.ESCALATED)
 
@@ -480,6 +501,49 @@ def test_deny_records_a_denial_and_leaves_the_state_alone(cli: Cli, ops: Ops) ->
     # A later grant supersedes the denial.
     cli.ok("approvals", "grant", waiting.display_id, "--by", "lead@example.com")
     assert ops.run(outbox_store.check_approval(waiting.id)).is_valid
+
+
+@pytest.mark.parametrize("action", ["grant", "deny"])
+def test_a_decision_binds_only_the_intent_the_approver_was_shown(
+    cli: Cli, ops: Ops, database_url: str, action: str
+) -> None:
+    waiting = ops.new(amount_cents=60_000)
+    other = ops.new(amount_cents=70_000)
+    shown = ops.short(waiting.input_fingerprint)
+    assert f" {shown} " in cli.ok("approvals", "pending")  # what the approver judged
+
+    code, _, err = cli(
+        "approvals", action, waiting.display_id, "--by", "ana",
+        "--intent", ops.short(other.input_fingerprint),
+    )  # fmt: skip
+    assert code == 1
+    assert "the intent changed since it was shown" in err
+    assert f"now {shown}" in err
+    assert ops.approvers(waiting.id) == []
+
+    cli.ok("approvals", action, waiting.display_id, "--by", "ana", "--intent", shown)
+    (approval,) = ops.run(outbox_store.operation_approvals(waiting.id))
+    assert approval.intent_hash == waiting.input_fingerprint
+
+
+def test_approval_decisions_answer_in_json(cli: Cli, ops: Ops) -> None:
+    waiting = ops.new(amount_cents=60_000)
+
+    granted = json.loads(cli.ok("approvals", "grant", waiting.display_id, "--by", "ana", "--json"))
+    denied = json.loads(cli.ok("approvals", "deny", waiting.display_id, "--by", "ana", "--json"))
+
+    (denial, grant) = ops.run(outbox_store.operation_approvals(waiting.id))
+    assert granted == {
+        "approval_id": str(grant.id),
+        "operation_id": waiting.display_id,
+        "decision": "granted",
+        "by": "ana",
+        "intent": ops.short(waiting.input_fingerprint),
+        "expires_at": granted["expires_at"],
+        "state": "prepared",
+        "requires_approval": True,
+    }
+    assert (denied["approval_id"], denied["decision"]) == (str(denial.id), "denied")
 
 
 @pytest.mark.parametrize("action", ["grant", "deny"])
