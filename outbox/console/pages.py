@@ -36,8 +36,9 @@ from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation, OperationEvent
-from outbox.operator import dlq
-from outbox.operator.render import stamp, stats_json, unreadable_text
+from outbox.operator import dlq, views
+from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
+from outbox.operator.views import Escalation
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
@@ -165,16 +166,21 @@ def next_page_query(query: QueryParams, cursor: Cursor) -> str:
 async def _operation_list(
     request: Request, template: str, listing: Listing, **context: Any
 ) -> Response:
-    result: OperationPage = await read(
-        request,
-        lambda runner: runner.run(
+    def work(runner: Store) -> tuple[OperationPage, dict[UUID, Escalation]]:
+        result = runner.run(
             store.operations_page(listing.where, after=listing.after, limit=PAGE_SIZE)
-        ),
-    )
+        )
+        # Why each escalated row waits for a person, and since when (as `ops list`).
+        return result, views.escalations(runner, ((row.id, row.state) for row in result.rows))
+
+    result, escalations = await read(request, work)
     return render(
         request,
         template,
         rows=result.rows,
+        escalations=escalations,
+        now=datetime.now(UTC),
+        age_text=age_text,
         next_query=next_page_query(request.query_params, result.next) if result.next else None,
         first_page=listing.after is None,
         where=listing.where,

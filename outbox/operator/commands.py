@@ -27,7 +27,7 @@ from outbox.daemon_flags import add_tools_flag
 from outbox.errors import ConfigurationError, OperationNotFound
 from outbox.loading import load_registry, module_list
 from outbox.models import ApprovalDecision, display_operation_id, parse_operation_id
-from outbox.operator import render, rules
+from outbox.operator import render, rules, views
 from outbox.operator.dlq import positive_int
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
@@ -127,10 +127,19 @@ def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
                 limit=args.limit,
             )
         )
+        escalations = views.escalations(runner, ((s.id, s.state) for s in summaries))
+    now = datetime.now(UTC)
     if args.json:
-        _print_json([render.summary_json(s, key) for s in summaries])
+        _print_json(
+            [
+                render.summary_json(s, key, render.escalation_json(escalations.get(s.id), now))
+                for s in summaries
+            ]
+        )
     else:
-        print(render.listing_text(summaries))
+        # A list of escalations says why each one waits, and for how long.
+        only_escalated = bool(args.states) and set(args.states) == {str(S.ESCALATED)}
+        print(render.listing_text(summaries, escalations if only_escalated else None, now))
     return 0
 
 

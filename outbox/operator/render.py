@@ -28,6 +28,7 @@ from outbox.models import (
     display_operation_id,
 )
 from outbox.operator.rules import ApprovalDecided, Resolved
+from outbox.operator.views import Escalation
 from outbox.states import OperationState
 from outbox.store import ChainReport, OperationStats, OperationSummary, PendingApproval
 from outbox.store.evidence import REASONS
@@ -52,7 +53,32 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
-def summary_json(summary: OperationSummary, key: str) -> dict[str, Any]:
+def age_text(seconds: float) -> str:
+    """A waiting time a person reads at a glance: ``45s``, ``12m``, ``3h 5m``, ``2d 4h``."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m" if minutes else f"{secs}s"
+
+
+def escalation_json(escalation: Escalation | None, now: datetime) -> dict[str, Any] | None:
+    if escalation is None:
+        return None
+    return {
+        "reason": escalation.reason,
+        "since": stamp(escalation.since),
+        "waiting_seconds": round((now - escalation.since).total_seconds(), 3),
+    }
+
+
+def summary_json(
+    summary: OperationSummary, key: str, escalation: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One operation in ``--json`` listings: metadata only, never the input. The
     fingerprint is the keyed short form logs and events show, and nothing else."""
     return {
@@ -70,12 +96,20 @@ def summary_json(summary: OperationSummary, key: str) -> dict[str, Any]:
         "fingerprint": keyed_fingerprint(key, summary.input_fingerprint),
         "created_at": stamp(summary.created_at),
         "updated_at": stamp(summary.updated_at),
+        "escalation": escalation,
     }
 
 
-def listing_text(summaries: Sequence[OperationSummary]) -> str:
+def listing_text(
+    summaries: Sequence[OperationSummary],
+    escalations: dict[UUID, Escalation] | None = None,
+    now: datetime | None = None,
+) -> str:
+    """The operations table; with ``escalations`` (a list of escalated operations), why
+    each was handed to a person and how long it has waited."""
     if not summaries:
         return "no operations match"
+    headers = ["ID", "TOOL", "STATE", "ATTEMPTS", "RECONCILES", "LAST ERROR", "UPDATED"]
     rows = [
         [
             display_operation_id(s.id),
@@ -88,7 +122,16 @@ def listing_text(summaries: Sequence[OperationSummary]) -> str:
         ]
         for s in summaries
     ]
-    headers = ["ID", "TOOL", "STATE", "ATTEMPTS", "RECONCILES", "LAST ERROR", "UPDATED"]
+    if escalations is not None:
+        moment = now or datetime.now(UTC)
+        headers += ["ESCALATED BECAUSE", "WAITING"]
+        for row, summary in zip(rows, summaries, strict=True):
+            escalation = escalations.get(summary.id)
+            row += (
+                [escalation.reason, age_text((moment - escalation.since).total_seconds())]
+                if escalation
+                else ["-", "-"]
+            )
     return table(headers, rows)
 
 
@@ -280,8 +323,10 @@ def stats_text(numbers: dict[str, Any]) -> str:
 
 
 def pending_json(pending: PendingApproval, key: str, tool_input: dict[str, Any]) -> dict[str, Any]:
+    listed = summary_json(pending.operation, key)
+    del listed["escalation"]  # a prepared operation waiting for an approval has none
     return {
-        **summary_json(pending.operation, key),
+        **listed,
         "input": tool_input,
         "approval_status": str(pending.check.status),
         "approval_reason": pending.check.reason,

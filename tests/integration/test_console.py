@@ -1225,3 +1225,23 @@ def test_the_console_and_ops_resolve_give_the_same_answer(
         # The same sentence, from the one rule.
         refused = err.split(" is not offered: ", 1)[1].split(";")[0]
         assert refused in posted.text.replace("&#39;", "'")
+
+
+def test_the_escalations_page_says_why_each_waits_and_for_how_long(
+    browser: TestClient, ops: Ops
+) -> None:
+    tampered = ops.run(
+        outbox_store.transition(
+            ops.new().id,
+            source=S.PREPARED,
+            target=S.ESCALATED,
+            attributes={"reason": "tampered", "check": "fingerprint_mismatch"},
+        )
+    )
+    logged_in(browser)
+
+    html = browser.get("/escalations").text
+
+    row = html.split(f'href="/operations/{tampered.display_id}"')[1].split("</tr>")[0]
+    assert '<td class="reason">tampered</td>' in row
+    assert re.search(r'<td class="num" title="[^"]+">\d+s</td>', row), row

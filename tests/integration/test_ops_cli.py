@@ -127,7 +127,13 @@ def test_list_json_carries_metadata_and_never_the_input(
         "fingerprint": ops.short(every_state[S.ESCALATED].input_fingerprint),
         "created_at": escalated["created_at"],
         "updated_at": escalated["updated_at"],
+        "escalation": {
+            "reason": "lookups_unavailable",
+            "since": escalated["escalation"]["since"],
+            "waiting_seconds": escalated["escalation"]["waiting_seconds"],
+        },
     }
+    assert all(r["escalation"] is None for r in rows if r["state"] != "escalated")
     assert all("input" not in row for row in rows)
     assert CANARY not in cli.seen()
 
@@ -154,6 +160,30 @@ def test_list_filters_by_state_tool_since_and_limit(
     assert len(listed(cli, "--since", past)) == len(S) + 1  # naive means UTC
     assert len(listed(cli, "--limit", "2")) == 2
     assert cli.ok("ops", "list", "--tool", "no_such_tool").strip() == "no operations match"
+
+
+def test_a_list_of_escalations_says_why_each_waits_and_for_how_long(cli: Cli, ops: Ops) -> None:
+    tampered = ops.run(
+        outbox_store.transition(
+            ops.new().id,
+            source=S.PREPARED,
+            target=S.ESCALATED,
+            attributes={"reason": "tampered", "check": "fingerprint_mismatch"},
+        )
+    )
+    ops.at(S.COMMITTED)
+
+    out = cli.ok("ops", "list", "--state", "escalated")
+
+    header, row = out.splitlines()
+    assert header.endswith("ESCALATED BECAUSE  WAITING")
+    assert row.startswith(tampered.display_id)
+    assert re.search(r"\btampered\s+\d+s$", row), row
+    (listed_row,) = listed(cli, "--state", "escalated")
+    assert listed_row["escalation"]["reason"] == "tampered"
+    assert 0 <= listed_row["escalation"]["waiting_seconds"] < 60
+    # Other lists keep their columns.
+    assert "ESCALATED BECAUSE" not in cli.ok("ops", "list")
 
 
 def test_list_refuses_a_malformed_since(cli: Cli) -> None:
