@@ -24,7 +24,7 @@ from outbox import store
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
 from outbox.daemon_flags import add_tools_flag
-from outbox.errors import ConfigurationError, OperationNotFound
+from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
 from outbox.models import ApprovalDecision, display_operation_id, parse_operation_id
 from outbox.operator import render, rules, views
@@ -46,7 +46,7 @@ DEFAULT_LIST_LIMIT = 50
 MAX_DURATION = timedelta(days=3650)
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
-OP_ID_HELP = "op_<uuid> or a bare uuid"
+OP_ID_HELP = "op_<uuid>, a bare uuid, or the short id the console shows (op_74ca7733)"
 
 
 def duration(text: str) -> timedelta:
@@ -77,15 +77,6 @@ def since(text: str) -> datetime | timedelta:
             f"not an ISO 8601 time or a duration like 30m, 2h, 1d: {text!r}"
         ) from None
     return instant if instant.tzinfo else instant.replace(tzinfo=UTC)
-
-
-def _operation_id(text: str) -> UUID:
-    try:
-        return parse_operation_id(text.strip())
-    except ValueError:
-        raise OperationNotFound(
-            f"{text!r} is not an operation id: expected op_<uuid> or a bare uuid"
-        ) from None
 
 
 def operation_id_argument(text: str) -> UUID:
@@ -144,17 +135,21 @@ def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
-    operation_id = _operation_id(args.operation_id)
     with command_transaction(settings) as connection:
         runner = Store(connection)
+        operation_id = views.operation_id_of(runner, args.operation_id)
         key = runner.run(store.fingerprint_key())
         operation = runner.run(store.get_operation(operation_id))
         events = runner.run(store.events(operation_id))
         callbacks = runner.run(store.callbacks_of([operation_id])).get(operation_id, [])
-        approval = None
+        check = decided_by = None
         if operation.requires_approval:
             check = runner.run(store.check_approval(operation_id))
-            approval = render.approval_text(check, runner.run(store.approver_of(check)))
+            decided_by = runner.run(store.approver_of(check))
+    if args.json:
+        _print_json(render.show_json(operation, events, check, decided_by, key, callbacks))
+        return 0
+    approval = render.approval_text(check, decided_by) if check is not None else None
     print(render.show_text(operation, events, approval, key, callbacks))
     return 0
 
@@ -180,7 +175,6 @@ def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
-    operation_id = _operation_id(args.operation_id)
     resolution = Resolution(args.resolution)
     if resolution is Resolution.COMMITTED and not args.provider_ref:
         raise ConfigurationError(
@@ -194,9 +188,10 @@ def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
     # Only a retry asks the contract (its dedupe window); the other two never load tools.
     registry = _registry(settings) if resolution is Resolution.NOT_COMMITTED else None
     with command_transaction(settings) as connection:
+        runner = Store(connection)
         resolved = rules.resolve(
-            Store(connection),
-            operation_id,
+            runner,
+            views.operation_id_of(runner, args.operation_id),
             resolution,
             by=person,
             evidence=args.evidence.strip(),
@@ -210,13 +205,16 @@ def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_ops_cancel(args: argparse.Namespace, settings: Settings) -> int:
     """End a prepared operation as rejected before it is ever attempted."""
-    operation_id = _operation_id(args.operation_id)
     if not args.reason.strip():
         raise ConfigurationError("--reason must say why the operation is cancelled")
     person = _person(args.by)
     with command_transaction(settings) as connection:
+        runner = Store(connection)
         cancelled = rules.cancel(
-            Store(connection), operation_id, by=person, reason=args.reason.strip()
+            runner,
+            views.operation_id_of(runner, args.operation_id),
+            by=person,
+            reason=args.reason.strip(),
         )
     print(f"{cancelled.display_id}: prepared -> rejected: it will not be attempted")
     print(f"cancelled by {printable(person)}; the reason is kept in its operation.resolved event")
@@ -241,13 +239,13 @@ def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _decide(args: argparse.Namespace, settings: Settings, decision: ApprovalDecision) -> int:
-    operation_id = _operation_id(args.operation_id)
     person = _person(args.by)
     granted = decision is ApprovalDecision.GRANTED
     with command_transaction(settings) as connection:
+        runner = Store(connection)
         decided = rules.decide_approval(
-            Store(connection),
-            operation_id,
+            runner,
+            views.operation_id_of(runner, args.operation_id),
             decision,
             by=person,
             ttl=args.ttl if granted else rules.DENIAL_TTL,
@@ -351,6 +349,7 @@ def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
         "it and what was done with it.",
     )
     show.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    _json_flag(show, "one JSON document instead of text (the input as JSON, not escaped text)")
 
     verify = _leaf(
         ops,
@@ -366,7 +365,11 @@ def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
     )
     target = verify.add_mutually_exclusive_group(required=True)
     target.add_argument(
-        "operation_id", metavar="OP_ID", nargs="?", type=operation_id_argument, help=OP_ID_HELP
+        "operation_id",
+        metavar="OP_ID",
+        nargs="?",
+        type=operation_id_argument,
+        help="op_<uuid> or a bare uuid",
     )
     target.add_argument(
         "--all", dest="all_operations", action="store_true", help="every operation, page by page"

@@ -229,6 +229,57 @@ def show_text(
     return "\n".join(lines)
 
 
+def show_json(
+    operation: Operation,
+    events: Sequence[OperationEvent],
+    check: ApprovalCheck | None,
+    decided_by: str | None,
+    key: str,
+    callbacks: Sequence[Callback] = (),
+) -> dict[str, Any]:
+    """``ops show --json``: what the text shows, as JSON (the input and the attributes
+    as they are stored, escaped by JSON; an unreadable one as its marker)."""
+    return {
+        "id": operation.display_id,
+        "run_id": operation.run_id,
+        "decision_key": operation.decision_key,
+        "tool": operation.tool_name,
+        "tool_version": operation.tool_version,
+        "side_effect": str(operation.side_effect),
+        "state": str(operation.state),
+        "fingerprint": keyed_fingerprint(key, operation.input_fingerprint),
+        "input": operation.input,
+        "attempts": operation.attempts,
+        "reconcile_attempts": operation.reconcile_attempts,
+        "first_attempt_at": stamp(operation.first_attempt_at),
+        "provider_reference": operation.provider_reference,
+        "last_error_class": operation.last_error_class,
+        "effect_possible": operation.effect_possible,
+        "requires_approval": operation.requires_approval,
+        "approval": None
+        if check is None
+        else {"status": str(check.status), "reason": check.reason, "decided_by": decided_by},
+        "created_at": stamp(operation.created_at),
+        "updated_at": stamp(operation.updated_at),
+        "events": [
+            {"at": stamp(event.created_at), "name": event.name, "attributes": event.attributes}
+            for event in events
+        ],
+        "callbacks": [
+            {
+                "id": c.id,
+                "provider": c.provider,
+                "event_id": c.event_id,
+                "status": str(c.status),
+                "provider_reference": c.provider_reference,
+                "outcome": str(c.outcome) if c.outcome else None,
+                "received_at": stamp(c.received_at),
+            }
+            for c in callbacks
+        ],
+    }
+
+
 def chain_json(report: ChainReport) -> dict[str, Any]:
     return {
         "intact": report.intact,

@@ -547,6 +547,14 @@ WHERE (%(states)s::text[] IS NULL OR state = ANY(%(states)s::text[]))
 ORDER BY updated_at DESC, id
 LIMIT %(limit)s
 
+-- name: operation_ids_in_range
+-- Up to two operation ids between two bounds, lowest first: the operations a short id (a uuid prefix) names; two mean it is ambiguous.
+SELECT id
+FROM operations
+WHERE id BETWEEN %(lowest)s AND %(highest)s
+ORDER BY id
+LIMIT 2
+
 -- name: list_approval_candidates
 -- Prepared operations that need an approval, oldest first; each is then checked like the consumer checks it. Never the input.
 SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,

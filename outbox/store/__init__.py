@@ -102,6 +102,7 @@ from outbox.store.operator import (
     approver_of,
     list_operation_summaries,
     operation_stats,
+    operations_with_prefix,
     pending_approvals,
     resolve_operation,
 )
@@ -192,6 +193,7 @@ __all__ = [
     "operation_stats",
     "operations_by_state",
     "operations_page",
+    "operations_with_prefix",
     "outbox_backlog",
     "outbox_rows",
     "pending_approvals",

@@ -20,6 +20,7 @@ from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.models import ApprovalStatus, OperationEvent
 
+from support.db_helpers import execute_admin
 from support.logs import rendered
 from support.ops_helpers import LEASE, Ops
 
@@ -258,6 +259,57 @@ def test_show_of_an_unknown_id_exits_1_with_a_message(cli: Cli, given: str) -> N
     assert out == ""
     assert "outbox ops: error:" in err
     assert "no operation with id" in err or "is not an operation id" in err
+
+
+def test_show_and_the_commands_that_act_take_the_short_id_the_console_prints(
+    cli: Cli, ops: Ops, database_url: str
+) -> None:
+    operation = ops.at(S.ESCALATED)
+    short = operation.display_id[:11]  # what the console's lists print: op_74ca7733
+
+    assert operation.display_id in cli.ok("ops", "show", short)
+    assert operation.display_id in cli.ok("ops", "show", short.removeprefix("op_").upper())
+    cli.ok("ops", "resolve", short, "--rejected", "--evidence", "dup", "--by", "ana")
+    assert ops.get(operation.id).state is S.REJECTED
+
+
+def test_a_short_id_two_operations_share_is_refused_by_name(
+    cli: Cli, ops: Ops, database_url: str
+) -> None:
+    first = ops.new()
+    twin = UUID(first.id.hex[:8] + "0" * 23 + "1")
+    execute_admin(
+        database_url,
+        "INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, input, "
+        "input_fingerprint, requires_approval, state) SELECT %s, run_id, tool_name, "
+        "tool_version, side_effect, input, input_fingerprint, requires_approval, state "
+        "FROM operations WHERE id = %s",
+        (twin, first.id),
+    )
+
+    code, out, err = cli("ops", "show", first.display_id[:11])
+
+    assert (code, out) == (1, "")
+    assert "is ambiguous" in err
+    assert first.display_id in err or f"op_{twin}" in err
+    code, _, err = cli("ops", "show", "op_1234")
+    assert code == 1
+    assert "at least 8 hex digits" in err
+
+
+def test_show_json_carries_what_the_text_shows(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.ESCALATED)
+
+    shown = json.loads(cli.ok("ops", "show", operation.display_id, "--json"))
+
+    assert shown["id"] == operation.display_id
+    assert shown["state"] == "escalated"
+    assert shown["input"] == ops.get(operation.id).input
+    assert shown["fingerprint"] == ops.short(operation.input_fingerprint)
+    assert shown["approval"] is None
+    assert [e["name"] for e in shown["events"]] == ops.event_names(operation.id)
+    assert shown["events"][-1]["attributes"]["to"] == "escalated"
+    assert shown["callbacks"] == []
 
 
 # --- ops resolve ------------------------------------------------------------------------

@@ -133,6 +133,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     OPERATOR: {
         "list_operation_summaries",
+        # `ops show op_74ca7733`: the short id the console prints.
+        "operation_ids_in_range",
         "get_operation",
         "list_events",
         "list_outbox_rows",
@@ -899,7 +901,7 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
 
     codes = [
         run_command(["ops", "list"]),
-        run_command(["ops", "show", stuck.display_id]),
+        run_command(["ops", "show", stuck.display_id[:11]]),
         run_command(["ops", "verify", stuck.display_id]),
         run_command(["ops", "verify", "--all"]),
         run_command(["stats"]),
