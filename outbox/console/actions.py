@@ -20,17 +20,23 @@ from starlette.responses import RedirectResponse, Response
 
 from outbox.connections import command_transaction
 from outbox.console import rules
-from outbox.console.app import HTTPProblem, action, console_of
+from outbox.console.app import HTTPProblem, action, console_of, session_of
 from outbox.contracts import Registry
 from outbox.logs import log_fields
 from outbox.models import ApprovalDecision, display_operation_id
 from outbox.operator import dlq
 from outbox.operator import rules as operator_rules
-from outbox.operator.rules import Resolution
+from outbox.operator.render import approval_decided_text, resolved_text
+from outbox.operator.rules import ApprovalDecided, Resolution, Resolved
 from outbox.settings import Settings
 from outbox.store import Store
 
 log = logging.getLogger("outbox.console")
+
+
+def confirmation(answer: str) -> str:
+    """The first line of what `outbox ops`/`outbox approvals` answer: the same words."""
+    return answer.splitlines()[0]
 
 
 def _resolve(
@@ -43,9 +49,9 @@ def _resolve(
     force: bool,
     operator: str,
     registry: Registry | None,
-) -> None:
+) -> Resolved:
     with command_transaction(settings) as connection:
-        operator_rules.resolve(
+        return operator_rules.resolve(
             Store(connection),
             operation_id,
             resolution,
@@ -63,7 +69,7 @@ async def _resolve_action(request: Request, form: FormData, operator: str) -> Re
     resolution = rules.resolution(form.get("resolution"))
     reason = rules.reason(form.get("reason"))
     reference = rules.provider_reference(form.get("provider_reference"), resolution.target)
-    await run_in_threadpool(
+    resolved = await run_in_threadpool(
         lambda: _resolve(
             console.settings,
             operation_id,
@@ -75,6 +81,7 @@ async def _resolve_action(request: Request, form: FormData, operator: str) -> Re
             registry=console.registry,
         )
     )
+    session_of(request).notice = confirmation(resolved_text(resolved, operator))
     return RedirectResponse(f"/operations/{display_operation_id(operation_id)}", status_code=303)
 
 
@@ -89,11 +96,11 @@ def _decide(
     shown: str,
     ttl: timedelta,
     operator: str,
-) -> None:
+) -> ApprovalDecided:
     with command_transaction(settings) as connection:
         # Bound to the intent this page showed: refused if the operation's intent is
         # another one now (operator.rules.decide_approval).
-        operator_rules.decide_approval(
+        return operator_rules.decide_approval(
             Store(connection), operation_id, decision, by=operator, ttl=ttl, shown=shown
         )
 
@@ -107,7 +114,7 @@ async def _decide_action(request: Request, form: FormData, operator: str) -> Res
     shown = rules.fingerprint(form.get("fingerprint"))
     granted = choice == "grant"
     ttl = rules.approval_ttl(form.get("ttl")) if granted else operator_rules.DENIAL_TTL
-    await run_in_threadpool(
+    decided = await run_in_threadpool(
         lambda: _decide(
             console.settings,
             operation_id,
@@ -117,6 +124,7 @@ async def _decide_action(request: Request, form: FormData, operator: str) -> Res
             operator=operator,
         )
     )
+    session_of(request).notice = confirmation(approval_decided_text(decided))
     return RedirectResponse(f"/operations/{display_operation_id(operation_id)}", status_code=303)
 
 
@@ -146,6 +154,9 @@ async def _requeue_action(request: Request, form: FormData, operator: str) -> Re
         raise HTTPProblem(
             404, "no message with that id is in the dead-letter queue (requeued by someone else?)"
         )
+    session_of(
+        request
+    ).notice = f"requeued {report.requeued} dead letter(s) to the operations exchange"
     return RedirectResponse("/dead-letters", status_code=303)
 
 

@@ -1245,3 +1245,41 @@ def test_the_escalations_page_says_why_each_waits_and_for_how_long(
     row = html.split(f'href="/operations/{tampered.display_id}"')[1].split("</tr>")[0]
     assert '<td class="reason">tampered</td>' in row
     assert re.search(r'<td class="num" title="[^"]+">\d+s</td>', row), row
+
+
+def notice_of(html: str) -> str | None:
+    found = re.search(r'<p class="notice" id="notice" role="status">([^<]*)</p>', html)
+    return found.group(1) if found else None
+
+
+def test_each_decision_is_confirmed_once_in_the_words_of_the_cli(
+    browser: TestClient, ops: Ops
+) -> None:
+    waiting = ops.new(amount_cents=90_000)
+    stuck = ops.at(S.ESCALATED)
+    logged_in(browser)
+    short = ops.short(waiting.input_fingerprint)
+
+    granted = decide(
+        browser, waiting, decision="grant", fingerprint=waiting.input_fingerprint, ttl="1h"
+    )
+    grant_page = browser.get(granted.headers["location"]).text
+    denied = decide(browser, waiting, decision="deny", fingerprint=waiting.input_fingerprint)
+    deny_page = browser.get(denied.headers["location"]).text
+    resolved = resolve(browser, stuck, resolution="rejected", reason="a duplicate")
+    resolve_page = browser.get(resolved.headers["location"]).text
+
+    grant_notice, deny_notice = notice_of(grant_page), notice_of(deny_page)
+    assert grant_notice is not None
+    assert f"granted by {OPERATOR} for {waiting.display_id} (intent {short}), expires" in (
+        grant_notice
+    )
+    assert deny_notice == (
+        f"approval {ops.run(outbox_store.check_approval(waiting.id)).approval.id}: denied by "
+        f"{OPERATOR} for {waiting.display_id} (intent {short})"
+    )
+    assert notice_of(resolve_page) == (
+        f"{stuck.display_id}: escalated -&gt; rejected: it will not be attempted again"
+    )
+    # Once: a reload does not confirm it again.
+    assert notice_of(browser.get(resolved.headers["location"]).text) is None
