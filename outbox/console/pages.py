@@ -371,4 +371,19 @@ async def dead_letters(request: Request) -> Response:
         raise HTTPProblem(503, "the broker did not answer in time") from None
     except OutboxError as error:
         raise HTTPProblem(503, f"the dead-letter queue cannot be read: {error}") from None
-    return render(request, "dead_letters.html", listing=listing)
+    database_error = None
+    try:
+        messages = await read(request, lambda r: views.dead_letter_views(r, listing.messages))
+    except (OutboxError, psycopg.Error) as error:
+        # The broker's view stands on its own: say why the operations are not beside it.
+        database_error = f"the operations could not be read ({type(error).__name__})"
+        messages = [views.dead_letter_views_without_database(m) for m in listing.messages]
+    return render(
+        request,
+        "dead_letters.html",
+        listing=listing,
+        messages=messages,
+        database_error=database_error,
+        now=datetime.now(UTC),
+        age_text=age_text,
+    )

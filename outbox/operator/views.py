@@ -1,17 +1,19 @@
 """What the operator front ends read beyond one store call: the operation a short id
-names, and why an escalated operation was handed to a person, and since when.
-``outbox ops`` and the console read them the same way."""
+names, why an escalated operation was handed to a person and since when, and what a
+dead letter's operation has become. ``outbox ops`` and the console read them the same
+way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from uuid import UUID
 
 from outbox import store
 from outbox.errors import OperationNotFound
-from outbox.models import display_operation_id, parse_operation_id
+from outbox.models import OperationEvent, display_operation_id, parse_operation_id
+from outbox.operator.dlq import MAX_ENVELOPE_BYTES, DeadLetter
 from outbox.states import EventName, OperationState
 from outbox.store import Store
 
@@ -62,16 +64,83 @@ def escalations(
     its timeline (one query per escalated operation: a page holds at most a few dozen)."""
     found: dict[UUID, Escalation] = {}
     for operation_id, state in operations:
-        if state is not OperationState.ESCALATED:
-            continue
-        moves = [
-            event
-            for event in runner.run(store.events(operation_id))
-            if event.name == EventName.ESCALATED
-        ]
-        if moves:
-            reason = moves[-1].attributes.get("reason")
-            found[operation_id] = Escalation(
-                reason=reason if isinstance(reason, str) else "-", since=moves[-1].created_at
-            )
+        if state is OperationState.ESCALATED:
+            escalation = _last_escalation(runner.run(store.events(operation_id)))
+            if escalation is not None:
+                found[operation_id] = escalation
     return found
+
+
+def _last_escalation(events: Sequence[OperationEvent]) -> Escalation | None:
+    moves = [event for event in events if event.name == EventName.ESCALATED]
+    if not moves:
+        return None
+    reason = moves[-1].attributes.get("reason")
+    return Escalation(reason=reason if isinstance(reason, str) else "-", since=moves[-1].created_at)
+
+
+# What RabbitMQ's x-death reason means for an operation message.
+DEATH_REASONS = {
+    "rejected": "refused by a consumer",
+    "delivery_limit": "out of deliveries (OUTBOX_DELIVERY_LIMIT)",
+    "expired": "expired in the queue",
+}
+
+
+@dataclass(frozen=True)
+class DeadLetterView:
+    """One dead letter as a person reads it: why it died, and what became of its
+    operation since."""
+
+    message: DeadLetter
+    why: str
+    """The consumer's reason where it wrote one down (or where the message alone tells
+    it), else what the broker says."""
+    operation_state: OperationState | None
+    escalation: Escalation | None
+
+
+def dead_letter_views(runner: Store, messages: Iterable[DeadLetter]) -> list[DeadLetterView]:
+    """Each message with its operation's state and the consumer's reason: the consumer
+    writes an ``operation.dead_lettered`` event for a tool no consumer has; a body that
+    is not an envelope is ``malformed`` (or ``oversized``), one whose operation does not
+    exist ``unknown_operation``, as the consumer logs them."""
+    views = []
+    for message in messages:
+        view = dead_letter_views_without_database(message)
+        if message.envelope is not None:
+            view = _with_operation(runner, view, message.envelope.operation_id)
+        views.append(view)
+    return views
+
+
+def _with_operation(runner: Store, view: DeadLetterView, operation_id: UUID) -> DeadLetterView:
+    try:
+        state = runner.run(store.get_operation(operation_id)).state
+    except OperationNotFound:
+        return replace(view, why="unknown_operation: no operation has this id")
+    events = runner.run(store.events(operation_id))
+    recorded = [e.attributes.get("reason") for e in events if e.name == EventName.DEAD_LETTERED]
+    return replace(
+        view,
+        why=next((r for r in reversed(recorded) if isinstance(r, str)), view.why),
+        operation_state=state,
+        escalation=_last_escalation(events) if state is OperationState.ESCALATED else None,
+    )
+
+
+def dead_letter_views_without_database(message: DeadLetter) -> DeadLetterView:
+    """What the message alone says, for when the operations cannot be read."""
+    if message.envelope is None:
+        why = "oversized" if message.body_bytes > MAX_ENVELOPE_BYTES else "malformed"
+    else:
+        why = _broker_says(message)
+    return DeadLetterView(message=message, why=why, operation_state=None, escalation=None)
+
+
+def _broker_says(message: DeadLetter) -> str:
+    deaths = [
+        f"{DEATH_REASONS.get(d.reason, d.reason)}, {d.count} time(s), from {d.queue}"
+        for d in message.deaths
+    ]
+    return "; ".join(deaths) or (message.first_death_reason or "-")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -28,6 +29,7 @@ from outbox.console.config import LOOPBACK_HOSTS
 from outbox.console.security import COOKIE, LoginThrottle, Sessions
 from outbox.errors import ReadOnlyDatabase
 from outbox.models import Operation
+from outbox.states import EventName
 from outbox.store import OperationFilter, Store
 
 from support.broker_helpers import read_raw
@@ -833,6 +835,56 @@ async def test_a_dead_letter_is_listed_and_requeued_by_an_operator(
     lines = [r for r in caplog.records if getattr(r, "action", None) == "console.dlq_requeue"]
     assert [getattr(r, "operator", None) for r in lines] == [OPERATOR, OPERATOR]
     assert [getattr(r, "requeued", None) for r in lines] == [0, 1]
+
+
+def envelope_of(op: Operation) -> OperationMessage:
+    return OperationMessage(
+        operation_id=op.id,
+        outbox_id=7,
+        tool=op.tool_name,
+        tool_version=op.tool_version,
+        input_fingerprint=op.input_fingerprint,
+    )
+
+
+async def test_dead_letters_say_why_they_died_and_what_became_of_their_operation(
+    app_console: Console, settings: Settings, ops: Ops
+) -> None:
+    undeliverable = ops.run(
+        outbox_store.transition(
+            ops.new().id,
+            source=S.PREPARED,
+            target=S.ESCALATED,
+            attributes={"reason": "undeliverable"},
+        )
+    )
+    no_tool = ops.new()
+    ops.run(outbox_store.append_event(no_tool, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}))
+    missing = OperationMessage(
+        operation_id=uuid.uuid4(),
+        outbox_id=9,
+        tool="send_refund",
+        tool_version=1,
+        input_fingerprint="ab" * 32,
+    )
+    await dead_letter_one(settings, envelope_of(undeliverable), message_id="outbox-1")
+    await dead_letter_one(settings, envelope_of(no_tool), message_id="outbox-2")
+    await dead_letter_one(settings, missing, message_id="outbox-3")
+
+    with client(app_console) as test_client:
+        page = logged_in(test_client).get("/dead-letters").text
+
+    rows = {
+        message_id: page.split(f'<td class="mono">{message_id}</td>')[1].split("</tr>")[0]
+        for message_id in ("outbox-1", "outbox-2", "outbox-3")
+    }
+    assert "its operation is escalated (undeliverable, " in rows["outbox-1"]
+    assert "a requeued copy would only be acknowledged" in rows["outbox-1"]
+    assert "refused by a consumer, 1 time(s)" in rows["outbox-1"]
+    assert '<td class="why">unknown_tool' in rows["outbox-2"]
+    assert "escalated" not in rows["outbox-2"]
+    assert '<td class="why">unknown_operation: no operation has this id' in rows["outbox-3"]
+    assert "\u00d7" not in page  # the multiplication sign of "rejected x1"
 
 
 def test_a_requeue_must_choose_what(browser: TestClient) -> None:
