@@ -850,14 +850,7 @@ def envelope_of(op: Operation) -> OperationMessage:
 async def test_dead_letters_say_why_they_died_and_what_became_of_their_operation(
     app_console: Console, settings: Settings, ops: Ops
 ) -> None:
-    undeliverable = ops.run(
-        outbox_store.transition(
-            ops.new().id,
-            source=S.PREPARED,
-            target=S.ESCALATED,
-            attributes={"reason": "undeliverable"},
-        )
-    )
+    undeliverable = ops.escalated_at_claim("undeliverable")
     no_tool = ops.new()
     ops.run(outbox_store.append_event(no_tool, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}))
     missing = OperationMessage(
@@ -1282,14 +1275,7 @@ def test_the_console_and_ops_resolve_give_the_same_answer(
 def test_the_escalations_page_says_why_each_waits_and_for_how_long(
     browser: TestClient, ops: Ops
 ) -> None:
-    tampered = ops.run(
-        outbox_store.transition(
-            ops.new().id,
-            source=S.PREPARED,
-            target=S.ESCALATED,
-            attributes={"reason": "tampered", "check": "fingerprint_mismatch"},
-        )
-    )
+    tampered = ops.escalated_at_claim("tampered", check="fingerprint_mismatch")
     logged_in(browser)
 
     html = browser.get("/escalations").text

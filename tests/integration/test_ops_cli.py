@@ -164,14 +164,7 @@ def test_list_filters_by_state_tool_since_and_limit(
 
 
 def test_a_list_of_escalations_says_why_each_waits_and_for_how_long(cli: Cli, ops: Ops) -> None:
-    tampered = ops.run(
-        outbox_store.transition(
-            ops.new().id,
-            source=S.PREPARED,
-            target=S.ESCALATED,
-            attributes={"reason": "tampered", "check": "fingerprint_mismatch"},
-        )
-    )
+    tampered = ops.escalated_at_claim("tampered", check="fingerprint_mismatch")
     ops.at(S.COMMITTED)
 
     out = cli.ok("ops", "list", "--state", "escalated")
