@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
+from outbox import replay
 from outbox.callback_policy import CallbackStatus
 from outbox.contracts import OnUnknown, SideEffect, ToolContract
 from outbox.models import Callback, CallbackOutcome, Operation
@@ -244,14 +245,11 @@ def for_unknown_outcome(
     if contract.side_effect in (SideEffect.READ_ONLY, SideEffect.IDEMPOTENT_WRITE):
         return _retry_unknown(operation, contract)
     if contract.side_effect is SideEffect.DEDUPLICATED_WRITE:
-        assert contract.dedupe_window is not None
-        first = operation.first_attempt_at or operation.created_at
         retry = _retry_unknown(operation, contract)
-        # Replaying the key is safe only while the target still remembers it, and the
-        # replay runs after its backoff and may take a whole deadline. (If the consumers
-        # are slower than that, the claim checks again: replay_window_passed.)
+        # The replay runs after its backoff. (If the consumers are slower than that, the
+        # claim asks again: replay_window_passed.)
         delay = retry.delay or timedelta(0)
-        if now + delay + contract.deadline < first + contract.dedupe_window:
+        if not replay.replay_window_passed(operation, contract, now=now, after=delay):
             return retry
         return escalation(operation, EscalationReason.DEDUPE_WINDOW_PASSED)
     return escalation(operation, EscalationReason.NO_RECONCILE)
@@ -268,13 +266,10 @@ def replay_window_passed(
     the first attempt. The retry was decided inside it, but queues, backoffs and slow
     consumers can carry the call past it, so the claim asks again. An operation never
     attempted has no key to replay; one with a lookup only comes back to ``prepared``
-    when the lookup proved the effect absent."""
-    if contract.side_effect is not SideEffect.DEDUPLICATED_WRITE or contract.reconcile:
-        return False
-    if operation.attempts == 0 or operation.first_attempt_at is None:
-        return False
-    assert contract.dedupe_window is not None
-    return now + contract.deadline >= operation.first_attempt_at + contract.dedupe_window
+    when the lookup proved the effect absent (or a person said so while the window
+    still held: the operator's retry asks the same question). The window and its
+    margins are :func:`outbox.replay.replay_window_passed`'s."""
+    return contract.reconcile is None and replay.replay_window_passed(operation, contract, now=now)
 
 
 def escalation_before_replay(operation: Operation) -> Escalation:

@@ -12,8 +12,9 @@ from typing import Any
 
 from outbox import store
 from outbox.cli import add_setting_flags, positive_int
+from outbox.connections import command_transaction
 from outbox.models import Callback, display_operation_id
-from outbox.ops import _connect, stamp, table
+from outbox.operator.render import stamp, table
 from outbox.settings import Settings
 from outbox.store import Store
 
@@ -112,7 +113,7 @@ def listing_text(callbacks: Sequence[Callback]) -> str:
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
-    with _connect(settings) as connection:
+    with command_transaction(settings) as connection:
         callbacks = Store(connection).run(
             store.list_callbacks(
                 unmatched=args.unmatched,

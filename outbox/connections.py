@@ -34,7 +34,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +43,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection as SAAsyncConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
-from outbox.errors import TransientDatabaseError, is_read_only
-from outbox.settings import Settings
+from outbox.errors import (
+    ServiceUnavailable,
+    TransientDatabaseError,
+    connect_failure,
+    is_read_only,
+)
+from outbox.settings import Settings, redact_url
 
 # The settings every daemon offers as flags for the bounds below.
 DATABASE_BOUND_SETTINGS = (
@@ -161,6 +166,23 @@ def command_parameters(settings: Settings | None = None) -> dict[str, Any]:
     Without settings, the defaults (no environment is read)."""
     bounds = DatabaseBounds.from_settings(settings or Settings.model_construct())
     return bounds.libpq_parameters(server_timeouts=False)
+
+
+@contextlib.contextmanager
+def command_transaction(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
+    """One transaction for one operator command or console request, on a session of its
+    own: committed when the block ends normally, rolled back when it raises, so a
+    refusal anywhere in it changes nothing."""
+    url = settings.libpq_url
+    try:
+        connection = psycopg.connect(url, **command_parameters(settings))
+    except psycopg.OperationalError as failure:
+        # libpq's message may echo connection parameters: the cause is named in our words.
+        raise ServiceUnavailable(
+            f"could not connect to Postgres at {redact_url(url)}: {connect_failure(failure)}"
+        ) from None
+    with connection:
+        yield connection
 
 
 def _milliseconds(seconds: float) -> int:

@@ -16,7 +16,6 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any
 
-from outbox import dlq, ops
 from outbox.cli.arguments import (
     add_declare_topology_flag,
     add_setting_flags,
@@ -39,6 +38,8 @@ from outbox.cli.run import (
 from outbox.loading import load_registry, module_list
 from outbox.metrics import version
 from outbox.migrate import declare_broker_topology, migrate
+from outbox.operator import commands as operator_commands
+from outbox.operator import dlq
 from outbox.settings import Settings
 from outbox.urls import redact_url
 
@@ -145,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     configure_contracts(commands)
     configure_dlq(commands)
     # Operator commands (ops, approvals, stats): ops cannot import this module back.
-    ops.add_commands(commands, add_setting_flags)
+    operator_commands.configure_ops(commands, add_setting_flags)
+    operator_commands.configure_approvals(commands, add_setting_flags)
+    operator_commands.configure_stats(commands, add_setting_flags)
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)
     return parser

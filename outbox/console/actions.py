@@ -2,9 +2,9 @@
 approval, requeue dead letters.
 
 Each is :func:`~outbox.console.app.action`-wrapped (session CSRF token checked first),
-takes the operator's name from the session, and runs the same store operations and
-checks as ``outbox ops resolve``, ``outbox approvals grant|deny`` and ``outbox dlq
-requeue``, in one transaction: a refusal at any point changes nothing.
+takes the operator's name from the session, and calls the same operator functions as
+``outbox ops resolve``, ``outbox approvals grant|deny`` and ``outbox dlq requeue``
+(:mod:`outbox.operator`), in one transaction: a refusal at any point changes nothing.
 """
 
 from __future__ import annotations
@@ -18,73 +18,62 @@ from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from outbox import dlq, store
+from outbox.connections import command_transaction
 from outbox.console import rules
-from outbox.console.app import HTTPProblem, action, console_of
+from outbox.console.app import HTTPProblem, action, console_of, session_of
 from outbox.contracts import Registry
-from outbox.errors import IllegalTransition
-from outbox.fingerprint_key import keyed_fingerprint
 from outbox.logs import log_fields
 from outbox.models import ApprovalDecision, display_operation_id
-from outbox.ops import _DENIAL_TTL, _approvable, _connect, _resolvable
+from outbox.operator import dlq
+from outbox.operator import rules as operator_rules
+from outbox.operator.render import approval_decided_text, resolved_text
+from outbox.operator.rules import ApprovalDecided, Resolution, Resolved
 from outbox.settings import Settings
-from outbox.states import OperationState
 from outbox.store import Store
 
-S = OperationState
 log = logging.getLogger("outbox.console")
+
+
+def confirmation(answer: str) -> str:
+    """The first line of what `outbox ops`/`outbox approvals` answer: the same words."""
+    return answer.splitlines()[0]
 
 
 def _resolve(
     settings: Settings,
     operation_id: UUID,
+    resolution: Resolution,
     *,
-    choice: str,
-    target: OperationState,
-    decision: str,
     reason: str,
     reference: str | None,
     force: bool,
     operator: str,
     registry: Registry | None,
-) -> None:
-    with _connect(settings) as connection:
-        runner = Store(connection)
-        current = runner.run(store.get_operation(operation_id))
-        _resolvable(current, force)
-        if choice == "retry":
-            refused = rules.retry_refusal(registry, current)
-            if refused:
-                raise IllegalTransition(f"a retry is not offered: {refused}; nothing was changed")
-        # The transition is fenced on the state just read: if anything moved the
-        # operation since, the statement matches no row and nothing is written.
-        runner.run(
-            store.resolve_operation(
-                operation_id,
-                source=current.state,
-                target=target,
-                decision=decision,
-                resolved_by=operator,
-                evidence=reason,
-                provider_reference=reference,
-            )
+) -> Resolved:
+    with command_transaction(settings) as connection:
+        return operator_rules.resolve(
+            Store(connection),
+            operation_id,
+            resolution,
+            by=operator,
+            evidence=reason,
+            provider_reference=reference,
+            force=force,
+            registry=registry,
         )
 
 
 async def _resolve_action(request: Request, form: FormData, operator: str) -> Response:
     console = console_of(request)
     operation_id = rules.operation_id_from(request.path_params["operation_id"])
-    choice = form.get("resolution")
-    decision, target = rules.resolution(choice)
+    resolution = rules.resolution(form.get("resolution"))
     reason = rules.reason(form.get("reason"))
-    reference = rules.provider_reference(form.get("provider_reference"), target)
-    await run_in_threadpool(
+    reference = rules.provider_reference(form.get("provider_reference"), resolution.target)
+    resolved = await run_in_threadpool(
         lambda: _resolve(
             console.settings,
             operation_id,
-            choice=str(choice),
-            target=target,
-            decision=decision,
+            resolution,
             reason=reason,
             reference=reference,
             force=form.get("force") == "yes",
@@ -92,6 +81,7 @@ async def _resolve_action(request: Request, form: FormData, operator: str) -> Re
             registry=console.registry,
         )
     )
+    session_of(request).notice = confirmation(resolved_text(resolved, operator))
     return RedirectResponse(f"/operations/{display_operation_id(operation_id)}", status_code=303)
 
 
@@ -101,36 +91,17 @@ resolve = action(_resolve_action)
 def _decide(
     settings: Settings,
     operation_id: UUID,
-    *,
     decision: ApprovalDecision,
+    *,
     shown: str,
     ttl: timedelta,
     operator: str,
-) -> None:
-    with _connect(settings) as connection:
-        runner = Store(connection)
-        current = runner.run(store.get_operation(operation_id))
-        _approvable(current)
-        if current.input_fingerprint != shown:
-            # The page showed another intent than the operation has now: approving it
-            # would approve something nobody read.
-            key = runner.run(store.fingerprint_key())
-            raise IllegalTransition(
-                f"{current.display_id}: the intent changed since this page was shown "
-                f"(shown {keyed_fingerprint(key, shown)}, now "
-                f"{keyed_fingerprint(key, current.input_fingerprint)}); reload and judge "
-                "the current intent. Nothing was granted or denied"
-            )
-        runner.run(
-            store.decide_approval(
-                operation_id,
-                decision=decision,
-                approved_by=operator,
-                ttl=ttl,
-                # Bound to what was shown: even if the check above raced a change, the
-                # consumer refuses a grant for another intent.
-                intent_hash=shown,
-            )
+) -> ApprovalDecided:
+    with command_transaction(settings) as connection:
+        # Bound to the intent this page showed: refused if the operation's intent is
+        # another one now (operator.rules.decide_approval).
+        return operator_rules.decide_approval(
+            Store(connection), operation_id, decision, by=operator, ttl=ttl, shown=shown
         )
 
 
@@ -142,17 +113,18 @@ async def _decide_action(request: Request, form: FormData, operator: str) -> Res
         raise rules.FormRefused("choose grant or deny")
     shown = rules.fingerprint(form.get("fingerprint"))
     granted = choice == "grant"
-    ttl = rules.approval_ttl(form.get("ttl")) if granted else _DENIAL_TTL
-    await run_in_threadpool(
+    ttl = rules.approval_ttl(form.get("ttl")) if granted else operator_rules.DENIAL_TTL
+    decided = await run_in_threadpool(
         lambda: _decide(
             console.settings,
             operation_id,
-            decision=ApprovalDecision.GRANTED if granted else ApprovalDecision.DENIED,
+            ApprovalDecision.GRANTED if granted else ApprovalDecision.DENIED,
             shown=shown,
             ttl=ttl,
             operator=operator,
         )
     )
+    session_of(request).notice = confirmation(approval_decided_text(decided))
     return RedirectResponse(f"/operations/{display_operation_id(operation_id)}", status_code=303)
 
 
@@ -182,6 +154,9 @@ async def _requeue_action(request: Request, form: FormData, operator: str) -> Re
         raise HTTPProblem(
             404, "no message with that id is in the dead-letter queue (requeued by someone else?)"
         )
+    session_of(
+        request
+    ).notice = f"requeued {report.requeued} dead letter(s) to the operations exchange"
     return RedirectResponse("/dead-letters", status_code=303)
 
 

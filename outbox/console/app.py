@@ -128,7 +128,12 @@ def session_of(request: Request) -> Session:
 def render(request: Request, template: str, *, status: int = 200, **context: Any) -> HTMLResponse:
     session: Session | None = getattr(request.state, "session", None)
     console = console_of(request)
+    # Shown once: the page after an action confirms it, a reload does not repeat it.
+    notice = session.notice if session else None
+    if session is not None:
+        session.notice = None
     html = _templates.get_template(template).render(
+        notice=notice,
         operator=session.operator if session else None,
         csrf_field=CSRF_FIELD,
         csrf_token=session.csrf if session else "",

@@ -12,6 +12,7 @@ import psycopg
 
 from outbox import store
 from outbox.cli import add_setting_flags, add_tools_flag
+from outbox.connections import command_transaction
 from outbox.console.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -28,7 +29,6 @@ from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
 from outbox.logs import log_fields
-from outbox.ops import _connect
 from outbox.settings import Settings, redact_url
 from outbox.store import Store
 
@@ -84,7 +84,7 @@ def check_login(settings: Settings) -> store.ConsoleLogin:
     """Refuse a database login that is not an operator: the console must not be able to
     do more than `outbox ops` can."""
     try:
-        with _connect(settings) as connection:
+        with command_transaction(settings) as connection:
             login = Store(connection).run(store.console_login())
     except psycopg.Error as error:
         raise ConfigurationError(

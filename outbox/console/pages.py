@@ -21,13 +21,13 @@ from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import Response
 
-from outbox import dlq, store
+from outbox import store
 from outbox.bounds import is_unreadable
+from outbox.connections import command_transaction
 from outbox.console.app import HTTPProblem, console_of, page, render
 from outbox.console.rules import (
     APPROVAL_TTLS,
     DEFAULT_APPROVAL_TTL,
-    RESOLUTIONS,
     has_controls,
     operation_id_from,
     resolution_choices,
@@ -36,7 +36,9 @@ from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation, OperationEvent
-from outbox.ops import _connect, stamp, stats_json, unreadable_text
+from outbox.operator import dlq, views
+from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
+from outbox.operator.views import Escalation
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
@@ -52,7 +54,7 @@ BROKER_SECONDS = 5.0
 
 
 def _db(settings: Settings, work: Callable[[Store], T]) -> T:
-    with _connect(settings) as connection:
+    with command_transaction(settings) as connection:
         # A page only reads: a read-only transaction makes that Postgres's rule too, so
         # no GET (which a link, a prefetch or a refresh can send) can ever write.
         connection.read_only = True
@@ -164,16 +166,21 @@ def next_page_query(query: QueryParams, cursor: Cursor) -> str:
 async def _operation_list(
     request: Request, template: str, listing: Listing, **context: Any
 ) -> Response:
-    result: OperationPage = await read(
-        request,
-        lambda runner: runner.run(
+    def work(runner: Store) -> tuple[OperationPage, dict[UUID, Escalation]]:
+        result = runner.run(
             store.operations_page(listing.where, after=listing.after, limit=PAGE_SIZE)
-        ),
-    )
+        )
+        # Why each escalated row waits for a person, and since when (as `ops list`).
+        return result, views.escalations(runner, ((row.id, row.state) for row in result.rows))
+
+    result, escalations = await read(request, work)
     return render(
         request,
         template,
         rows=result.rows,
+        escalations=escalations,
+        now=datetime.now(UTC),
+        age_text=age_text,
         next_query=next_page_query(request.query_params, result.next) if result.next else None,
         first_page=listing.after is None,
         where=listing.where,
@@ -307,7 +314,6 @@ async def operation(request: Request) -> Response:
         card=contract_card(console.registry, view.operation),
         attributes_text=attributes_text,
         resolutions=resolution_choices(console.registry, view.operation),
-        resolution_labels=RESOLUTIONS,
         approval_pending=approval_pending(view),
         ttls=APPROVAL_TTLS,
         default_ttl=DEFAULT_APPROVAL_TTL,
@@ -365,4 +371,19 @@ async def dead_letters(request: Request) -> Response:
         raise HTTPProblem(503, "the broker did not answer in time") from None
     except OutboxError as error:
         raise HTTPProblem(503, f"the dead-letter queue cannot be read: {error}") from None
-    return render(request, "dead_letters.html", listing=listing)
+    database_error = None
+    try:
+        messages = await read(request, lambda r: views.dead_letter_views(r, listing.messages))
+    except (OutboxError, psycopg.Error) as error:
+        # The broker's view stands on its own: say why the operations are not beside it.
+        database_error = f"the operations could not be read ({type(error).__name__})"
+        messages = [views.dead_letter_views_without_database(m) for m in listing.messages]
+    return render(
+        request,
+        "dead_letters.html",
+        listing=listing,
+        messages=messages,
+        database_error=database_error,
+        now=datetime.now(UTC),
+        age_text=age_text,
+    )

@@ -1,30 +1,23 @@
-"""What the console's forms may ask for, decided without I/O: which resolutions an
-operation's contract allows, and whether a submitted value is acceptable. Each refusal
-is a sentence a person can act on."""
+"""What the console's forms may submit, decided without I/O: whether a submitted value is
+acceptable, and the resolutions offered (from :mod:`outbox.operator.rules`, the rules
+``outbox ops`` uses). Each refusal is a sentence a person can act on."""
 
 from __future__ import annotations
 
 import re
 import unicodedata
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from uuid import UUID
 
-from outbox.contracts import Registry, SideEffect
-from outbox.errors import OperationNotFound, ToolNotRegistered
+from outbox.contracts import Registry
+from outbox.errors import OperationNotFound
 from outbox.models import Operation, parse_operation_id
+from outbox.operator.rules import Resolution, refusal
 from outbox.states import OperationState
 from outbox.store import RESOLUTION_EVIDENCE_LIMIT
 
 S = OperationState
-
-# Form value -> (decision recorded in the event, the state it moves the operation to,
-# what the button says). "retry" is `outbox ops resolve --not-committed`.
-RESOLUTIONS: dict[str, tuple[str, OperationState, str]] = {
-    "committed": ("committed", S.COMMITTED, "It happened: committed"),
-    "rejected": ("rejected", S.REJECTED, "It must not happen: rejected"),
-    "retry": ("not_committed", S.PREPARED, "It provably did not happen: retry once more"),
-}
 
 APPROVAL_TTLS: dict[str, timedelta] = {
     "15m": timedelta(minutes=15),
@@ -56,43 +49,20 @@ def operation_id_from(text: str) -> UUID:
         raise OperationNotFound("not an operation id: expected op_<uuid>") from None
 
 
-def retry_refusal(
-    registry: Registry | None, operation: Operation, now: datetime | None = None
-) -> str | None:
-    """Why a retry is not the contract's to allow, or None when it is.
-
-    A retry replays the call under the same idempotency key. Only the contract says
-    whether that is safe: unknown contract, no retry; a deduplicated write only while
-    the provider still deduplicates (its window since the first attempt).
-    """
-    if registry is None:
-        return "the console has no tools loaded, so it cannot tell whether a retry is safe"
-    try:
-        contract = registry.get(operation.tool_name, operation.tool_version)
-    except ToolNotRegistered:
-        return f"{operation.tool_name} v{operation.tool_version} is not in the loaded tools"
-    if contract.side_effect is SideEffect.DEDUPLICATED_WRITE and contract.dedupe_window:
-        started = operation.first_attempt_at or operation.created_at
-        if (now or datetime.now(UTC)) >= started + contract.dedupe_window:
-            return (
-                "the provider's deduplication window has passed: a retry could be a second effect"
-            )
-    return None
-
-
 def resolution_choices(registry: Registry | None, operation: Operation) -> list[Choice]:
-    retry = retry_refusal(registry, operation)
+    """The three resolutions, each with why it is not offered (the operator rules'
+    answer, the one ``outbox ops resolve`` gets)."""
     return [
-        Choice(value=value, label=label, refused=retry if value == "retry" else None)
-        for value, (_, _, label) in RESOLUTIONS.items()
+        Choice(value=str(r), label=r.label, refused=refusal(r, registry, operation))
+        for r in Resolution
     ]
 
 
-def resolution(value: object) -> tuple[str, OperationState]:
-    if not isinstance(value, str) or value not in RESOLUTIONS:
-        raise FormRefused("choose committed, rejected or retry")
-    decision, target, _ = RESOLUTIONS[value]
-    return decision, target
+def resolution(value: object) -> Resolution:
+    """The submitted resolution: one of the values ``outbox ops resolve`` records."""
+    if isinstance(value, str) and value in set(Resolution):
+        return Resolution(value)
+    raise FormRefused(f"choose one of {', '.join(Resolution)}")
 
 
 def has_controls(text: str, allowed: str = "") -> bool:

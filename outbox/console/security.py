@@ -41,6 +41,8 @@ class Session:
     """Who this session authenticated; None before login."""
     via_proxy: bool
     expires: float
+    notice: str | None = None
+    """A one-line confirmation of the last action, shown once on the next page."""
 
 
 class _Table:

@@ -36,8 +36,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.awaiting import Outcome, OutcomeStatus, OutcomeWatcher
 from outbox.contracts import Registry, ToolContract
-from outbox.intent import prepare_decision
 from outbox.errors import InputRejected, OutboxError, TransientDatabaseError
+from outbox.intent import prepare_decision
 from outbox.models import RecordedDecision, display_operation_id, parse_operation_id
 from outbox.recording import record_decision_whole
 from outbox.tracing import current_traceparent

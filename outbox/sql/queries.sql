@@ -547,6 +547,14 @@ WHERE (%(states)s::text[] IS NULL OR state = ANY(%(states)s::text[]))
 ORDER BY updated_at DESC, id
 LIMIT %(limit)s
 
+-- name: operation_ids_in_range
+-- Up to two operation ids between two bounds, lowest first: the operations a short id (a uuid prefix) names; two mean it is ambiguous.
+SELECT id
+FROM operations
+WHERE id BETWEEN %(lowest)s AND %(highest)s
+ORDER BY id
+LIMIT 2
+
 -- name: list_approval_candidates
 -- Prepared operations that need an approval, oldest first, each with the database's clock and its most recent approval decision as latest_approval reads it (and who decided), so that each is checked like the consumer checks it in one statement. Never the input.
 SELECT o.id, o.run_id, o.tool_name, o.tool_version, o.side_effect, o.input_fingerprint,

@@ -90,6 +90,7 @@ from outbox.store.operator import (
     approver_of,
     list_operation_summaries,
     operation_stats,
+    operations_with_prefix,
     pending_approvals,
     resolve_operation,
 )
@@ -174,6 +175,7 @@ __all__ = [
     "operation_stats",
     "operations_by_state",
     "operations_page",
+    "operations_with_prefix",
     "outbox_backlog",
     "outbox_rows",
     "pending_approvals",

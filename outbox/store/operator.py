@@ -92,6 +92,26 @@ def list_operation_summaries(
     return [OperationSummary.from_row(row) for row in rows]
 
 
+def operations_with_prefix(hex_prefix: str) -> Plan[list[UUID]]:
+    """At most two operation ids that start with ``hex_prefix`` (lowercase hex digits,
+    no dashes): one when a short id names a single operation, two when it is ambiguous.
+    The primary key's index answers it as a range."""
+    if (
+        not hex_prefix
+        or len(hex_prefix) > 32
+        or any(c not in "0123456789abcdef" for c in hex_prefix)
+    ):
+        raise ValueError(f"not the start of an operation id: {hex_prefix!r}")
+    rows = yield Step(
+        "operation_ids_in_range",
+        {
+            "lowest": UUID(hex_prefix.ljust(32, "0")),
+            "highest": UUID(hex_prefix.ljust(32, "f")),
+        },
+    )
+    return [row["id"] for row in rows]
+
+
 def pending_approvals() -> Plan[list[PendingApproval]]:
     """Prepared operations that need an approval and have no valid one.
 

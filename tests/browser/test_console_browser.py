@@ -151,7 +151,7 @@ def test_a_stale_approval_page_for_a_changed_intent_is_refused(
     card.find_element(By.NAME, "grant").click()
     browser.wait_for(lambda d: d.find_elements(By.ID, "problem"), "the refusal")
 
-    assert "the intent changed since this page was shown" in browser.text("problem")
+    assert "the intent changed since it was shown" in browser.text("problem")
     assert approvals_of(database_url) == []
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -22,11 +23,13 @@ from outbox import OperationState, Registry, Settings
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.callback_policy import CallbackReport, CallbackStatus
+from outbox.cli import run_command
 from outbox.console.app import MAX_BODY_BYTES, SECURITY_HEADERS, Console, create_app
 from outbox.console.config import LOOPBACK_HOSTS
 from outbox.console.security import COOKIE, LoginThrottle, Sessions
 from outbox.errors import ReadOnlyDatabase
 from outbox.models import Operation
+from outbox.states import EventName
 from outbox.store import OperationFilter, Store
 
 from support.broker_helpers import read_raw
@@ -46,6 +49,7 @@ from support.console_helpers import (
     operator_login,
     proxy_auth,
 )
+from support.db_helpers import execute_admin
 from support.ops_helpers import Ops
 
 S = OperationState
@@ -414,7 +418,9 @@ def test_a_retry_queues_the_operation_again(browser: TestClient, ops: Ops) -> No
     op = ops.at(S.ESCALATED)
     logged_in(browser)
 
-    answer = resolve(browser, op, resolution="retry", reason="provider says nothing arrived")
+    answer = resolve(
+        browser, op, resolution="not_committed", reason="provider says nothing arrived"
+    )
 
     assert answer.status_code == 303
     assert ops.get(op.id).state is S.PREPARED
@@ -430,9 +436,9 @@ def test_a_retry_is_refused_where_the_contract_is_unknown(
         logged_in(test_client)
         page = test_client.get(f"/operations/{op.display_id}").text
         before = counts(database_url)
-        answer = resolve(test_client, op, resolution="retry", reason="try again")
+        answer = resolve(test_client, op, resolution="not_committed", reason="try again")
 
-    assert 'value="retry" id="resolution-retry" required disabled' in page
+    assert 'value="not_committed" id="resolution-not_committed" required disabled' in page
     assert answer.status_code == 409
     assert "cannot tell whether a retry is safe" in answer.text
     assert counts(database_url) == before
@@ -445,7 +451,11 @@ def test_a_retry_is_refused_where_the_contract_is_unknown(
         ({"resolution": "rejected", "reason": "  "}, 400, "reason is required"),
         ({"resolution": "rejected", "reason": "x" * 501}, 400, "at most 500"),
         ({"resolution": "rejected", "reason": "no", "provider_reference": "re_1"}, 400, "only"),
-        ({"resolution": "refunded", "reason": "no"}, 400, "choose committed, rejected or retry"),
+        (
+            {"resolution": "refunded", "reason": "no"},
+            400,
+            "choose one of committed, not_committed, rejected",
+        ),
     ],
 )
 def test_a_bad_resolution_form_changes_nothing(
@@ -589,7 +599,7 @@ def test_a_grant_for_an_intent_not_shown_is_refused(
     )
 
     assert answer.status_code == 409
-    assert "the intent changed since this page was shown" in answer.text
+    assert "the intent changed since it was shown" in answer.text
     assert counts(database_url) == before
 
 
@@ -825,6 +835,49 @@ async def test_a_dead_letter_is_listed_and_requeued_by_an_operator(
     lines = [r for r in caplog.records if getattr(r, "action", None) == "console.dlq_requeue"]
     assert [getattr(r, "operator", None) for r in lines] == [OPERATOR, OPERATOR]
     assert [getattr(r, "requeued", None) for r in lines] == [0, 1]
+
+
+def envelope_of(op: Operation) -> OperationMessage:
+    return OperationMessage(
+        operation_id=op.id,
+        outbox_id=7,
+        tool=op.tool_name,
+        tool_version=op.tool_version,
+        input_fingerprint=op.input_fingerprint,
+    )
+
+
+async def test_dead_letters_say_why_they_died_and_what_became_of_their_operation(
+    app_console: Console, settings: Settings, ops: Ops
+) -> None:
+    undeliverable = ops.escalated_at_claim("undeliverable")
+    no_tool = ops.new()
+    ops.run(outbox_store.append_event(no_tool, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}))
+    missing = OperationMessage(
+        operation_id=uuid.uuid4(),
+        outbox_id=9,
+        tool="send_refund",
+        tool_version=1,
+        input_fingerprint="ab" * 32,
+    )
+    await dead_letter_one(settings, envelope_of(undeliverable), message_id="outbox-1")
+    await dead_letter_one(settings, envelope_of(no_tool), message_id="outbox-2")
+    await dead_letter_one(settings, missing, message_id="outbox-3")
+
+    with client(app_console) as test_client:
+        page = logged_in(test_client).get("/dead-letters").text
+
+    rows = {
+        message_id: page.split(f'<td class="mono">{message_id}</td>')[1].split("</tr>")[0]
+        for message_id in ("outbox-1", "outbox-2", "outbox-3")
+    }
+    assert "its operation is escalated (undeliverable, " in rows["outbox-1"]
+    assert "a requeued copy would only be acknowledged" in rows["outbox-1"]
+    assert "refused by a consumer, 1 time(s)" in rows["outbox-1"]
+    assert '<td class="why">unknown_tool' in rows["outbox-2"]
+    assert "escalated" not in rows["outbox-2"]
+    assert '<td class="why">unknown_operation: no operation has this id' in rows["outbox-3"]
+    assert "\u00d7" not in page  # the multiplication sign of "rejected x1"
 
 
 def test_a_requeue_must_choose_what(browser: TestClient) -> None:
@@ -1129,3 +1182,142 @@ def test_the_keyset_is_read_from_an_index(database_url: str) -> None:
         )
 
     assert "Scan Backward using operations_updated" in plan, plan
+
+
+# --- one rule for both front ends: the console and `outbox ops resolve` agree -------------
+
+
+def attempted_long_ago(database_url: str, op: Operation, hours: int) -> None:
+    """The first attempt moved back in time, as if the escalation had waited that long."""
+    execute_admin(
+        database_url,
+        "UPDATE operations SET first_attempt_at = now() - make_interval(hours => %s) WHERE id = %s",
+        (hours, op.id),
+    )
+
+
+RESOLUTION_CASES = {
+    # name: (tool, escalated after an attempt made this many hours ago (None: never
+    # attempted), the tools both front ends load, the resolution asked for, offered?)
+    "a retry inside the dedupe window": ("send_refund", 1, True, "not_committed", True),
+    "a retry past the dedupe window": ("send_refund", 25, True, "not_committed", False),
+    "a retry of a dedupe write, no tools": ("send_refund", 1, False, "not_committed", False),
+    "a retry of a non-repeatable write, no tools": ("open_ticket", 1, False, "not_committed", True),
+    "committed, never attempted": ("send_refund", None, True, "committed", False),
+    "committed after an attempt": ("send_refund", 1, True, "committed", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESOLUTION_CASES))
+def test_the_console_and_ops_resolve_give_the_same_answer(
+    case: str,
+    settings: Settings,
+    operator_url: str,
+    registry: Registry,
+    ops: Ops,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tool, hours, tools, resolution, offered = RESOLUTION_CASES[case]
+    if hours is None:
+        op = ops.move(ops.new(tool=tool), S.ESCALATED)
+    else:
+        op = ops.at(S.ESCALATED, tool=tool)
+        attempted_long_ago(database_url, op, hours)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    if tools:
+        monkeypatch.setenv("OUTBOX_TOOLS", "support.sample_tools")
+    else:
+        monkeypatch.delenv("OUTBOX_TOOLS", raising=False)
+    web = console(console_settings(settings, operator_url), registry=registry if tools else None)
+    with client(web) as test_client:
+        logged_in(test_client)
+        page = test_client.get(f"/operations/{op.display_id}").text
+        choice = re.search(
+            rf'value="{resolution}" id="resolution-{resolution}" required( disabled)?', page
+        )
+        assert choice is not None
+        console_offers = choice.group(1) is None
+        before = counts(database_url)
+        posted = resolve(
+            test_client,
+            op,
+            resolution=resolution,
+            reason="checked with the provider",
+            **({"provider_reference": "re_9"} if resolution == "committed" else {}),
+        )
+        console_changed = counts(database_url) != before
+    # The same operation again, through the CLI (the console's post changed nothing if it
+    # refused; if it accepted, the CLI meets an operation no longer escalated).
+    if console_offers:
+        op = ops.at(S.ESCALATED, tool=tool)
+        attempted_long_ago(database_url, op, hours or 0)
+    flags = ["--provider-ref", "re_9"] if resolution == "committed" else []
+    code = run_command(
+        [
+            "ops", "resolve", op.display_id, "--" + resolution.replace("_", "-"), *flags,
+            "--evidence", "checked with the provider", "--by", "ana",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+
+    assert console_offers is offered
+    assert (code == 0) is offered, err
+    assert (posted.status_code == 303) is offered
+    assert console_changed is offered
+    if not offered:
+        # The same sentence, from the one rule.
+        refused = err.split(" is not offered: ", 1)[1].split(";")[0]
+        assert refused in posted.text.replace("&#39;", "'")
+
+
+def test_the_escalations_page_says_why_each_waits_and_for_how_long(
+    browser: TestClient, ops: Ops
+) -> None:
+    tampered = ops.escalated_at_claim("tampered", check="fingerprint_mismatch")
+    logged_in(browser)
+
+    html = browser.get("/escalations").text
+
+    row = html.split(f'href="/operations/{tampered.display_id}"')[1].split("</tr>")[0]
+    assert '<td class="reason">tampered</td>' in row
+    assert re.search(r'<td class="num" title="[^"]+">\d+s</td>', row), row
+
+
+def notice_of(html: str) -> str | None:
+    found = re.search(r'<p class="notice" id="notice" role="status">([^<]*)</p>', html)
+    return found.group(1) if found else None
+
+
+def test_each_decision_is_confirmed_once_in_the_words_of_the_cli(
+    browser: TestClient, ops: Ops
+) -> None:
+    waiting = ops.new(amount_cents=90_000)
+    stuck = ops.at(S.ESCALATED)
+    logged_in(browser)
+    short = ops.short(waiting.input_fingerprint)
+
+    granted = decide(
+        browser, waiting, decision="grant", fingerprint=waiting.input_fingerprint, ttl="1h"
+    )
+    grant_page = browser.get(granted.headers["location"]).text
+    denied = decide(browser, waiting, decision="deny", fingerprint=waiting.input_fingerprint)
+    deny_page = browser.get(denied.headers["location"]).text
+    resolved = resolve(browser, stuck, resolution="rejected", reason="a duplicate")
+    resolve_page = browser.get(resolved.headers["location"]).text
+
+    grant_notice, deny_notice = notice_of(grant_page), notice_of(deny_page)
+    assert grant_notice is not None
+    assert f"granted by {OPERATOR} for {waiting.display_id} (intent {short}), expires" in (
+        grant_notice
+    )
+    assert deny_notice == (
+        f"approval {ops.run(outbox_store.check_approval(waiting.id)).approval.id}: denied by "
+        f"{OPERATOR} for {waiting.display_id} (intent {short})"
+    )
+    assert notice_of(resolve_page) == (
+        f"{stuck.display_id}: escalated -&gt; rejected: it will not be attempted again"
+    )
+    # Once: a reload does not confirm it again.
+    assert notice_of(browser.get(resolved.headers["location"]).text) is None

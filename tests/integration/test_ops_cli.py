@@ -20,6 +20,7 @@ from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.models import ApprovalStatus, OperationEvent
 
+from support.db_helpers import execute_admin
 from support.logs import rendered
 from support.ops_helpers import LEASE, Ops
 
@@ -54,6 +55,8 @@ class Cli:
 @pytest.fixture
 def ops(database_url: str, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> Ops:
     monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    # The contracts a retry (--not-committed) asks about its dedupe window.
+    monkeypatch.setenv("OUTBOX_TOOLS", "support.sample_tools")
     return Ops(database_url, registry, free_text=CANARY)
 
 
@@ -125,7 +128,13 @@ def test_list_json_carries_metadata_and_never_the_input(
         "fingerprint": ops.short(every_state[S.ESCALATED].input_fingerprint),
         "created_at": escalated["created_at"],
         "updated_at": escalated["updated_at"],
+        "escalation": {
+            "reason": "lookups_unavailable",
+            "since": escalated["escalation"]["since"],
+            "waiting_seconds": escalated["escalation"]["waiting_seconds"],
+        },
     }
+    assert all(r["escalation"] is None for r in rows if r["state"] != "escalated")
     assert all("input" not in row for row in rows)
     assert CANARY not in cli.seen()
 
@@ -152,6 +161,23 @@ def test_list_filters_by_state_tool_since_and_limit(
     assert len(listed(cli, "--since", past)) == len(S) + 1  # naive means UTC
     assert len(listed(cli, "--limit", "2")) == 2
     assert cli.ok("ops", "list", "--tool", "no_such_tool").strip() == "no operations match"
+
+
+def test_a_list_of_escalations_says_why_each_waits_and_for_how_long(cli: Cli, ops: Ops) -> None:
+    tampered = ops.escalated_at_claim("tampered", check="fingerprint_mismatch")
+    ops.at(S.COMMITTED)
+
+    out = cli.ok("ops", "list", "--state", "escalated")
+
+    header, row = out.splitlines()
+    assert header.endswith("ESCALATED BECAUSE  WAITING")
+    assert row.startswith(tampered.display_id)
+    assert re.search(r"\btampered\s+\d+s$", row), row
+    (listed_row,) = listed(cli, "--state", "escalated")
+    assert listed_row["escalation"]["reason"] == "tampered"
+    assert 0 <= listed_row["escalation"]["waiting_seconds"] < 60
+    # Other lists keep their columns.
+    assert "ESCALATED BECAUSE" not in cli.ok("ops", "list")
 
 
 def test_list_refuses_a_malformed_since(cli: Cli) -> None:
@@ -228,6 +254,57 @@ def test_show_of_an_unknown_id_exits_1_with_a_message(cli: Cli, given: str) -> N
     assert "no operation with id" in err or "is not an operation id" in err
 
 
+def test_show_and_the_commands_that_act_take_the_short_id_the_console_prints(
+    cli: Cli, ops: Ops, database_url: str
+) -> None:
+    operation = ops.at(S.ESCALATED)
+    short = operation.display_id[:11]  # what the console's lists print: op_74ca7733
+
+    assert operation.display_id in cli.ok("ops", "show", short)
+    assert operation.display_id in cli.ok("ops", "show", short.removeprefix("op_").upper())
+    cli.ok("ops", "resolve", short, "--rejected", "--evidence", "dup", "--by", "ana")
+    assert ops.get(operation.id).state is S.REJECTED
+
+
+def test_a_short_id_two_operations_share_is_refused_by_name(
+    cli: Cli, ops: Ops, database_url: str
+) -> None:
+    first = ops.new()
+    twin = UUID(first.id.hex[:8] + "0" * 23 + "1")
+    execute_admin(
+        database_url,
+        "INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, input, "
+        "input_fingerprint, requires_approval, state) SELECT %s, run_id, tool_name, "
+        "tool_version, side_effect, input, input_fingerprint, requires_approval, state "
+        "FROM operations WHERE id = %s",
+        (twin, first.id),
+    )
+
+    code, out, err = cli("ops", "show", first.display_id[:11])
+
+    assert (code, out) == (1, "")
+    assert "is ambiguous" in err
+    assert first.display_id in err or f"op_{twin}" in err
+    code, _, err = cli("ops", "show", "op_1234")
+    assert code == 1
+    assert "at least 8 hex digits" in err
+
+
+def test_show_json_carries_what_the_text_shows(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.ESCALATED)
+
+    shown = json.loads(cli.ok("ops", "show", operation.display_id, "--json"))
+
+    assert shown["id"] == operation.display_id
+    assert shown["state"] == "escalated"
+    assert shown["input"] == ops.get(operation.id).input
+    assert shown["fingerprint"] == ops.short(operation.input_fingerprint)
+    assert shown["approval"] is None
+    assert [e["name"] for e in shown["events"]] == ops.event_names(operation.id)
+    assert shown["events"][-1]["attributes"]["to"] == "escalated"
+    assert shown["callbacks"] == []
+
+
 # --- ops resolve ------------------------------------------------------------------------
 
 
@@ -292,6 +369,25 @@ def test_resolve_not_committed_queues_one_more_attempt_now(cli: Cli, ops: Ops) -
     assert "-> prepared: one more attempt is queued now" in out
     # ...and a worker can claim it at once.
     assert ops.run(outbox_store.claim(operation.id, owner="w2", lease=LEASE)) is not None
+
+
+def test_a_retry_of_a_deduplicated_write_asks_its_contract(
+    cli: Cli, ops: Ops, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refund = ops.at(S.ESCALATED)  # a deduplicated write
+    ticket = ops.at(S.ESCALATED, tool="open_ticket")  # a non-repeatable one: no window
+    monkeypatch.delenv("OUTBOX_TOOLS")
+    retry = ["--not-committed", "--evidence", "not at the provider", "--by", "ana"]
+
+    code, _, err = cli("ops", "resolve", refund.display_id, *retry)
+    assert code == 1
+    assert "is a deduplicated write and no tools are loaded here" in err
+    assert "nothing was changed" in err
+    assert ops.get(refund.id).state is S.ESCALATED
+
+    cli.ok("ops", "resolve", ticket.display_id, *retry)
+    cli.ok("ops", "resolve", refund.display_id, *retry, "--tools", "support.sample_tools")
+    assert ops.get(refund.id).state is S.PREPARED
 
 
 def test_resolve_rejected_from_escalated_ends_the_operation(cli: Cli, ops: Ops) -> None:
@@ -480,6 +576,49 @@ def test_deny_records_a_denial_and_leaves_the_state_alone(cli: Cli, ops: Ops) ->
     # A later grant supersedes the denial.
     cli.ok("approvals", "grant", waiting.display_id, "--by", "lead@example.com")
     assert ops.run(outbox_store.check_approval(waiting.id)).is_valid
+
+
+@pytest.mark.parametrize("action", ["grant", "deny"])
+def test_a_decision_binds_only_the_intent_the_approver_was_shown(
+    cli: Cli, ops: Ops, database_url: str, action: str
+) -> None:
+    waiting = ops.new(amount_cents=60_000)
+    other = ops.new(amount_cents=70_000)
+    shown = ops.short(waiting.input_fingerprint)
+    assert f" {shown} " in cli.ok("approvals", "pending")  # what the approver judged
+
+    code, _, err = cli(
+        "approvals", action, waiting.display_id, "--by", "ana",
+        "--intent", ops.short(other.input_fingerprint),
+    )  # fmt: skip
+    assert code == 1
+    assert "the intent changed since it was shown" in err
+    assert f"now {shown}" in err
+    assert ops.approvers(waiting.id) == []
+
+    cli.ok("approvals", action, waiting.display_id, "--by", "ana", "--intent", shown)
+    (approval,) = ops.run(outbox_store.operation_approvals(waiting.id))
+    assert approval.intent_hash == waiting.input_fingerprint
+
+
+def test_approval_decisions_answer_in_json(cli: Cli, ops: Ops) -> None:
+    waiting = ops.new(amount_cents=60_000)
+
+    granted = json.loads(cli.ok("approvals", "grant", waiting.display_id, "--by", "ana", "--json"))
+    denied = json.loads(cli.ok("approvals", "deny", waiting.display_id, "--by", "ana", "--json"))
+
+    (denial, grant) = ops.run(outbox_store.operation_approvals(waiting.id))
+    assert granted == {
+        "approval_id": str(grant.id),
+        "operation_id": waiting.display_id,
+        "decision": "granted",
+        "by": "ana",
+        "intent": ops.short(waiting.input_fingerprint),
+        "expires_at": granted["expires_at"],
+        "state": "prepared",
+        "requires_approval": True,
+    }
+    assert (denied["approval_id"], denied["decision"]) == (str(denial.id), "denied")
 
 
 @pytest.mark.parametrize("action", ["grant", "deny"])

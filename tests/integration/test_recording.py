@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.connections import TransactionDeadlineExceeded
-from outbox.decisions import prepare_decision
+from outbox.intent import prepare_decision
 from outbox.recording import CUT_MARGIN_SECONDS, record_decision_whole
 from outbox.sandbox.tools import build_registry
 from outbox.store import NewDecision

@@ -134,6 +134,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     OPERATOR: {
         "list_operation_summaries",
+        # `ops show op_74ca7733`: the short id the console prints.
+        "operation_ids_in_range",
         "get_operation",
         "list_events",
         "list_outbox_rows",
@@ -900,7 +902,7 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
 
     codes = [
         run_command(["ops", "list"]),
-        run_command(["ops", "show", stuck.display_id]),
+        run_command(["ops", "show", stuck.display_id[:11]]),
         # What waits for approval shows its check and who decided (latest_approval,
         # console_operation_approvals); `approvals pending` reads both in one statement.
         run_command(["ops", "show", waiting.display_id]),

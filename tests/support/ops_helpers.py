@@ -75,6 +75,19 @@ class Ops:
     def event_names(self, operation_id: UUID) -> list[str]:
         return [event.name for event in self.events(operation_id)]
 
+    def escalated_at_claim(self, reason: str, **attributes: Any) -> Operation:
+        """A fresh operation the consumer escalated before any attempt (``tampered``,
+        ``undeliverable``, ...), with the reason its move records."""
+        moved: Operation = self.run(
+            outbox_store.transition(
+                self.new().id,
+                source=S.PREPARED,
+                target=S.ESCALATED,
+                attributes={"reason": reason, **attributes},
+            )
+        )
+        return moved
+
     def move(self, operation: Operation, target: OperationState) -> Operation:
         if target is S.IN_FLIGHT:
             claimed: Operation | None = self.run(

@@ -42,8 +42,9 @@ from consumer.policy import (
     replay_window_passed,
 )
 from outbox.callback_policy import CallbackPolicy, CallbackProvider, CallbackStatus, Scheme
-from outbox.contracts import OnUnknown, RetryPolicy, SideEffect, ToolContract
+from outbox.contracts import OnUnknown, Registry, RetryPolicy, SideEffect, ToolContract
 from outbox.models import Callback, CallbackOutcome, Operation
+from outbox.operator.rules import retry_refusal
 from outbox.outcomes import (
     EffectResult,
     ExecutionContext,
@@ -52,6 +53,7 @@ from outbox.outcomes import (
     Reconciliation,
     StillUnknown,
 )
+from outbox.replay import replay_window_passed as window_passed
 from outbox.states import EventName, OperationState, is_legal
 
 S = OperationState
@@ -729,6 +731,39 @@ def test_only_a_blind_replay_of_a_deduplicated_write_is_bound_by_the_window(
         contract(side_effect, lookup=lookup),
         now=NOW,
     )
+
+
+@given(
+    attempts=st.integers(0, 3),
+    first_attempt_ago=st.one_of(
+        st.none(), st.timedeltas(min_value=timedelta(0), max_value=2 * WINDOW)
+    ),
+    lookup=st.booleans(),
+)
+def test_an_operators_retry_is_offered_only_where_the_consumer_would_call(
+    attempts: int, first_attempt_ago: timedelta | None, lookup: bool
+) -> None:
+    """The consumer's claim and `ops resolve --not-committed`/the console's retry ask one
+    question (outbox.replay) with one set of margins: the operator is never offered a
+    retry the consumer would escalate at its claim, and without a lookup they agree."""
+    dedupe = contract(SideEffect.DEDUPLICATED_WRITE, lookup=lookup)
+    registry = Registry()
+    registry.register(dedupe)
+    row = prepared_again(
+        side_effect=SideEffect.DEDUPLICATED_WRITE,
+        attempts=attempts,
+        first_attempt_at=None if first_attempt_ago is None else NOW - first_attempt_ago,
+        created_at=NOW - 2 * WINDOW,
+    )
+
+    consumer_escalates = replay_window_passed(row, dedupe, now=NOW)
+    operator_refuses = retry_refusal(registry, row, NOW) is not None
+
+    assert operator_refuses is window_passed(row, dedupe, now=NOW)
+    if not lookup:
+        assert operator_refuses is consumer_escalates
+    elif consumer_escalates:
+        raise AssertionError("a contract with a lookup is never escalated at its claim")
 
 
 # --- provider callbacks: one test per row of docs/design.md section 5, "Callbacks" -------

@@ -163,6 +163,7 @@ STORE = [
     "operation_stats",
     "operations_by_state",
     "operations_page",
+    "operations_with_prefix",
     "outbox_backlog",
     "outbox_rows",
     "pending_approvals",

@@ -26,7 +26,6 @@ consumer's claim makes the second delivery a counted duplicate), never in neithe
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
@@ -179,17 +178,6 @@ class RequeueReport:
 
 class RequeueFailed(OutboxError):
     """The broker refused a republished message; it stays in the dead-letter queue."""
-
-
-def positive_int(text: str) -> int:
-    """argparse type for ``--limit``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
-    return value
 
 
 async def list_dead_letters(settings: Settings, *, limit: int = DEFAULT_LIST_LIMIT) -> Listing:

@@ -1,0 +1,9 @@
+"""The operator's side, one set of commands for every front end.
+
+- :mod:`outbox.operator.rules`: what an operator may do to an operation (the resolution
+  vocabulary, which resolutions an operation allows, the approval and resolution
+  writes); ``outbox ops``/``outbox approvals`` and the console both call it.
+- :mod:`outbox.operator.render`: how the records read, as text and as JSON.
+- :mod:`outbox.operator.commands`: ``outbox ops``, ``outbox approvals``, ``outbox stats``.
+- :mod:`outbox.operator.dlq`: the dead-letter queue, for ``outbox dlq`` and the console.
+"""

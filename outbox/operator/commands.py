@@ -1,0 +1,517 @@
+"""``outbox ops``, ``outbox approvals`` and ``outbox stats``: the handlers and their
+parsers, one ``configure_*`` per command group.
+
+What a person on call needs: which operations are stuck and why, the evidence of one
+operation, a way to settle an escalation with their name and evidence on it, the
+approvals waiting for them, and the numbers. The rules and the writes are
+:mod:`outbox.operator.rules` (the console uses the same), the output is
+:mod:`outbox.operator.render`; each command runs in one transaction
+(:func:`outbox.connections.command_transaction`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import TypeAlias
+from uuid import UUID
+
+from outbox import store
+from outbox.cli.arguments import add_tools_flag, positive_int
+from outbox.connections import command_transaction
+from outbox.contracts import Registry
+from outbox.errors import ConfigurationError
+from outbox.loading import load_registry, module_list
+from outbox.models import ApprovalDecision, display_operation_id, parse_operation_id
+from outbox.operator import render, rules, views
+from outbox.operator.rules import Resolution
+from outbox.settings import Settings
+from outbox.states import OperationState
+from outbox.store import Store
+from outbox.text import printable
+
+S = OperationState
+Handler = Callable[[argparse.Namespace, Settings], int]
+SettingFlags = Callable[..., None]
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+DEFAULT_LIST_LIMIT = 50
+# Far beyond any sensible grant or look-back; it keeps `now() ± duration` inside what
+# Python and Postgres timestamps can hold.
+MAX_DURATION = timedelta(days=3650)
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+OP_ID_HELP = "op_<uuid>, a bare uuid, or the short id the console shows (op_74ca7733)"
+
+
+def duration(text: str) -> timedelta:
+    """argparse type: ``30s``, ``15m``, ``2h``, ``1d``."""
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration like 30s, 15m, 2h or 1d: {text!r}")
+    try:
+        value = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    except OverflowError:
+        value = timedelta.max
+    if value <= timedelta(0):
+        raise argparse.ArgumentTypeError("a duration must be longer than zero")
+    if value > MAX_DURATION:
+        raise argparse.ArgumentTypeError(f"a duration must be at most {MAX_DURATION.days}d")
+    return value
+
+
+def since(text: str) -> datetime | timedelta:
+    """argparse type for ``--since``: a duration back from now, or an ISO 8601 instant
+    (UTC when it names no offset)."""
+    if _DURATION.fullmatch(text):
+        return duration(text)
+    try:
+        instant = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 time or a duration like 30m, 2h, 1d: {text!r}"
+        ) from None
+    return instant if instant.tzinfo else instant.replace(tzinfo=UTC)
+
+
+def operation_id_argument(text: str) -> UUID:
+    """argparse type for an operation id: a malformed one is a usage error (exit 2)."""
+    try:
+        return parse_operation_id(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an operation id: {text!r} (expected op_<uuid> or a bare uuid)"
+        ) from None
+
+
+def _person(text: str) -> str:
+    if not text.strip():
+        raise ConfigurationError("--by must name the person deciding")
+    return text.strip()
+
+
+def _registry(settings: Settings) -> Registry | None:
+    modules = module_list([settings.tools])
+    return load_registry(modules) if modules else None
+
+
+def _print_json(document: object) -> None:
+    print(json.dumps(document, indent=2))
+
+
+def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
+    window = args.since
+    with command_transaction(settings) as connection:
+        runner = Store(connection)
+        key = runner.run(store.fingerprint_key())
+        summaries = runner.run(
+            store.list_operation_summaries(
+                states=[S(state) for state in args.states] if args.states else None,
+                tool=args.tool,
+                since=window if isinstance(window, datetime) else None,
+                within=window if isinstance(window, timedelta) else None,
+                limit=args.limit,
+            )
+        )
+        escalations = views.escalations(runner, ((s.id, s.state) for s in summaries))
+    now = datetime.now(UTC)
+    if args.json:
+        _print_json(
+            [
+                render.summary_json(s, key, render.escalation_json(escalations.get(s.id), now))
+                for s in summaries
+            ]
+        )
+    else:
+        # A list of escalations says why each one waits, and for how long.
+        only_escalated = bool(args.states) and set(args.states) == {str(S.ESCALATED)}
+        print(render.listing_text(summaries, escalations if only_escalated else None, now))
+    return 0
+
+
+def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
+    with command_transaction(settings) as connection:
+        runner = Store(connection)
+        operation_id = views.operation_id_of(runner, args.operation_id)
+        key = runner.run(store.fingerprint_key())
+        operation = runner.run(store.get_operation(operation_id))
+        events = runner.run(store.events(operation_id))
+        callbacks = runner.run(store.callbacks_of([operation_id])).get(operation_id, [])
+        check = decided_by = None
+        if operation.requires_approval:
+            check = runner.run(store.check_approval(operation_id))
+            decided_by = runner.run(store.approver_of(check))
+    if args.json:
+        _print_json(render.show_json(operation, events, check, decided_by, key, callbacks))
+        return 0
+    approval = render.approval_text(check, decided_by) if check is not None else None
+    print(render.show_text(operation, events, approval, key, callbacks))
+    return 0
+
+
+def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 when every chain checked is intact, 1 when a link is broken, 2 when the
+    operation named does not exist (nothing was checked)."""
+    operation_id: UUID | None = args.operation_id
+    with command_transaction(settings) as connection:
+        report = Store(connection).run(store.verify_chain(operation_id))
+    if operation_id is not None and report.operations_checked == 0:
+        print(
+            f"outbox ops verify: {display_operation_id(operation_id)} is not an operation of "
+            "this database; nothing was checked",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        _print_json(render.chain_json(report))
+    else:
+        print(render.chain_text(report, operation_id))
+    return 0 if report.intact else 1
+
+
+def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
+    resolution = Resolution(args.resolution)
+    if resolution is Resolution.COMMITTED and not args.provider_ref:
+        raise ConfigurationError(
+            "--committed needs --provider-ref: the provider's id of the effect"
+        )
+    if resolution is not Resolution.COMMITTED and args.provider_ref:
+        raise ConfigurationError("--provider-ref goes with --committed only")
+    if not args.evidence.strip():
+        raise ConfigurationError("--evidence must say what the decision rests on")
+    person = _person(args.by)
+    # Only a retry asks the contract (its dedupe window); the other two never load tools.
+    registry = _registry(settings) if resolution is Resolution.NOT_COMMITTED else None
+    with command_transaction(settings) as connection:
+        runner = Store(connection)
+        resolved = rules.resolve(
+            runner,
+            views.operation_id_of(runner, args.operation_id),
+            resolution,
+            by=person,
+            evidence=args.evidence.strip(),
+            provider_reference=args.provider_ref,
+            force=args.force,
+            registry=registry,
+        )
+    print(render.resolved_text(resolved, person))
+    return 0
+
+
+def cmd_ops_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    """End a prepared operation as rejected before it is ever attempted."""
+    if not args.reason.strip():
+        raise ConfigurationError("--reason must say why the operation is cancelled")
+    person = _person(args.by)
+    with command_transaction(settings) as connection:
+        runner = Store(connection)
+        cancelled = rules.cancel(
+            runner,
+            views.operation_id_of(runner, args.operation_id),
+            by=person,
+            reason=args.reason.strip(),
+        )
+    print(f"{cancelled.display_id}: prepared -> rejected: it will not be attempted")
+    print(f"cancelled by {printable(person)}; the reason is kept in its operation.resolved event")
+    return 0
+
+
+def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
+    with command_transaction(settings) as connection:
+        runner = Store(connection)
+        key = runner.run(store.fingerprint_key())
+        pending = runner.run(store.pending_approvals())
+        # An approver judges the intent itself, not its fingerprint. The listing query
+        # leaves the input out, so it is read per operation, in the same transaction.
+        inputs = {
+            p.operation.id: runner.run(store.get_operation(p.operation.id)).input for p in pending
+        }
+    if args.json:
+        _print_json([render.pending_json(p, key, inputs[p.operation.id]) for p in pending])
+    else:
+        print(render.pending_text(pending, key, inputs))
+    return 0
+
+
+def _decide(args: argparse.Namespace, settings: Settings, decision: ApprovalDecision) -> int:
+    person = _person(args.by)
+    granted = decision is ApprovalDecision.GRANTED
+    with command_transaction(settings) as connection:
+        runner = Store(connection)
+        decided = rules.decide_approval(
+            runner,
+            views.operation_id_of(runner, args.operation_id),
+            decision,
+            by=person,
+            ttl=args.ttl if granted else rules.DENIAL_TTL,
+            shown=args.intent,
+        )
+    if getattr(args, "json", False):
+        _print_json(render.approval_decided_json(decided))
+    else:
+        print(render.approval_decided_text(decided))
+    return 0
+
+
+def cmd_approvals_grant(args: argparse.Namespace, settings: Settings) -> int:
+    return _decide(args, settings, ApprovalDecision.GRANTED)
+
+
+def cmd_approvals_deny(args: argparse.Namespace, settings: Settings) -> int:
+    return _decide(args, settings, ApprovalDecision.DENIED)
+
+
+def cmd_stats(args: argparse.Namespace, settings: Settings) -> int:
+    with command_transaction(settings) as connection:
+        stats = Store(connection).run(store.operation_stats())
+    numbers = render.stats_json(stats)
+    print(json.dumps(numbers, indent=2) if args.json else render.stats_text(numbers))
+    return 0
+
+
+def _leaf(
+    parent: Commands,
+    add_setting_flags: SettingFlags,
+    name: str,
+    handler: Handler,
+    help_text: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    parser = parent.add_parser(name, help=help_text, description=description)
+    add_setting_flags(parser, "database_url")
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _json_flag(
+    parser: argparse.ArgumentParser, what: str = "a JSON list instead of a table"
+) -> None:
+    parser.add_argument("--json", action="store_true", help=what)
+
+
+def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
+    """Register ``outbox ops`` (list, show, verify, resolve, cancel).
+
+    ``add_setting_flags`` is passed in by the CLI, which imports this module."""
+    parser = commands.add_parser(
+        "ops",
+        help="list operations, show one's evidence, resolve an escalation",
+        description="Look at operations and settle the ones handed to a person. Only "
+        "`ops show` prints an operation's input.",
+    )
+    ops = parser.add_subparsers(dest="ops_command", required=True, metavar="ACTION")
+
+    listing = _leaf(
+        ops,
+        add_setting_flags,
+        "list",
+        cmd_ops_list,
+        "operations, most recently changed first",
+        "One line per operation: id, tool and version, state, attempts, reconciliation "
+        "lookups, last error class and last change, most recently changed first.",
+    )
+    listing.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        choices=[str(s) for s in S],
+        help="only operations in this state (repeatable)",
+    )
+    listing.add_argument("--tool", help="only operations of this tool")
+    listing.add_argument(
+        "--since",
+        type=since,
+        help="only operations changed since then: an ISO 8601 time (UTC unless it has an "
+        "offset) or a duration back from now, like 30m, 2h, 1d",
+    )
+    listing.add_argument(
+        "--limit",
+        type=positive_int,
+        default=DEFAULT_LIST_LIMIT,
+        help=f"show at most N operations (default {DEFAULT_LIST_LIMIT})",
+    )
+    _json_flag(listing)
+
+    show = _leaf(
+        ops,
+        add_setting_flags,
+        "show",
+        cmd_ops_show,
+        "one operation and its lifecycle timeline",
+        "The operation's identity, tool, state, counters, provider reference and approval "
+        "status, the validated input (JSON, control characters escaped), then every "
+        "lifecycle event with its time and attributes, then every provider callback about "
+        "it and what was done with it.",
+    )
+    show.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    _json_flag(show, "one JSON document instead of text (the input as JSON, not escaped text)")
+
+    verify = _leaf(
+        ops,
+        add_setting_flags,
+        "verify",
+        cmd_ops_verify,
+        "check that lifecycle events are the ones written (one operation, or --all)",
+        "Recompute the hash chain of an operation's lifecycle events and compare it with "
+        "the chain's head: reports every event changed, deleted or added around the "
+        'database\'s chain trigger (docs/operating.md, "The evidence chain"). Exit '
+        "status 0 when intact, 1 when a link is broken, 2 for an operation id that is "
+        "malformed or unknown.",
+    )
+    target = verify.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "operation_id",
+        metavar="OP_ID",
+        nargs="?",
+        type=operation_id_argument,
+        help="op_<uuid> or a bare uuid",
+    )
+    target.add_argument(
+        "--all", dest="all_operations", action="store_true", help="every operation, page by page"
+    )
+    _json_flag(verify, "one JSON document instead of text")
+
+    _configure_resolve(ops, add_setting_flags)
+
+    cancel = _leaf(
+        ops,
+        add_setting_flags,
+        "cancel",
+        cmd_ops_cancel,
+        "end a prepared operation as rejected, before any attempt",
+        "Cancel an operation that no worker has attempted yet (state prepared): it ends "
+        "rejected and is never executed. A worker that claims it first wins, and the "
+        "cancel is refused with nothing changed. Recorded as an operation.resolved event "
+        "(decision cancel) with your name and reason; the reason is stored there, never "
+        "logged.",
+    )
+    cancel.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    cancel.add_argument(
+        "--reason", required=True, help="why it must not happen (kept with the operation)"
+    )
+    cancel.add_argument("--by", required=True, help="who decides (name or email)")
+
+
+_RESOLUTION_HELP = {
+    Resolution.COMMITTED: "the effect happened (needs --provider-ref)",
+    Resolution.NOT_COMMITTED: "the effect provably did not happen: attempt it once more "
+    "(a deduplicated write only inside its dedupe window, which needs --tools)",
+    Resolution.REJECTED: "the effect must not happen: end the operation",
+}
+
+
+def _configure_resolve(ops: Commands, add_setting_flags: SettingFlags) -> None:
+    resolve = _leaf(
+        ops,
+        add_setting_flags,
+        "resolve",
+        cmd_ops_resolve,
+        "settle an escalated operation, with your name and evidence",
+        "Settle an escalated operation after finding out what happened: --committed (the "
+        "effect happened: give the provider's reference), --not-committed (it provably did "
+        "not: one more attempt is queued, under the same idempotency key) or --rejected "
+        "(do not do it). The console offers the same three, under the same rules. Recorded "
+        "as an operation.resolved event with your name, decision and evidence; the "
+        "evidence is stored there (first 500 characters), never logged.",
+    )
+    resolve.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    decision = resolve.add_mutually_exclusive_group(required=True)
+    for resolution in Resolution:
+        decision.add_argument(
+            resolution.flag,
+            dest="resolution",
+            action="store_const",
+            const=str(resolution),
+            help=_RESOLUTION_HELP[resolution],
+        )
+    resolve.add_argument("--provider-ref", help="the provider's id of the effect (--committed)")
+    resolve.add_argument(
+        "--evidence", required=True, help="what the decision rests on (kept with the operation)"
+    )
+    resolve.add_argument("--by", required=True, help="who decides (name or email)")
+    resolve.add_argument(
+        "--force",
+        action="store_true",
+        help="also resolve an outcome_unknown operation the reconciler has not escalated yet "
+        "(a reconciler's later write on it is then refused)",
+    )
+    # A retry of a deduplicated write asks its contract whether the window still holds.
+    add_tools_flag(resolve)
+
+
+def configure_approvals(commands: Commands, add_setting_flags: SettingFlags) -> None:
+    """Register ``outbox approvals`` (pending, grant, deny)."""
+    parser = commands.add_parser(
+        "approvals",
+        help="operations waiting for an approval; grant or deny one",
+        description="A grant binds one operation and the exact intent (fingerprint) it "
+        "has now; a changed intent needs a new grant.",
+    )
+    approvals = parser.add_subparsers(dest="approvals_command", required=True, metavar="ACTION")
+    pending = _leaf(
+        approvals,
+        add_setting_flags,
+        "pending",
+        cmd_approvals_pending,
+        "prepared operations that need an approval and have no valid one",
+        "Prepared operations whose contract requires an approval and whose latest approval "
+        "is missing, expired, denied or for another intent, oldest first, each with the "
+        "validated input a grant would approve (JSON, control characters escaped).",
+    )
+    _json_flag(pending)
+    intent_help = (
+        "the fingerprint `approvals pending` or `ops show` printed for the intent you "
+        "judged: refused, with nothing written, if the intent is no longer that one "
+        "(without it, the intent read now is bound and printed)"
+    )
+    grant = _leaf(
+        approvals,
+        add_setting_flags,
+        "grant",
+        cmd_approvals_grant,
+        "approve one operation's current intent, for a while",
+        "Write a grant bound to the operation's fingerprint, valid for --ttl, and queue the "
+        "operation again. Prints the approval id, the intent's fingerprint and the expiry.",
+    )
+    grant.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    grant.add_argument("--by", required=True, help="who approves (name or email)")
+    grant.add_argument(
+        "--ttl",
+        type=duration,
+        default=rules.DEFAULT_APPROVAL_TTL,
+        help="how long the grant stays valid: 30s, 15m, 2h, 1d (default 15m)",
+    )
+    grant.add_argument("--intent", metavar="FINGERPRINT", help=intent_help)
+    _json_flag(grant, "one JSON document instead of text")
+    deny = _leaf(
+        approvals,
+        add_setting_flags,
+        "deny",
+        cmd_approvals_deny,
+        "refuse one operation: the consumer will not execute it",
+        "Record a denial. The consumer refuses to execute the operation while the denial "
+        "is its latest decision; a later grant supersedes it, and with no grant the "
+        "operation ends rejected (approval_denied) after OUTBOX_APPROVAL_DENIAL_GRACE.",
+    )
+    deny.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    deny.add_argument("--by", required=True, help="who denies (name or email)")
+    deny.add_argument("--intent", metavar="FINGERPRINT", help=intent_help)
+    _json_flag(deny, "one JSON document instead of text")
+
+
+def configure_stats(commands: Commands, add_setting_flags: SettingFlags) -> None:
+    """Register ``outbox stats``."""
+    stats = _leaf(
+        commands,
+        add_setting_flags,
+        "stats",
+        cmd_stats,
+        "operations by state and tool, outbox backlog, what waits for a person",
+        "Counts of operations by tool and state, unpublished outbox rows and the age of "
+        "the oldest, escalations and approvals waiting for a person.",
+    )
+    _json_flag(stats, "one JSON document instead of text")

@@ -1,0 +1,464 @@
+"""How operator output reads: tables and stamps for a terminal, the same records as
+JSON, for ``outbox ops``, ``outbox approvals``, ``outbox stats`` and the console.
+
+Run ids, names, reasons, error text and inputs were chosen by agents, providers or other
+people: in human-readable output every one goes through :func:`printable`, so none can
+move the cursor, rewrite a line or recolour the terminal. JSON output is escaped by
+JSON. An operation's input (its intent) is rendered only where a person must judge it
+(``ops show``, ``approvals pending``): listings and stats never carry it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+from outbox.bounds import is_unreadable, unreadable_reason
+from outbox.fingerprint_key import keyed_fingerprint
+from outbox.models import (
+    ApprovalCheck,
+    ApprovalDecision,
+    ApprovalStatus,
+    Callback,
+    Operation,
+    OperationEvent,
+    display_operation_id,
+)
+from outbox.operator.rules import ApprovalDecided, Resolved
+from outbox.operator.views import Escalation
+from outbox.states import OperationState
+from outbox.store import ChainReport, OperationStats, OperationSummary, PendingApproval
+from outbox.store.evidence import REASONS
+from outbox.text import logfmt_key, logfmt_value, printable
+
+S = OperationState
+
+
+def stamp(moment: datetime | None) -> str:
+    if moment is None:
+        return "-"
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    rows = [[printable(cell) for cell in row] for row in rows]
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
+    lines = [headers, *rows]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def age_text(seconds: float) -> str:
+    """A waiting time a person reads at a glance: ``45s``, ``12m``, ``3h 5m``, ``2d 4h``."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m" if minutes else f"{secs}s"
+
+
+def escalation_json(escalation: Escalation | None, now: datetime) -> dict[str, Any] | None:
+    if escalation is None:
+        return None
+    return {
+        "reason": escalation.reason,
+        "since": stamp(escalation.since),
+        "waiting_seconds": round((now - escalation.since).total_seconds(), 3),
+    }
+
+
+def summary_json(
+    summary: OperationSummary, key: str, escalation: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One operation in ``--json`` listings: metadata only, never the input. The
+    fingerprint is the keyed short form logs and events show, and nothing else."""
+    return {
+        "id": display_operation_id(summary.id),
+        "run_id": summary.run_id,
+        "tool": summary.tool_name,
+        "tool_version": summary.tool_version,
+        "side_effect": summary.side_effect,
+        "state": str(summary.state),
+        "attempts": summary.attempts,
+        "reconcile_attempts": summary.reconcile_attempts,
+        "last_error_class": summary.last_error_class,
+        "provider_reference": summary.provider_reference,
+        "requires_approval": summary.requires_approval,
+        "fingerprint": keyed_fingerprint(key, summary.input_fingerprint),
+        "created_at": stamp(summary.created_at),
+        "updated_at": stamp(summary.updated_at),
+        "escalation": escalation,
+    }
+
+
+def listing_text(
+    summaries: Sequence[OperationSummary],
+    escalations: dict[UUID, Escalation] | None = None,
+    now: datetime | None = None,
+) -> str:
+    """The operations table; with ``escalations`` (a list of escalated operations), why
+    each was handed to a person and how long it has waited."""
+    if not summaries:
+        return "no operations match"
+    headers = ["ID", "TOOL", "STATE", "ATTEMPTS", "RECONCILES", "LAST ERROR", "UPDATED"]
+    rows = [
+        [
+            display_operation_id(s.id),
+            f"{s.tool_name} v{s.tool_version}",
+            str(s.state),
+            str(s.attempts),
+            str(s.reconcile_attempts),
+            s.last_error_class or "-",
+            stamp(s.updated_at),
+        ]
+        for s in summaries
+    ]
+    if escalations is not None:
+        moment = now or datetime.now(UTC)
+        headers += ["ESCALATED BECAUSE", "WAITING"]
+        for row, summary in zip(rows, summaries, strict=True):
+            escalation = escalations.get(summary.id)
+            row += (
+                [escalation.reason, age_text((moment - escalation.since).total_seconds())]
+                if escalation
+                else ["-", "-"]
+            )
+    return table(headers, rows)
+
+
+def _attributes_text(name: str, attributes: dict[str, Any]) -> str:
+    if is_unreadable(attributes):
+        return f"(attributes unreadable: {unreadable_text(attributes)})"
+    # from/to first (the move), then the rest in a stable order. Keys are quoted like
+    # values when they are not plain words: a key is chosen by whoever wrote the event.
+    keys: list[str] = [k for k in ("from", "to") if k in attributes]
+    keys += sorted(k for k in attributes if k not in ("from", "to"))
+    text = printable(
+        " ".join(f"{logfmt_key(key)}={logfmt_value(_scalar(attributes[key]))}" for key in keys)
+    )
+    # The agent's own event: its words, not the runtime's record of what happened.
+    return f"the agent says: {text}" if name.startswith("agent.") else text
+
+
+def unreadable_text(value: object) -> str:
+    """What a reader shows for a stored value it would not parse: why, and its size."""
+    assert isinstance(value, dict)
+    detail = value.get("outbox.unreadable")
+    size = detail.get("bytes") if isinstance(detail, dict) else None
+    return f"{unreadable_reason(value)}, {size} bytes" if size else str(unreadable_reason(value))
+
+
+def intent_text(tool_input: dict[str, Any]) -> str:
+    """The validated input as one line of JSON (keys sorted), safe for a terminal; what
+    a person approves or settles, never a summary of it."""
+    if is_unreadable(tool_input):
+        return f"(unreadable: {unreadable_text(tool_input)}; it is never executed)"
+    return printable(json.dumps(tool_input, ensure_ascii=False, sort_keys=True))
+
+
+def _scalar(value: Any) -> str | int | float | bool | None:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value, sort_keys=True)
+
+
+def callbacks_text(callbacks: Sequence[Callback]) -> str:
+    """An operation's callbacks, in the order they came: what each reported, and what
+    the reconciler did with it. Every field a provider chose is escaped."""
+    head = f"callbacks ({len(callbacks)})"
+    if not callbacks:
+        return head
+    rows = [
+        [
+            str(c.id),
+            c.provider,
+            c.event_id,
+            str(c.status),
+            c.provider_reference or "-",
+            str(c.outcome) if c.outcome else "not applied yet",
+            stamp(c.received_at),
+        ]
+        for c in callbacks
+    ]
+    headers = ["ID", "PROVIDER", "EVENT", "STATUS", "REFERENCE", "OUTCOME", "RECEIVED"]
+    return "\n".join([head, *("  " + line for line in table(headers, rows).splitlines())])
+
+
+def show_text(
+    operation: Operation,
+    events: Sequence[OperationEvent],
+    approval: str | None,
+    key: str,
+    callbacks: Sequence[Callback] = (),
+) -> str:
+    header = [
+        ("operation", operation.display_id),
+        ("run", operation.run_id),
+        ("tool", f"{operation.tool_name} v{operation.tool_version}"),
+        ("side effect", str(operation.side_effect)),
+        ("state", str(operation.state)),
+        ("fingerprint", keyed_fingerprint(key, operation.input_fingerprint)),
+        ("input", intent_text(operation.input)),
+        ("attempts", str(operation.attempts)),
+        ("reconciles", str(operation.reconcile_attempts)),
+        ("provider ref", operation.provider_reference or "-"),
+        ("last error", operation.last_error_class or "-"),
+        ("approval", approval or "not required"),
+        ("created", stamp(operation.created_at)),
+        ("updated", stamp(operation.updated_at)),
+    ]
+    width = max(len(label) for label, _ in header)
+    lines = [f"{label.ljust(width)}  {printable(value)}" for label, value in header]
+    lines += ["", f"timeline ({len(events)} events)"]
+    names = [printable(event.name) for event in events]
+    name_width = max(map(len, names), default=0)
+    for event, name in zip(events, names, strict=True):
+        when, name = stamp(event.created_at), name.ljust(name_width)
+        text = _attributes_text(event.name, event.attributes)
+        lines.append(f"  {when}  {name}  {text}".rstrip())
+    lines += ["", callbacks_text(callbacks)]
+    return "\n".join(lines)
+
+
+def show_json(
+    operation: Operation,
+    events: Sequence[OperationEvent],
+    check: ApprovalCheck | None,
+    decided_by: str | None,
+    key: str,
+    callbacks: Sequence[Callback] = (),
+) -> dict[str, Any]:
+    """``ops show --json``: what the text shows, as JSON (the input and the attributes
+    as they are stored, escaped by JSON; an unreadable one as its marker)."""
+    return {
+        "id": operation.display_id,
+        "run_id": operation.run_id,
+        "decision_key": operation.decision_key,
+        "tool": operation.tool_name,
+        "tool_version": operation.tool_version,
+        "side_effect": str(operation.side_effect),
+        "state": str(operation.state),
+        "fingerprint": keyed_fingerprint(key, operation.input_fingerprint),
+        "input": operation.input,
+        "attempts": operation.attempts,
+        "reconcile_attempts": operation.reconcile_attempts,
+        "first_attempt_at": stamp(operation.first_attempt_at),
+        "provider_reference": operation.provider_reference,
+        "last_error_class": operation.last_error_class,
+        "effect_possible": operation.effect_possible,
+        "requires_approval": operation.requires_approval,
+        "approval": None
+        if check is None
+        else {"status": str(check.status), "reason": check.reason, "decided_by": decided_by},
+        "created_at": stamp(operation.created_at),
+        "updated_at": stamp(operation.updated_at),
+        "events": [
+            {"at": stamp(event.created_at), "name": event.name, "attributes": event.attributes}
+            for event in events
+        ],
+        "callbacks": [
+            {
+                "id": c.id,
+                "provider": c.provider,
+                "event_id": c.event_id,
+                "status": str(c.status),
+                "provider_reference": c.provider_reference,
+                "outcome": str(c.outcome) if c.outcome else None,
+                "received_at": stamp(c.received_at),
+            }
+            for c in callbacks
+        ],
+    }
+
+
+def chain_json(report: ChainReport) -> dict[str, Any]:
+    return {
+        "intact": report.intact,
+        "operations_checked": report.operations_checked,
+        "events_checked": report.events_checked,
+        "broken": [
+            {
+                "operation_id": display_operation_id(link.operation_id),
+                "event_id": link.event_id,
+                "reason": link.reason,
+            }
+            for link in report.broken
+        ],
+    }
+
+
+def chain_text(report: ChainReport, operation_id: UUID | None) -> str:
+    """One line with the verdict, then a row per broken link with what it means."""
+    if operation_id is not None:
+        head = f"{display_operation_id(operation_id)} ({report.events_checked} events)"
+    else:
+        head = f"{report.operations_checked} operations, {report.events_checked} events"
+    if report.intact:
+        return f"{head}: {'evidence chain' if operation_id else 'every evidence chain'} intact"
+    operations = len({link.operation_id for link in report.broken})
+    verdict = f"{head}: BROKEN, {len(report.broken)} broken link(s) in {operations} operation(s)"
+    rows = [
+        [
+            display_operation_id(link.operation_id),
+            f"event {link.event_id}" if link.event_id is not None else "-",
+            link.reason,
+            REASONS.get(link.reason, ""),
+        ]
+        for link in report.broken
+    ]
+    table_lines = table(["OPERATION", "EVENT", "REASON", "MEANING"], rows).splitlines()
+    return "\n".join([verdict, *("  " + line for line in table_lines)])
+
+
+def approval_text(check: ApprovalCheck, decided_by: str | None = None) -> str:
+    """The approval check in a line; with the name an operator may read, who decided."""
+    reason = check.reason
+    if decided_by is not None and check.approval is not None:
+        if check.status is ApprovalStatus.DENIED:
+            reason = f"denied by {decided_by}"
+        elif check.status is ApprovalStatus.VALID:
+            reason = f"granted by {decided_by} until {stamp(check.approval.expires_at)}"
+    return f"{check.status}: {reason}"
+
+
+def stats_json(stats: OperationStats) -> dict[str, Any]:
+    by_state = dict.fromkeys((str(s) for s in S), 0)
+    for states in stats.by_tool.values():
+        for state, count in states.items():
+            by_state[state] += count
+    return {
+        "by_state": by_state,
+        "by_tool": {
+            tool: {str(s): states.get(str(s), 0) for s in S}
+            for tool, states in sorted(stats.by_tool.items())
+        },
+        "outbox_backlog": stats.backlog.pending,
+        "oldest_pending_age_seconds": round(stats.backlog.oldest_age_seconds, 3),
+        "escalations_waiting": by_state[str(S.ESCALATED)],
+        "approvals_waiting": stats.pending_approvals,
+    }
+
+
+def stats_text(numbers: dict[str, Any]) -> str:
+    states = [str(s) for s in S]
+    rows = [
+        [tool, *(str(counts[s]) for s in states), str(sum(counts.values()))]
+        for tool, counts in numbers["by_tool"].items()
+    ]
+    rows.append(
+        [
+            "all",
+            *(str(numbers["by_state"][s]) for s in states),
+            str(sum(numbers["by_state"].values())),
+        ]
+    )
+    lines = [
+        table(["TOOL", *(s.upper() for s in states), "TOTAL"], rows),
+        "",
+        f"outbox backlog       {numbers['outbox_backlog']} unpublished row(s), oldest waiting "
+        f"{numbers['oldest_pending_age_seconds']:.1f} s",
+        f"escalations waiting  {numbers['escalations_waiting']}  "
+        "(outbox ops list --state escalated)",
+        f"approvals waiting    {numbers['approvals_waiting']}  (outbox approvals pending)",
+    ]
+    return "\n".join(lines)
+
+
+def pending_json(pending: PendingApproval, key: str, tool_input: dict[str, Any]) -> dict[str, Any]:
+    listed = summary_json(pending.operation, key)
+    del listed["escalation"]  # a prepared operation waiting for an approval has none
+    return {
+        **listed,
+        "input": tool_input,
+        "approval_status": str(pending.check.status),
+        "approval_reason": pending.check.reason,
+    }
+
+
+def pending_text(
+    pending: Sequence[PendingApproval], key: str, inputs: dict[UUID, dict[str, Any]]
+) -> str:
+    if not pending:
+        return "no operations are waiting for an approval"
+    rows = [
+        [
+            display_operation_id(p.operation.id),
+            f"{p.operation.tool_name} v{p.operation.tool_version}",
+            keyed_fingerprint(key, p.operation.input_fingerprint),
+            f"{p.operation.side_effect} in run {p.operation.run_id}",
+            approval_text(p.check, p.decided_by),
+            stamp(p.operation.created_at),
+            # Last: the one column of any length.
+            intent_text(inputs[p.operation.id]),
+        ]
+        for p in pending
+    ]
+    headers = ["ID", "TOOL", "FINGERPRINT", "SUMMARY", "APPROVAL", "CREATED", "INPUT"]
+    return table(headers, rows)
+
+
+def approval_decided_json(decided: ApprovalDecided) -> dict[str, Any]:
+    approval = decided.approval
+    return {
+        "approval_id": str(approval.id),
+        "operation_id": decided.operation.display_id,
+        "decision": str(approval.decision),
+        "by": decided.by,
+        "intent": decided.intent,
+        "expires_at": stamp(approval.expires_at),
+        "state": str(decided.operation.state),
+        "requires_approval": decided.operation.requires_approval,
+    }
+
+
+def approval_decided_text(decided: ApprovalDecided) -> str:
+    operation, approval = decided.operation, decided.approval
+    by = printable(decided.by)
+    if approval.decision is ApprovalDecision.DENIED:
+        return "\n".join(
+            [
+                f"approval {approval.id}: denied by {by} for {operation.display_id} "
+                f"(intent {decided.intent})",
+                f"the operation stays {operation.state} for now: the consumer refuses to "
+                "execute it while this denial is its latest approval decision, a later grant "
+                "supersedes it, and with no grant the consumer ends it rejected "
+                "(approval_denied) after OUTBOX_APPROVAL_DENIAL_GRACE",
+            ]
+        )
+    lines = [
+        f"approval {approval.id} granted by {by} for {operation.display_id} "
+        f"(intent {decided.intent}), expires {stamp(approval.expires_at)}"
+    ]
+    if operation.state is S.PREPARED:
+        lines.append("the operation is queued again and will be attempted under this grant")
+    if not operation.requires_approval:
+        lines.append("note: this operation did not require an approval")
+    return "\n".join(lines)
+
+
+_OUTCOMES = {
+    S.PREPARED: "prepared: one more attempt is queued now, under the same idempotency key",
+    S.REJECTED: "rejected: it will not be attempted again",
+}
+
+
+def resolved_text(resolved: Resolved, by: str) -> str:
+    after = resolved.after
+    outcome = _OUTCOMES.get(after.state) or (
+        f"committed, provider reference {after.provider_reference}"
+    )
+    return "\n".join(
+        [
+            f"{after.display_id}: {resolved.before.state} -> {printable(outcome)}",
+            f"resolved by {printable(by)}; the evidence is kept in its operation.resolved event",
+        ]
+    )

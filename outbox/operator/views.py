@@ -1,0 +1,146 @@
+"""What the operator front ends read beyond one store call: the operation a short id
+names, why an escalated operation was handed to a person and since when, and what a
+dead letter's operation has become. ``outbox ops`` and the console read them the same
+way."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from uuid import UUID
+
+from outbox import store
+from outbox.errors import OperationNotFound
+from outbox.models import OperationEvent, display_operation_id, parse_operation_id
+from outbox.operator.dlq import MAX_ENVELOPE_BYTES, DeadLetter
+from outbox.states import EventName, OperationState
+from outbox.store import Store
+
+# The short id the console prints (`op_74ca7733`): a shorter prefix names too little to
+# act on safely.
+MIN_SHORT_ID = 8
+_HEX = frozenset("0123456789abcdef")
+
+
+def operation_id_of(runner: Store, text: str) -> UUID:
+    """The operation ``text`` names: ``op_<uuid>``, a bare uuid, or the start of one
+    (at least 8 hex digits, ``op_`` optional) that only one operation has."""
+    given = text.strip()
+    try:
+        return parse_operation_id(given)
+    except ValueError:
+        pass
+    prefix = given.lower().removeprefix("op_").replace("-", "")
+    if len(prefix) < MIN_SHORT_ID or len(prefix) > 32 or not set(prefix) <= _HEX:
+        raise OperationNotFound(
+            f"{given!r} is not an operation id: expected op_<uuid>, a bare uuid, or the "
+            f"start of one (at least {MIN_SHORT_ID} hex digits, as the console shows it)"
+        )
+    matches = runner.run(store.operations_with_prefix(prefix))
+    if not matches:
+        raise OperationNotFound(f"no operation id starts with {given!r}")
+    if len(matches) > 1:
+        first, second = (display_operation_id(m) for m in matches)
+        raise OperationNotFound(
+            f"{given!r} is ambiguous: {first}, {second} and maybe more start with it; give "
+            "more of the id"
+        )
+    return matches[0]
+
+
+@dataclass(frozen=True)
+class Escalation:
+    reason: str
+    """The ``reason`` of the move to ``escalated`` (``tampered``, ``undeliverable``,
+    ``escalate_by_contract``, ...), as the policy wrote it."""
+    since: datetime
+
+
+def escalations(
+    runner: Store, operations: Iterable[tuple[UUID, OperationState]]
+) -> dict[UUID, Escalation]:
+    """The latest escalation of each escalated operation among ``operations``, read from
+    its timeline (one query per escalated operation: a page holds at most a few dozen)."""
+    found: dict[UUID, Escalation] = {}
+    for operation_id, state in operations:
+        if state is OperationState.ESCALATED:
+            escalation = _last_escalation(runner.run(store.events(operation_id)))
+            if escalation is not None:
+                found[operation_id] = escalation
+    return found
+
+
+def _last_escalation(events: Sequence[OperationEvent]) -> Escalation | None:
+    moves = [event for event in events if event.name == EventName.ESCALATED]
+    if not moves:
+        return None
+    reason = moves[-1].attributes.get("reason")
+    return Escalation(reason=reason if isinstance(reason, str) else "-", since=moves[-1].created_at)
+
+
+# What RabbitMQ's x-death reason means for an operation message.
+DEATH_REASONS = {
+    "rejected": "refused by a consumer",
+    "delivery_limit": "out of deliveries (OUTBOX_DELIVERY_LIMIT)",
+    "expired": "expired in the queue",
+}
+
+
+@dataclass(frozen=True)
+class DeadLetterView:
+    """One dead letter as a person reads it: why it died, and what became of its
+    operation since."""
+
+    message: DeadLetter
+    why: str
+    """The consumer's reason where it wrote one down (or where the message alone tells
+    it), else what the broker says."""
+    operation_state: OperationState | None
+    escalation: Escalation | None
+
+
+def dead_letter_views(runner: Store, messages: Iterable[DeadLetter]) -> list[DeadLetterView]:
+    """Each message with its operation's state and the consumer's reason: the consumer
+    writes an ``operation.dead_lettered`` event for a tool no consumer has; a body that
+    is not an envelope is ``malformed`` (or ``oversized``), one whose operation does not
+    exist ``unknown_operation``, as the consumer logs them."""
+    views = []
+    for message in messages:
+        view = dead_letter_views_without_database(message)
+        if message.envelope is not None:
+            view = _with_operation(runner, view, message.envelope.operation_id)
+        views.append(view)
+    return views
+
+
+def _with_operation(runner: Store, view: DeadLetterView, operation_id: UUID) -> DeadLetterView:
+    try:
+        state = runner.run(store.get_operation(operation_id)).state
+    except OperationNotFound:
+        return replace(view, why="unknown_operation: no operation has this id")
+    events = runner.run(store.events(operation_id))
+    recorded = [e.attributes.get("reason") for e in events if e.name == EventName.DEAD_LETTERED]
+    return replace(
+        view,
+        why=next((r for r in reversed(recorded) if isinstance(r, str)), view.why),
+        operation_state=state,
+        escalation=_last_escalation(events) if state is OperationState.ESCALATED else None,
+    )
+
+
+def dead_letter_views_without_database(message: DeadLetter) -> DeadLetterView:
+    """What the message alone says, for when the operations cannot be read."""
+    if message.envelope is None:
+        why = "oversized" if message.body_bytes > MAX_ENVELOPE_BYTES else "malformed"
+    else:
+        why = _broker_says(message)
+    return DeadLetterView(message=message, why=why, operation_state=None, escalation=None)
+
+
+def _broker_says(message: DeadLetter) -> str:
+    deaths = [
+        f"{DEATH_REASONS.get(d.reason, d.reason)}, {d.count} time(s), from {d.queue}"
+        for d in message.deaths
+    ]
+    return "; ".join(deaths) or (message.first_death_reason or "-")
