@@ -27,7 +27,9 @@
 --                      insert_approval;
 --                      verify_event_chains (`outbox ops verify`) reads the chain heads;
 --                      operation_callbacks (`ops show`), list_callbacks (`outbox
---                      callbacks list`)
+--                      callbacks list`), operation_ids_in_range (a short id such as
+--                      `op_74ca7733` in `ops show`), list_approval_candidates
+--                      (`approvals pending`, with each one's latest decision)
 --   outbox_callbacks   `outbox callbacks` and record_callback(): record_callback
 --                      (EXECUTE on outbox_record_callback, its only write path and
 --                      its only privilege), schema_is_current (the catalog)

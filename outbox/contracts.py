@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import re
 import types
@@ -18,6 +17,7 @@ import pydantic
 import typing_extensions
 from pydantic import BaseModel
 
+from outbox.backoff import exponential_delay
 from outbox.callback_policy import CallbackPolicy, CallbackProvider, policy_problems
 from outbox.errors import ContractRefused, ToolNotRegistered
 from outbox.outcomes import EffectResult, ExecutionContext, Reconciliation
@@ -90,17 +90,15 @@ class RetryPolicy:
 
     def backoff(self, attempts_made: int, rng: random.Random | None = None) -> timedelta:
         """Delay before the next attempt, after ``attempts_made`` (>= 1) attempts."""
-        initial = self.initial_backoff.total_seconds()
-        ceiling = self.max_backoff.total_seconds()
-        exponent = max(0, attempts_made - 1)
-        if self.multiplier > 1.0:
-            # Past this exponent the delay is capped anyway; stopping there keeps
-            # multiplier ** exponent from overflowing after very many attempts.
-            exponent = min(exponent, math.ceil(math.log(ceiling / initial, self.multiplier)))
-        capped = min(initial * self.multiplier**exponent, ceiling)
-        spread = capped * self.jitter
-        draw = (rng or random).uniform(-spread, spread)
-        return timedelta(seconds=max(0.0, capped + draw))
+        delay = exponential_delay(
+            attempts_made,
+            first=self.initial_backoff.total_seconds(),
+            longest=self.max_backoff.total_seconds(),
+            multiplier=self.multiplier,
+            jitter=self.jitter,
+            rng=rng,
+        )
+        return timedelta(seconds=delay)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ CUT_MARGIN_SECONDS = 1.0
 async def record_decision_whole(
     engine: AsyncEngine, decision: NewDecision, *, seconds: float
 ) -> RecordedDecision:
-    """Record ``decision`` (validated already: :func:`outbox.decisions.prepare_decision`)
+    """Record ``decision`` (validated already: :func:`outbox.intent.prepare_decision`)
     in a transaction of its own on ``engine``, cut if it takes longer than ``seconds``
     (:class:`~outbox.connections.TransactionDeadlineExceeded`).
 

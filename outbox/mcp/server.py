@@ -16,7 +16,7 @@ They stay on the operator path, ``outbox approvals grant``.
 
 Built on the SDK's low-level ``Server``: schemas come from each contract's
 ``input_model``, and nothing in the SDK validates arguments there, so
-:func:`outbox.decisions.prepare_decision` does. What is listed is in
+:func:`outbox.intent.prepare_decision` does. What is listed is in
 :mod:`outbox.mcp.tools`; what the model reads, in :mod:`outbox.mcp.answers`.
 """
 

@@ -104,8 +104,8 @@ def test_a_very_long_run_of_failures_stays_at_the_ceiling() -> None:
 
 @pytest.mark.parametrize("attempts", [1, 2, 3, 9, 10_000])
 def test_a_contracts_retry_policy_draws_the_shared_backoffs_delays(attempts: int) -> None:
-    # RetryPolicy.backoff (outbox/contracts.py) has a formula of its own; this keeps the
-    # two agreeing, draw for draw, until it calls exponential_delay.
+    # A contract's retries and the daemons' reconnects wait by one formula: the same
+    # draw gives the same delay.
     policy = RetryPolicy(
         initial_backoff=timedelta(seconds=1),
         max_backoff=timedelta(minutes=5),
