@@ -145,10 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     configure_migrate(commands)
     configure_contracts(commands)
     configure_dlq(commands)
-    # Operator commands (ops, approvals, stats): ops cannot import this module back.
-    operator_commands.configure_ops(commands, add_setting_flags)
-    operator_commands.configure_approvals(commands, add_setting_flags)
-    operator_commands.configure_stats(commands, add_setting_flags)
+    operator_commands.configure_ops(commands)
+    operator_commands.configure_approvals(commands)
+    operator_commands.configure_stats(commands)
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)
     return parser

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 from pydantic import SecretStr
 
 from outbox.loading import TOOLS_ENV
+from outbox.models import parse_operation_id
 from outbox.settings import ENV_PREFIX, Settings, load_settings
 from outbox.urls import redact_url
 
@@ -128,3 +131,50 @@ def seconds(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError("must be a finite number of seconds, 0 or more")
     return value
+
+
+# Far beyond any sensible grant or look-back; it keeps `now() ± duration` inside what
+# Python and Postgres timestamps can hold.
+MAX_DURATION = timedelta(days=3650)
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def duration(text: str) -> timedelta:
+    """argparse type: ``30s``, ``15m``, ``2h``, ``1d``."""
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration like 30s, 15m, 2h or 1d: {text!r}")
+    try:
+        value = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    except OverflowError:
+        value = timedelta.max
+    if value <= timedelta(0):
+        raise argparse.ArgumentTypeError("a duration must be longer than zero")
+    if value > MAX_DURATION:
+        raise argparse.ArgumentTypeError(f"a duration must be at most {MAX_DURATION.days}d")
+    return value
+
+
+def since(text: str) -> datetime | timedelta:
+    """argparse type for ``--since``: a duration back from now, or an ISO 8601 instant
+    (UTC when it names no offset)."""
+    if _DURATION.fullmatch(text):
+        return duration(text)
+    try:
+        instant = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 time or a duration like 30m, 2h, 1d: {text!r}"
+        ) from None
+    return instant if instant.tzinfo else instant.replace(tzinfo=UTC)
+
+
+def operation_id_argument(text: str) -> UUID:
+    """argparse type for an operation id: a malformed one is a usage error (exit 2)."""
+    try:
+        return parse_operation_id(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an operation id: {text!r} (expected op_<uuid> or a bare uuid)"
+        ) from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -21,12 +20,19 @@ from typing import TypeAlias
 from uuid import UUID
 
 from outbox import store
-from outbox.cli.arguments import add_tools_flag, positive_int
+from outbox.cli.arguments import (
+    add_setting_flags,
+    add_tools_flag,
+    duration,
+    operation_id_argument,
+    positive_int,
+    since,
+)
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
-from outbox.models import ApprovalDecision, display_operation_id, parse_operation_id
+from outbox.models import ApprovalDecision, display_operation_id
 from outbox.operator import render, rules, views
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
@@ -36,56 +42,10 @@ from outbox.text import printable
 
 S = OperationState
 Handler = Callable[[argparse.Namespace, Settings], int]
-SettingFlags = Callable[..., None]
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 DEFAULT_LIST_LIMIT = 50
-# Far beyond any sensible grant or look-back; it keeps `now() ± duration` inside what
-# Python and Postgres timestamps can hold.
-MAX_DURATION = timedelta(days=3650)
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 OP_ID_HELP = "op_<uuid>, a bare uuid, or the short id the console shows (op_74ca7733)"
-
-
-def duration(text: str) -> timedelta:
-    """argparse type: ``30s``, ``15m``, ``2h``, ``1d``."""
-    match = _DURATION.fullmatch(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a duration like 30s, 15m, 2h or 1d: {text!r}")
-    try:
-        value = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
-    except OverflowError:
-        value = timedelta.max
-    if value <= timedelta(0):
-        raise argparse.ArgumentTypeError("a duration must be longer than zero")
-    if value > MAX_DURATION:
-        raise argparse.ArgumentTypeError(f"a duration must be at most {MAX_DURATION.days}d")
-    return value
-
-
-def since(text: str) -> datetime | timedelta:
-    """argparse type for ``--since``: a duration back from now, or an ISO 8601 instant
-    (UTC when it names no offset)."""
-    if _DURATION.fullmatch(text):
-        return duration(text)
-    try:
-        instant = datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not an ISO 8601 time or a duration like 30m, 2h, 1d: {text!r}"
-        ) from None
-    return instant if instant.tzinfo else instant.replace(tzinfo=UTC)
-
-
-def operation_id_argument(text: str) -> UUID:
-    """argparse type for an operation id: a malformed one is a usage error (exit 2)."""
-    try:
-        return parse_operation_id(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not an operation id: {text!r} (expected op_<uuid> or a bare uuid)"
-        ) from None
 
 
 def _person(text: str) -> str:
@@ -275,7 +235,6 @@ def cmd_stats(args: argparse.Namespace, settings: Settings) -> int:
 
 def _leaf(
     parent: Commands,
-    add_setting_flags: SettingFlags,
     name: str,
     handler: Handler,
     help_text: str,
@@ -293,10 +252,8 @@ def _json_flag(
     parser.add_argument("--json", action="store_true", help=what)
 
 
-def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
-    """Register ``outbox ops`` (list, show, verify, resolve, cancel).
-
-    ``add_setting_flags`` is passed in by the CLI, which imports this module."""
+def configure_ops(commands: Commands) -> None:
+    """Register ``outbox ops`` (list, show, verify, resolve, cancel)."""
     parser = commands.add_parser(
         "ops",
         help="list operations, show one's evidence, resolve an escalation",
@@ -307,7 +264,6 @@ def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
 
     listing = _leaf(
         ops,
-        add_setting_flags,
         "list",
         cmd_ops_list,
         "operations, most recently changed first",
@@ -338,7 +294,6 @@ def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
 
     show = _leaf(
         ops,
-        add_setting_flags,
         "show",
         cmd_ops_show,
         "one operation and its lifecycle timeline",
@@ -352,7 +307,6 @@ def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
 
     verify = _leaf(
         ops,
-        add_setting_flags,
         "verify",
         cmd_ops_verify,
         "check that lifecycle events are the ones written (one operation, or --all)",
@@ -375,11 +329,10 @@ def configure_ops(commands: Commands, add_setting_flags: SettingFlags) -> None:
     )
     _json_flag(verify, "one JSON document instead of text")
 
-    _configure_resolve(ops, add_setting_flags)
+    _configure_resolve(ops)
 
     cancel = _leaf(
         ops,
-        add_setting_flags,
         "cancel",
         cmd_ops_cancel,
         "end a prepared operation as rejected, before any attempt",
@@ -404,10 +357,9 @@ _RESOLUTION_HELP = {
 }
 
 
-def _configure_resolve(ops: Commands, add_setting_flags: SettingFlags) -> None:
+def _configure_resolve(ops: Commands) -> None:
     resolve = _leaf(
         ops,
-        add_setting_flags,
         "resolve",
         cmd_ops_resolve,
         "settle an escalated operation, with your name and evidence",
@@ -443,7 +395,7 @@ def _configure_resolve(ops: Commands, add_setting_flags: SettingFlags) -> None:
     add_tools_flag(resolve)
 
 
-def configure_approvals(commands: Commands, add_setting_flags: SettingFlags) -> None:
+def configure_approvals(commands: Commands) -> None:
     """Register ``outbox approvals`` (pending, grant, deny)."""
     parser = commands.add_parser(
         "approvals",
@@ -454,7 +406,6 @@ def configure_approvals(commands: Commands, add_setting_flags: SettingFlags) -> 
     approvals = parser.add_subparsers(dest="approvals_command", required=True, metavar="ACTION")
     pending = _leaf(
         approvals,
-        add_setting_flags,
         "pending",
         cmd_approvals_pending,
         "prepared operations that need an approval and have no valid one",
@@ -470,7 +421,6 @@ def configure_approvals(commands: Commands, add_setting_flags: SettingFlags) -> 
     )
     grant = _leaf(
         approvals,
-        add_setting_flags,
         "grant",
         cmd_approvals_grant,
         "approve one operation's current intent, for a while",
@@ -489,7 +439,6 @@ def configure_approvals(commands: Commands, add_setting_flags: SettingFlags) -> 
     _json_flag(grant, "one JSON document instead of text")
     deny = _leaf(
         approvals,
-        add_setting_flags,
         "deny",
         cmd_approvals_deny,
         "refuse one operation: the consumer will not execute it",
@@ -503,11 +452,10 @@ def configure_approvals(commands: Commands, add_setting_flags: SettingFlags) -> 
     _json_flag(deny, "one JSON document instead of text")
 
 
-def configure_stats(commands: Commands, add_setting_flags: SettingFlags) -> None:
+def configure_stats(commands: Commands) -> None:
     """Register ``outbox stats``."""
     stats = _leaf(
         commands,
-        add_setting_flags,
         "stats",
         cmd_stats,
         "operations by state and tool, outbox backlog, what waits for a person",
