@@ -51,6 +51,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -823,6 +824,7 @@ class Chaos:
     recorded: int = 0
     rate: float = 0.0
     hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    sampler: Sampler | None = None
 
     @property
     def database_url(self) -> str:
@@ -883,6 +885,8 @@ class Chaos:
         bursts = sum(fault.kind == "decision_burst" for fault in self.schedule)
         self.burst_size = int(self.operations * BURST_SHARE / bursts) if bursts else 0
         steady = self.operations - bursts * self.burst_size
+        self.sampler = Sampler(self.database_url, self._sample)
+        self.sampler.start()
         with psycopg.connect(self.database_url) as connection:
             while recorded < self.operations or pending or self._faults_last():
                 now = time.monotonic()
@@ -903,7 +907,6 @@ class Chaos:
                 connection.commit()
                 recorded = max(recorded, due)
                 self.recorded = recorded
-                self._sample(connection, now)
                 while pending and pending[0].at <= elapsed:
                     fault = pending.pop(0)
                     self._measure_quiet_rate()
@@ -935,13 +938,16 @@ class Chaos:
             while time.monotonic() < deadline:
                 self._tend(time.monotonic())
                 if self._settled():
-                    self._sample_now()
                     return time.monotonic() - stream_end
-                self._sample_now()
                 time.sleep(LOOP_SECONDS * 4)  # polling the database, with the deadline above
             return None
         finally:
             self.timings["drain"] = time.monotonic() - stream_end
+            self.sampler.stop()
+            self.sampler = None
+            # The last word on the series: what was settled when the run ended.
+            with psycopg.connect(self.database_url) as connection:
+                self._sample(connection, time.monotonic())
 
     def _fault_over(self) -> None:
         self.faults_ended_at = time.time()
@@ -953,21 +959,13 @@ class Chaos:
     # --- the goodput series ---------------------------------------------------------
 
     def _sample(self, connection: psycopg.Connection[Any], now: float) -> None:
-        """Count what is settled, at most every SAMPLE_SECONDS."""
-        if self.samples and now - self.samples[-1].at < SAMPLE_SECONDS:
-            return
+        """Count what is settled (on the sampler's thread, and once at the end)."""
         counts = Store(connection).run(store.operations_by_state())
         connection.commit()
         goodput = counts[OperationState.COMMITTED] + counts[OperationState.REJECTED]
         settled = goodput + counts[OperationState.ESCALATED]
         waiting = counts[OperationState.OUTCOME_UNKNOWN]
         self.samples.append(Sample(now, self.recorded, goodput, settled, waiting))
-
-    def _sample_now(self) -> None:
-        if self.samples and time.monotonic() - self.samples[-1].at < SAMPLE_SECONDS:
-            return
-        with psycopg.connect(self.database_url) as connection:
-            self._sample(connection, time.monotonic())
 
     def _measure_quiet_rate(self) -> None:
         """When the first fault comes: the goodput of the quiet phase before it (or, if
@@ -1325,6 +1323,8 @@ class Chaos:
     def stop(self) -> None:
         """End every fault still lasting (above all: start a broker this run stopped),
         then stop the daemons."""
+        if self.sampler is not None:
+            self.sampler.stop()
         for kind, (_, end) in list(self.endings.items()):
             del self.endings[kind]
             try:
@@ -1333,6 +1333,50 @@ class Chaos:
                 say(f"  ! could not end {kind}: {type(error).__name__}")
         # All at once: each finishes the effects in hand while the others do the same.
         stop_all([daemon.process for daemon in self.daemons if daemon.process is not None])
+
+
+class Sampler:
+    """Counts the run's operations every SAMPLE_SECONDS on a thread and a connection of
+    its own. Not in the stream's loop: a fault's own call can hold that loop (rabbitmqctl,
+    an Erlang VM of its own, took 50 s beside the CPU hogs of a sweep), and a series with
+    a hole where the system recovered read as a recovery 50 s late."""
+
+    def __init__(
+        self, database_url: str, take: Callable[[psycopg.Connection[Any], float], None]
+    ) -> None:
+        self._database_url = database_url
+        self._take = take
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        connection: psycopg.Connection[Any] | None = None
+        try:
+            while True:
+                try:
+                    if connection is None:
+                        connection = psycopg.connect(self._database_url)
+                    self._take(connection, time.monotonic())
+                except psycopg.Error:
+                    # The run's faults may end this session too: a new one next time.
+                    if connection is not None:
+                        with contextlib.suppress(psycopg.Error):
+                            connection.close()
+                    connection = None
+                if self._stopping.wait(SAMPLE_SECONDS):
+                    return
+        finally:
+            if connection is not None:
+                with contextlib.suppress(psycopg.Error):
+                    connection.close()
 
 
 def _start_app(control: BrokerControl) -> None:
