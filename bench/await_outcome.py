@@ -39,14 +39,10 @@ from uuid import UUID, uuid4
 
 import psycopg
 
-# Run as a script, this directory is sys.path[0] and bench/dispatcher.py would shadow
-# the dispatcher package (the settler, a spawned child, imports this file again).
-if str(Path(__file__).resolve().parent) in sys.path:
-    sys.path.remove(str(Path(__file__).resolve().parent))
-
 from bench.e2e_tools import TOOL, build_registry
 from bench.reporting import json_safe, percentile
 from outbox import OutcomeStatus, OutcomeWatcher, record_decision, store
+from outbox.cli import positive_int
 from outbox.sandbox.scratch import ScratchDatabase
 from outbox.settings import libpq_url
 from outbox.store import Store
@@ -189,7 +185,7 @@ def main() -> None:
             "OUTBOX_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
         ),
     )
-    parser.add_argument("--waiters", type=int, default=1000)
+    parser.add_argument("--waiters", type=positive_int, default=1000)
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--poll-interval", type=float, default=1.0)

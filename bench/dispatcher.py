@@ -61,33 +61,26 @@ from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMess
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-# Run as a script, this file's (resolved) directory is sys.path[0], and this file's name
-# would shadow the dispatcher package: drop the directory, add tests/ for sample_tools.
-sys.path.remove(str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
+from bench.e2e_tools import REFUND_TOOL, refund_registry
 from bench.reporting import json_safe, percentile
 from dispatcher.daemon import Dispatcher
 from dispatcher.publisher import Publisher, encode
 from outbox import Registry, Settings, record_decision, record_decision_async
 from outbox.broker import Topology, declare_topology
-from outbox.cli import run_async
+from outbox.cli import positive_int, run_async
 from outbox.daemon import freeze_startup_heap
 from outbox.metrics import MetricNames
 from outbox.sandbox.scratch import ScratchEnvironment
 from outbox.settings import libpq_url, with_database
 from outbox.store import ClaimedRow
 
-from support.sample_tools import build_registry
-
 T = TypeVar("T")
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/outbox_bench_dispatcher"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
-SCRIPT = str(Path(__file__).resolve())
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "dispatcher.json"
 NAME_PREFIX = "bench.dispatcher"
-TOOL = "send_refund"
+TOOL = REFUND_TOOL
 ROUTING_KEY = "send_refund.v1"  # what insert_decision writes: tool_name || '.v' || version
 INSERT_CHUNK = 500
 CONSUMER_PREFETCH = 500
@@ -520,12 +513,13 @@ async def write_at_rate(
 async def write_in_child(
     url: str, rate: float, seconds: float, run_id: str
 ) -> tuple[dict[str, float], float, dict[str, Any]]:
-    """write_at_rate in a child interpreter (this script, --writer-child), so the writer's
+    """write_at_rate in a child interpreter (this module, --writer-child), so the writer's
     CPU does not queue on the dispatcher's event loop. CLOCK_MONOTONIC is system-wide,
     so its commit times compare with this process's receipt times."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
-        SCRIPT,
+        "-m",
+        "bench.dispatcher",
         "--writer-child",
         "--database-url",
         url,
@@ -546,7 +540,7 @@ async def write_in_child(
 
 def writer_child(args: argparse.Namespace) -> None:
     commits, achieved, lateness = run_loop(
-        write_at_rate(args.database_url, build_registry(), args.rate, args.seconds, args.run_id)
+        write_at_rate(args.database_url, refund_registry(), args.rate, args.seconds, args.run_id)
     )
     json.dump({"commits": commits, "achieved_per_s": achieved, "lateness": lateness}, sys.stdout)
 
@@ -765,9 +759,11 @@ def main() -> None:
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
     parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
-    parser.add_argument("--messages", type=int, default=20_000, help="raw and drain messages")
-    parser.add_argument("--serial-messages", type=int, default=2_000)
-    parser.add_argument("--batch-size", type=int, default=200)
+    parser.add_argument(
+        "--messages", type=positive_int, default=20_000, help="raw and drain messages"
+    )
+    parser.add_argument("--serial-messages", type=positive_int, default=2_000)
+    parser.add_argument("--batch-size", type=positive_int, default=200)
     parser.add_argument("--rate", type=float, default=500.0, help="latency: decisions/s")
     parser.add_argument("--seconds", type=float, default=20.0, help="latency: seconds per mode")
     parser.add_argument("--poll-interval", type=float, default=1.0)
@@ -799,7 +795,7 @@ def main() -> None:
     # Its database and broker names are the bench's own: removed at the end, whatever
     # happened. The phases declare the topology (and recreate the database) themselves.
     scratch = ScratchEnvironment(settings, declare_topology=False)
-    registry = build_registry()
+    registry = refund_registry()
     results: dict[str, Any] = {"environment": environment(args, settings), "latency": {}}
     failures: list[str] = []
     began = time.monotonic()

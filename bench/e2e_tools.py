@@ -1,4 +1,6 @@
-"""The no-op provider tool the end-to-end benchmark runs: ``outbox consumer --tools
+"""The tools the benchmarks record decisions for.
+
+``noop`` is the provider tool the end-to-end benchmark runs: ``outbox consumer --tools
 bench.e2e_tools``.
 
 It does no I/O, so what the benchmark measures is the runtime around the effect:
@@ -11,9 +13,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from outbox import (
+    ApprovalPolicy,
     EffectResult,
     ExecutionContext,
     Registry,
@@ -53,3 +56,48 @@ def build_registry() -> Registry:
 
 
 registry = build_registry()
+
+REFUND_TOOL = "send_refund"
+
+
+class RefundInput(BaseModel):
+    """The input of the test suite's ``send_refund`` (tests/support/sample_tools.py)."""
+
+    model_config = ConfigDict(strict=True)
+
+    payment_id: str = Field(min_length=1, max_length=64)
+    amount_cents: int = Field(gt=0)
+    currency: str = Field(default="EUR", pattern=r"^[A-Z]{3}$")
+    reason: str = ""
+
+
+async def refund_never_run(_: RefundInput, ctx: ExecutionContext) -> EffectResult:
+    raise AssertionError("the decision benchmarks record refunds; nothing executes them")
+
+
+def refund_registry() -> Registry:
+    """``send_refund`` as the decision-side benchmarks (bench/dispatcher.py,
+    bench/record_decision.py) record it: the test suite's contract in everything a
+    decision pays for (input validation, approval rule, dedupe window), no provider.
+    Its own copy, so that the benchmarks import nothing from tests/."""
+    registry = Registry()
+    registry.register(
+        ToolContract(
+            name=REFUND_TOOL,
+            version=1,
+            input_model=RefundInput,
+            side_effect=SideEffect.DEDUPLICATED_WRITE,
+            retry=RetryPolicy(
+                max_attempts=5,
+                initial_backoff=timedelta(milliseconds=50),
+                max_backoff=timedelta(milliseconds=200),
+                reconcile_max_attempts=3,
+            ),
+            execute=refund_never_run,
+            approval=ApprovalPolicy.above("amount_cents", 50_000),
+            dedupe_window=timedelta(hours=24),
+            deadline=timedelta(seconds=2),
+            description="Refund part or all of a captured payment to the customer.",
+        )
+    )
+    return registry

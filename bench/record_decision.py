@@ -20,25 +20,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
+from bench.e2e_tools import refund_registry
 from outbox import Registry, record_decision, record_decision_async
+from outbox.cli import positive_int
 from outbox.sandbox.scratch import ScratchDatabase
 from outbox.settings import database_name, libpq_url, with_database
 from outbox.sql import QUERIES
-
-from support.sample_tools import build_registry
 
 
 def recreate(url: str) -> None:
@@ -157,8 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--database-url", default="postgresql://localhost:5432/outbox_bench")
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--runs", type=positive_int, default=3)
+    parser.add_argument("--connections", type=positive_int, default=8)
     parser.add_argument(
         "--modes",
         default="bare,sync,async",
@@ -166,7 +162,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     url = libpq_url(args.database_url)
-    registry = build_registry()
+    registry = refund_registry()
     modes: dict[str, tuple[str, Callable[[], float]]] = {
         "bare": (
             "bare statement, sync threads",

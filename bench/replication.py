@@ -46,7 +46,8 @@ def main() -> None:
                 done = subprocess.run(  # noqa: S603 - this interpreter, fixed arguments
                     [
                         sys.executable,
-                        str(ROOT / "bench" / "record_decision.py"),
+                        "-m",
+                        "bench.record_decision",
                         "--database-url",
                         pair.primary.url("outbox_bench"),
                         "--seconds",
@@ -58,6 +59,7 @@ def main() -> None:
                         "--modes",
                         "sync",
                     ],
+                    cwd=ROOT,
                     capture_output=True,
                     text=True,
                     check=True,

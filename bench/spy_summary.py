@@ -12,6 +12,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from outbox.cli import positive_int
+
 # A frame reads "function (path/to/module.py:line)"; py-spy may leave the line out.
 _FRAME = re.compile(r"^(?P<function>.*?) \((?P<path>[^():]+)(?::\d+)?\)$")
 # py-spy names a frame's file from its package root (``psycopg/cursor.py``) or by its
@@ -72,7 +74,7 @@ def summarize(lines: list[str]) -> tuple[int, Counter[str], Counter[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("profiles", nargs="+", type=Path)
-    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--top", type=positive_int, default=12)
     args = parser.parse_args()
     for profile in args.profiles:
         total, by_function, by_package = summarize(profile.read_text().splitlines())
