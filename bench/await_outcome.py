@@ -1,6 +1,6 @@
 """How soon an awaiting agent hears that its decision settled: commit to waiter woken.
 
-    .venv/bin/python bench/await_outcome.py [--waiters 1000] [--rate 500] [--seconds 10]
+    .venv/bin/python -m bench.await_outcome [--waiters 1000] [--rate 500] [--seconds 10]
         [--modes notify poll] [--poll-interval 1.0]
 
 One process holds ``--waiters`` concurrent ``OutcomeWatcher.wait`` calls on one watcher

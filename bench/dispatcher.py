@@ -1,6 +1,6 @@
 """Dispatcher throughput and latency against the raw aio-pika limit, in one run.
 
-    .venv/bin/python bench/dispatcher.py [--json bench/results/dispatcher.json]
+    .venv/bin/python -m bench.dispatcher [--json bench/results/dispatcher.json]
         [--messages 20000] [--serial-messages 2000] [--seconds 20] [--rate 500]
 
 All on the same Postgres and RabbitMQ, in this order:
@@ -24,14 +24,13 @@ All on the same Postgres and RabbitMQ, in this order:
    commit-to-confirm) and the dispatcher's own ``commit_to_confirm`` histogram. Once with
    LISTEN/NOTIFY, once polling only (the notify trigger disabled). The writer runs in a
    child process by default, as an agent would; ``--writer inline`` puts it on the
-   dispatcher's event loop instead, where its CPU (~1 ms a decision) delays the batches.
+   dispatcher's event loop instead, where its CPU delays the batches.
 4. a table on stdout; every figure, plus the environment, in JSON.
 
 Uses (and recreates) its own database (``--database-url``, default
 ``outbox_bench_dispatcher``) and its own exchanges and queues (``bench.dispatcher.*``);
-drops and deletes them at the end. Exits 1 when a check failed. Compare with docs/design.md
-section 14 (aio-pika, persistent, quorum, 256 confirms outstanding: ~7,000 msgs/s;
-awaiting each confirm: ~1,100 msgs/s).
+drops and deletes them at the end. Exits 1 when a check failed. The figures to compare
+with are in docs/benchmarks.md and docs/design.md section 14.
 """
 
 from __future__ import annotations

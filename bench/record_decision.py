@@ -1,6 +1,6 @@
 """Throughput of record_decision: operation + outbox row + event, one commit each.
 
-    .venv/bin/python bench/record_decision.py [--seconds 10] [--runs 3] [--connections 8]
+    .venv/bin/python -m bench.record_decision [--seconds 10] [--runs 3] [--connections 8]
         [--modes bare,sync,async]
 
 Uses (and recreates) the database named by --database-url (default: outbox_bench on
@@ -9,8 +9,8 @@ runs (``insert_decision`` of outbox/sql/queries.sql, its parameters built in adv
 threads), then for record_decision from sync threads and from asyncio tasks, each with
 its ratio to the bare statement's median when that was measured in the same invocation.
 The bare figure is the ceiling on this machine at this moment; the ratio, not the
-absolute figure, is what issue #14's target (>= 0.6x) is about, since a shared 2-core
-machine moves both together. Where each commit waits on a slow disk, both figures are the
+absolute figure, is what issue #14's target (docs/benchmarks.md) is about, since a
+shared machine moves both together. Where each commit waits on a slow disk, both figures are the
 disk's and the ratio is near 1 whatever the Python costs; to measure the client, add
 ``?options=-c%20synchronous_commit%3Doff`` to the --database-url.
 """

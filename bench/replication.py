@@ -1,7 +1,7 @@
 """The cost of a synchronous standby: bench/record_decision.py against a private primary
 whose streaming standby is synchronous, then asynchronous, on this machine.
 
-    .venv/bin/python bench/replication.py [--seconds 10] [--connections 1,8]
+    .venv/bin/python -m bench.replication [--seconds 10] [--connections 1,8]
 
 Each mode gets a fresh primary and standby (tests/support/pg_replication.py: initdb and
 pg_basebackup -R of the installed major version, loopback ports, fsync off on both), and

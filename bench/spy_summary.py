@@ -1,8 +1,8 @@
 """Summarize a py-spy ``--format raw`` profile (collapsed stacks, one ``stack count``
 per line): where the samples are, by the function at the top of the stack and by the
-package that function lives in. ``bench/e2e.py --py-spy DIR`` writes one file per daemon.
+package that function lives in. ``python -m bench.e2e --py-spy DIR`` writes one file per daemon.
 
-    .venv/bin/python bench/spy_summary.py DIR/*.txt --top 15
+    .venv/bin/python -m bench.spy_summary DIR/*.txt --top 15
 """
 
 from __future__ import annotations
