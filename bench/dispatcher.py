@@ -61,6 +61,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from bench.e2e_tools import REFUND_TOOL, refund_registry
+from bench.latency import Lateness, Pace, achieved_rate, due_at, scheduled
 from bench.reporting import json_safe, percentile
 from dispatcher.daemon import Dispatcher
 from dispatcher.publisher import Publisher, encode
@@ -84,7 +85,6 @@ ROUTING_KEY = "send_refund.v1"  # what insert_decision writes: tool_name || '.v'
 INSERT_CHUNK = 500
 CONSUMER_PREFETCH = 500
 WARMUP_MESSAGES = 1_000  # published (and purged) on the raw channel before timing
-LATE_AFTER = 0.010  # a decision started this far behind its schedule counts as late
 DRAIN_CONNECT_ATTEMPTS = 5  # as dispatcher.cli does for --once
 
 
@@ -476,20 +476,16 @@ async def write_at_rate(
 
     Returns ({operation id: commit time}, achieved decisions/s, lateness stats)."""
     commits: dict[str, float] = {}
-    total = max(1, round(rate * seconds))
-    worst_late = worst_late_at = 0.0
-    late = 0
+    lateness = Lateness()
     async with await psycopg.AsyncConnection.connect(url) as connection:
         began = time.monotonic()
-        for n in range(total):
-            due = began + n / rate
+        for n in scheduled(rate, seconds):
+            due = due_at(began, rate, n)
             now = time.monotonic()
             if due > now:
                 await asyncio.sleep(due - now)
-            elif now - due > LATE_AFTER:
-                late += 1
-                if now - due > worst_late:
-                    worst_late, worst_late_at = now - due, due - began
+                now = time.monotonic()
+            lateness.record(due, now)
             async with connection.transaction():
                 recorded = await record_decision_async(
                     connection,
@@ -500,13 +496,8 @@ async def write_at_rate(
                     decision_key=f"k{n}",
                 )
             commits[str(recorded.operation.id)] = time.monotonic()
-        elapsed = time.monotonic() - began
-    lateness = {
-        f"late_over_{LATE_AFTER * 1000:g}ms": late,
-        "worst_ms": ms(worst_late),
-        "worst_at_s": round(worst_late_at, 3),
-    }
-    return commits, total / elapsed, lateness
+        achieved = achieved_rate(len(commits), began, time.monotonic())
+    return commits, achieved, lateness.as_dict()
 
 
 async def write_in_child(
@@ -725,12 +716,17 @@ def table(results: dict[str, Any]) -> str:
         )
         lines.append(("dispatcher drain (--once)", f"{drain['per_s']:,.0f} msg/s{ratio}"))
     for result in results["latency"].values():
+        pace = Pace(
+            result["offered_per_s"],
+            result["achieved_per_s"],
+            Lateness.from_dict(result["writer_lateness"]),
+        )
         lines += [
-            (f"latency {result['mode']} @{result['offered_per_s']:g}/s", latency_line(result)),
+            (f"latency {result['mode']} {pace.label()}", latency_line(result)),
             ("  dispatcher commit_to_confirm", histogram_line(result)),
             (
-                "  achieved offered load",
-                f"{result['achieved_per_s']:,.1f}/s  ({result['delivered']:,} delivered, "
+                "  writer",
+                f"{pace.describe()}  ({result['delivered']:,} delivered, "
                 f"mean batch {result['mean_batch_size']:g}, writer: {result['writer']})",
             ),
         ]
