@@ -138,6 +138,18 @@ def ready_marker() -> None:
     print(READY, file=sys.stderr, flush=True)
 
 
+def read_effects(url: str, sql: str) -> dict[str, float]:
+    """Effect key -> epoch seconds, from a query of (key text, epoch) rows."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        rows = connection.execute(sql).fetchall()
+    return {key: float(at) for key, at in rows}
+
+
+def count_rows(connection: psycopg.Connection[Any], sql: str) -> int:
+    row = connection.execute(sql).fetchone()
+    return int(row[0]) if row else 0
+
+
 # --- systems whose effects land in an inbox table ---------------------------------------
 
 INBOX_DDL = """
@@ -179,13 +191,10 @@ class InboxSystem:
             self.database().drop()
 
     def effect_times(self, url: str) -> dict[str, float]:
-        with psycopg.connect(url, autocommit=True) as connection:
-            rows = connection.execute(INBOX_EFFECTS).fetchall()
-        return {key: float(at) for key, at in rows}
+        return read_effects(url, INBOX_EFFECTS)
 
     def count_effects(self, connection: psycopg.Connection[Any]) -> int:
-        row = connection.execute(INBOX_COUNT).fetchone()
-        return int(row[0]) if row else 0
+        return count_rows(connection, INBOX_COUNT)
 
     def check(self, url: str, expected: int) -> list[str]:
         return []
@@ -705,13 +714,10 @@ class Outbox:
         ]
 
     def effect_times(self, url: str) -> dict[str, float]:
-        with psycopg.connect(url, autocommit=True) as connection:
-            rows = connection.execute(OUTBOX_EFFECTS).fetchall()
-        return {key: float(at) for key, at in rows}
+        return read_effects(url, OUTBOX_EFFECTS)
 
     def count_effects(self, connection: psycopg.Connection[Any]) -> int:
-        row = connection.execute(OUTBOX_COUNT).fetchone()
-        return int(row[0]) if row else 0
+        return count_rows(connection, OUTBOX_COUNT)
 
     def check(self, url: str, expected: int) -> list[str]:
         """Every operation committed, exactly one attempt and one committed event each."""
