@@ -103,10 +103,12 @@ from bench.reporting import json_safe, percentile
 from bench.systems import (
     MINIMAL_BATCH,
     MINIMAL_PREFETCH,
+    READY,
     SYSTEM_NAMES,
     Context,
     OutboxSettings,
     System,
+    ready_marker,
     systems,
 )
 from outbox.cli import positive_int, run_async
@@ -133,9 +135,9 @@ EPMD = Named(frozenset({"epmd"}))
 POSTGRES_PROCESSES = frozenset({"postgres", "postmaster"})
 # After the writers stop, how long effects may still take.
 SETTLE_SECONDS = 60.0
-# How long before the schedule's start the writers are launched: their start-up (imports,
-# connections) must not eat into the schedule.
-WRITER_LEAD_SECONDS = 2.0
+# The schedule starts this long after the last writer said it was ready (connected), so
+# that no writer's start-up eats into it.
+WRITER_LEAD_SECONDS = 0.2
 PACKAGES = ("aio-pika", "aiormq", "psycopg", "uvloop", "asyncpg", "pgqueuer", "procrastinate")
 
 
@@ -143,19 +145,20 @@ PACKAGES = ("aio-pika", "aiormq", "psycopg", "uvloop", "asyncpg", "pgqueuer", "p
 
 
 async def write_on_schedule(
-    system: System, url: str, rate: float, seconds: float, writer: int, writers: int, start: float
+    system: System, url: str, rate: float, seconds: float, writer: int, writers: int
 ) -> dict[str, Any]:
     """This writer's share of one open-loop schedule, one decision per transaction.
 
-    ``start`` is the schedule's origin on the wall clock, shared by every writer; each
-    converts it to the monotonic clock once (CLOCK_MONOTONIC is one clock for the whole
-    machine, so the parent can compare what the writers report)."""
+    Connected, it says so (stderr) and reads the schedule's origin from stdin: the
+    monotonic time the parent chose once every writer was ready (CLOCK_MONOTONIC is one
+    clock for the whole machine, so the writers and the parent share it)."""
     commits: dict[str, float] = {}
     mine = scheduled(rate, seconds, writer, writers)
     enqueue, close = await system.writer(url)
     lateness = Lateness()
     try:
-        origin = time.monotonic() + (start - time.time())
+        ready_marker()
+        origin = float(await asyncio.to_thread(sys.stdin.readline))
         # The writer's CPU over its schedule only (not its start-up): this process and
         # anything below it, read from /proc as the parent reads the daemons'.
         cpu_began = cpu_seconds([os.getpid()])
@@ -182,8 +185,8 @@ async def write_on_schedule(
 
 
 def run_writers(system: str, url: str, rate: float, seconds: float, writers: int) -> dict[str, Any]:
-    """``writers`` processes on one schedule; what they wrote, merged."""
-    start = time.time() + WRITER_LEAD_SECONDS
+    """``writers`` processes on one schedule, started once all are connected; what they
+    wrote, merged."""
     children = [
         subprocess.Popen(  # noqa: S603 - this interpreter, fixed arguments
             [
@@ -203,16 +206,22 @@ def run_writers(system: str, url: str, rate: float, seconds: float, writers: int
                 str(index),
                 "--writers",
                 str(writers),
-                "--writer-start",
-                repr(start),
             ],
             cwd=REPOSITORY,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         for index in range(writers)
     ]
+    early = [wait_for_ready_line(child) for child in children]
+    start = f"{time.monotonic() + WRITER_LEAD_SECONDS!r}\n".encode()
+    for child in children:  # every writer has its start before any is waited for
+        assert child.stdin is not None
+        child.stdin.write(start)
+        child.stdin.flush()
     outputs = [child.communicate() for child in children]
+    outputs = [(out, before + err) for before, (out, err) in zip(early, outputs, strict=True)]
     for child, (_, stderr) in zip(children, outputs, strict=True):
         if child.returncode != 0:
             raise RuntimeError(f"a writer failed:\n{stderr.decode()[-2000:]}")
@@ -230,6 +239,17 @@ def run_writers(system: str, url: str, rate: float, seconds: float, writers: int
         "pace": pace,
         "cpu_seconds": sum(float(one["cpu_seconds"]) for one in written),
     }
+
+
+def wait_for_ready_line(child: subprocess.Popen[bytes]) -> bytes:
+    """What the child wrote to stderr up to its ready line (all of it if it died first)."""
+    assert child.stderr is not None
+    before = b""
+    for line in iter(child.stderr.readline, b""):
+        if line.strip() == READY.encode():
+            break
+        before += line
+    return before
 
 
 # --- processes (parent) --------------------------------------------------------------
@@ -762,7 +782,6 @@ def child(args: argparse.Namespace) -> None:
                 args.seconds,
                 args.writer_index,
                 args.writers,
-                args.writer_start,
             )
         )
         json.dump(written, sys.stdout)
@@ -859,7 +878,6 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--child-url", help=argparse.SUPPRESS)
     parser.add_argument("--child-run", help=argparse.SUPPRESS)
     parser.add_argument("--writer-index", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--writer-start", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.json is None:
         args.json = DEFAULT_SCALE_OUT_JSON if args.scale_out else DEFAULT_JSON
