@@ -27,8 +27,9 @@ from outbox.models import (
     OperationEvent,
     display_operation_id,
 )
+from outbox.operator.dlq import Listing
 from outbox.operator.rules import ApprovalDecided, Resolved
-from outbox.operator.views import Escalation
+from outbox.operator.views import DeadLetterView, Escalation
 from outbox.states import OperationState
 from outbox.store import ChainReport, OperationStats, OperationSummary, PendingApproval
 from outbox.store.evidence import REASONS
@@ -462,3 +463,48 @@ def resolved_text(resolved: Resolved, by: str) -> str:
             f"resolved by {printable(by)}; the evidence is kept in its operation.resolved event",
         ]
     )
+
+
+def dead_letter_fate(view: DeadLetterView, now: datetime) -> str | None:
+    """What became of a dead letter's operation, where that changes what to do with it:
+    escalated (resolve it; a requeue only gets acknowledged) or already settled."""
+    if view.escalation is not None:
+        waited = age_text((now - view.escalation.since).total_seconds())
+        return (
+            f"its operation is escalated ({printable(view.escalation.reason)}, {waited} ago): "
+            "resolve it with `outbox ops resolve`; a requeued copy would only be acknowledged"
+        )
+    state = view.operation_state
+    if state is not None and state is not S.PREPARED:
+        return f"its operation is {state}: a requeued copy would only be acknowledged"
+    return None
+
+
+def dead_letters_text(listing: Listing, views: Sequence[DeadLetterView], now: datetime) -> str:
+    """``outbox dlq list``: each message as the broker holds it, then why it died (the
+    consumer's reason where it wrote one) and what became of its operation."""
+    lines = [f"dead-lettered: {listing.count} message(s) in {listing.queue}"]
+    for view in views:
+        lines += [view.message.line(), f"  why: {printable(view.why)}"]
+        fate = dead_letter_fate(view, now)
+        if fate is not None:
+            lines.append(f"  {fate}")
+    if len(listing.messages) < listing.count:
+        lines.append(f"(showing {len(listing.messages)}; --limit N shows more)")
+    return "\n".join(lines)
+
+
+def dead_letters_json(
+    listing: Listing, views: Sequence[DeadLetterView], now: datetime
+) -> dict[str, Any]:
+    document = listing.as_json()
+    document["messages"] = [
+        {
+            **view.message.as_json(),
+            "why": view.why,
+            "operation_state": None if view.operation_state is None else str(view.operation_state),
+            "escalation": escalation_json(view.escalation, now),
+        }
+        for view in views
+    ]
+    return document
