@@ -4,8 +4,10 @@ operation with its chain, the escalations.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
+from datetime import UTC
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -16,6 +18,7 @@ from starlette.testclient import TestClient
 from outbox import Registry
 from outbox import store as outbox_store
 from outbox.callback_policy import CallbackReport, CallbackStatus
+from outbox.cli import run_command
 from outbox.console.app import Console
 from outbox.errors import ReadOnlyDatabase
 from outbox.models import Operation
@@ -142,6 +145,46 @@ def test_the_operation_page_shows_timeline_card_and_approvals(
     assert "send_refund v1" in html
     assert "Refund part or all of a captured payment" in html  # the contract card
     assert 'id="resolve"' in html
+
+
+# One form for a time a person reads, to the second; JSON keeps the microseconds.
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
+
+
+def test_the_console_and_ops_show_print_each_time_alike(
+    browser: TestClient,
+    ops: Ops,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # They mixed "+00:00" with microseconds and "Z" with milliseconds, and the
+    # console's timeline wrapped them.
+    op = ops.at(S.ESCALATED)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+
+    html = logged_in(browser).get(f"/operations/{op.display_id}").text
+    timeline = html.split('id="timeline"', 1)[1].split("</table>", 1)[0]
+    on_the_page = re.findall(r'<td class="mono stamp">([^<]*)</td>', timeline)
+    assert run_command(["ops", "show", op.display_id]) == 0
+    shown = capsys.readouterr().out
+    in_the_terminal = re.findall(rf"^  ({STAMP})  ", shown, flags=re.MULTILINE)
+    assert run_command(["ops", "show", op.display_id, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+
+    events = ops.run(outbox_store.events(op.id))
+    assert len(on_the_page) == len(events) > 1
+    assert on_the_page == in_the_terminal
+    assert all(re.fullmatch(STAMP, each) for each in on_the_page)
+    # Cut to the second, never rounded up past the moment itself.
+    assert on_the_page == [f"{e.created_at.astimezone(UTC):%Y-%m-%dT%H:%M:%S}Z" for e in events]
+    created = f"{op.created_at.astimezone(UTC):%Y-%m-%dT%H:%M:%S}Z"
+    assert f'<dt>Created</dt><dd class="mono nowrap">{created}</dd>' in html
+    assert re.search(rf"^created +{created}$", shown, flags=re.MULTILINE)
+    assert [event["at"] for event in document["events"]] == [
+        e.created_at.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        for e in events
+    ]
 
 
 def test_the_operation_page_shows_its_provider_callbacks_escaped(
