@@ -183,20 +183,36 @@ QUIET_SECONDS = 8.0
 # How often the run counts what is recorded and settled (the goodput series).
 SAMPLE_SECONDS = 0.5
 
-PROCESS_FAULTS = ("dispatcher_kill", "consumer_kill", "consumer_kill_in_effect", "consumer_stop")
-OVERLOAD_FAULTS = ("cpu_starvation", "slow_database", "decision_burst")
-FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
-    "process": PROCESS_FAULTS,
-    "broker": ("broker_connection_close", "broker_restart"),
-    "database": ("db_connection_kill",),
-    "network": ("link_delay", "link_blackhole", "link_cut"),
-    # Besides these windows the sandbox drops responses and fails before committing
-    # throughout the run.
-    "provider": ("provider_conflicts", "lookups_unavailable", "keys_pruned"),
-    "overload": OVERLOAD_FAULTS,
-    # Webhook faults for a while; the webhooks themselves flow throughout the run.
-    "callbacks": ("webhooks_dropped", "webhooks_forged", "webhooks_duplicated", "webhooks_delayed"),
-}
+# How a run injects a fault: False if it found nothing to act on (try again later).
+Injector = Callable[["Chaos", "ScheduledFault"], bool]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One kind of fault: the category ``--faults`` enables it by, what it targets given
+    its slot (the schedule and the run's lines print it), and how a run injects it."""
+
+    category: str
+    target: Callable[[int], str]
+    inject: Injector
+
+
+# Every kind of fault, in the order the schedule draws from: each ``Chaos._fault_*``
+# method registers itself with ``@fault_kind`` (below), so a kind, its description and its
+# handler are written once, side by side. FAULT_CATEGORIES is derived from it.
+FAULTS: dict[str, Fault] = {}
+
+
+def fault_kind(
+    kind: str, category: str, target: Callable[[int], str]
+) -> Callable[[Injector], Injector]:
+    def register(inject: Injector) -> Injector:
+        if kind in FAULTS:
+            raise ValueError(f"fault {kind} registered twice")
+        FAULTS[kind] = Fault(category, target, inject)
+        return inject
+
+    return register
 
 
 PROGRAM = "python -m harness.chaos"
@@ -326,39 +342,7 @@ class ScheduledFault:
         return f"t=+{self.at:5.1f}s {self.kind:<24} {self.target()}"
 
     def target(self) -> str:
-        link = LINKS[self.slot % 2]
-        return {
-            "dispatcher_kill": f"dispatcher#{self.slot}",
-            "consumer_kill": f"consumer#{self.slot}",
-            "consumer_kill_in_effect": "the consumer whose refund the provider holds",
-            "consumer_stop": f"consumer#{self.slot} for {STOP_SECONDS:g} s",
-            "broker_connection_close": f"{DAEMONS[self.slot]}#{self.slot % 2}",
-            "broker_restart": f"stop_app, start_app {BROKER_DOWN_SECONDS:g} s later",
-            "db_connection_kill": "every daemon's sessions",
-            "link_delay": f"{link} link +{LINK_DELAY_PER_CHUNK_SECONDS * 1000:g} ms a chunk "
-            f"for {LINK_FAULT_SECONDS:g} s",
-            "link_blackhole": f"{link} link silent for {LINK_BLACKHOLE_SECONDS:g} s",
-            "link_cut": f"{link} link reset",
-            "provider_conflicts": f"409 to {PROVIDER_CONFLICT_PROBABILITY:.0%} of refunds "
-            f"for {PROVIDER_FAULT_SECONDS:g} s",
-            "lookups_unavailable": f"503 to lookups for {PROVIDER_FAULT_SECONDS:g} s",
-            "keys_pruned": f"keys older than {PRUNE_KEYS_OLDER_THAN_SECONDS:g} s forgotten "
-            f"for {PROVIDER_FAULT_SECONDS:g} s",
-            "cpu_starvation": f"{CPU_HOGS_PER_CORE[self.slot % 2]} busy loops a core for "
-            f"{OVERLOAD_SECONDS:g} s",
-            "slow_database": f"database link +{SLOW_DATABASE_SECONDS[0] * 1000:g}-"
-            f"{SLOW_DATABASE_SECONDS[1] * 1000:g} ms a chunk for {OVERLOAD_SECONDS:g} s",
-            "decision_burst": f"decisions at {BURST_FACTOR:g}x the measured drain rate (its "
-            f"share of the {BURST_SHARE:.0%} kept for bursts)",
-            "webhooks_dropped": f"every {WEBHOOK_DROP_EVERY}nd webhook dropped for "
-            f"{PROVIDER_FAULT_SECONDS:g} s",
-            "webhooks_forged": f"every {WEBHOOK_FORGE_EVERY}nd webhook forged, every "
-            f"{WEBHOOK_STALE_EVERY}rd stale, for {PROVIDER_FAULT_SECONDS:g} s",
-            "webhooks_duplicated": f"every {WEBHOOK_DUPLICATE_EVERY}nd webhook twice, "
-            f"{WEBHOOK_REORDER} at a time newest first, for {PROVIDER_FAULT_SECONDS:g} s",
-            "webhooks_delayed": f"webhooks held {WEBHOOK_DELAY_MS} ms for "
-            f"{PROVIDER_FAULT_SECONDS:g} s",
-        }[self.kind]
+        return FAULTS[self.kind].target(self.slot)
 
 
 def stream_seconds(operations: int) -> float:
@@ -1029,25 +1013,40 @@ class Chaos:
     def _inject(self, fault: ScheduledFault, elapsed: float) -> bool:
         """Apply one fault; False if it found nothing to act on (try again later)."""
         began = time.monotonic()
-        acted = getattr(self, f"_fault_{fault.kind}")(fault)
+        acted = FAULTS[fault.kind].inject(self, fault)
         self.timings["faults"] += time.monotonic() - began
         if acted:
             say(f"  at +{elapsed:5.1f}s {fault.kind:<24} {fault.target()}")
             self._fault_over()  # a lasting fault's end moves this again
         return bool(acted)
 
-    # --- the faults, one method each (named after the kind) -------------------------
+    # --- the faults, one method each, registered in FAULTS by @fault_kind ------------
 
+    @fault_kind(
+        "dispatcher_kill",
+        "process",
+        lambda slot: f"dispatcher#{slot}",
+    )
     def _fault_dispatcher_kill(self, fault: ScheduledFault) -> bool:
         self._of_kind("dispatcher")[fault.slot].kill_and_restart()
         self.tally.dispatcher_kills += 1
         return True
 
+    @fault_kind(
+        "consumer_kill",
+        "process",
+        lambda slot: f"consumer#{slot}",
+    )
     def _fault_consumer_kill(self, fault: ScheduledFault) -> bool:
         self._of_kind("consumer")[fault.slot].kill_and_restart()
         self.tally.consumer_kills += 1
         return True
 
+    @fault_kind(
+        "consumer_kill_in_effect",
+        "process",
+        lambda slot: "the consumer whose refund the provider holds",
+    )
     def _fault_consumer_kill_in_effect(self, fault: ScheduledFault) -> bool:
         """SIGKILL the consumer whose refund the provider has committed but not answered:
         the effect exists, its outcome record never will."""
@@ -1083,6 +1082,11 @@ class Chaos:
                 time.sleep(LOOP_SECONDS / 2)  # polling the provider, with the deadline above
         return None
 
+    @fault_kind(
+        "consumer_stop",
+        "process",
+        lambda slot: f"consumer#{slot} for {STOP_SECONDS:g} s",
+    )
     def _fault_consumer_stop(self, fault: ScheduledFault) -> bool:
         consumers = self._of_kind("consumer")
         # Never both at once: the point is a zombie waking beside a live worker.
@@ -1092,6 +1096,11 @@ class Chaos:
         self.tally.consumer_stops += 1
         return True
 
+    @fault_kind(
+        "broker_connection_close",
+        "broker",
+        lambda slot: f"{DAEMONS[slot]}#{slot % 2}",
+    )
     def _fault_broker_connection_close(self, fault: ScheduledFault) -> bool:
         if "broker_restart" in self.endings:
             return False  # nothing to close while the broker is down
@@ -1101,6 +1110,11 @@ class Chaos:
         self.tally.broker_connection_closes += closed
         return closed > 0
 
+    @fault_kind(
+        "broker_restart",
+        "broker",
+        lambda slot: f"stop_app, start_app {BROKER_DOWN_SECONDS:g} s later",
+    )
     def _fault_broker_restart(self, fault: ScheduledFault) -> bool:
         control = self.broker_control
         assert control is not None
@@ -1116,12 +1130,25 @@ class Chaos:
         self.tally.broker_restarts += 1
         return True
 
+    @fault_kind(
+        "db_connection_kill",
+        "database",
+        lambda slot: "every daemon's sessions",
+    )
     def _fault_db_connection_kill(self, fault: ScheduledFault) -> bool:
         with psycopg.connect(self.database_url, autocommit=True) as connection:
             ended = terminate_backends(connection, list(APPLICATION_NAMES.values()))
         self.tally.db_connection_kills += ended
         return ended > 0
 
+    @fault_kind(
+        "link_delay",
+        "network",
+        lambda slot: (
+            f"{LINKS[slot % 2]} link +{LINK_DELAY_PER_CHUNK_SECONDS * 1000:g} ms a chunk "
+            f"for {LINK_FAULT_SECONDS:g} s"
+        ),
+    )
     def _fault_link_delay(self, fault: ScheduledFault) -> bool:
         if not self._link_fault(
             fault, LINK_FAULT_SECONDS, lambda link: link.delay(LINK_DELAY_PER_CHUNK_SECONDS)
@@ -1130,6 +1157,11 @@ class Chaos:
         self.tally.link_delays += 1
         return True
 
+    @fault_kind(
+        "link_blackhole",
+        "network",
+        lambda slot: f"{LINKS[slot % 2]} link silent for {LINK_BLACKHOLE_SECONDS:g} s",
+    )
     def _fault_link_blackhole(self, fault: ScheduledFault) -> bool:
         if not self._link_fault(fault, LINK_BLACKHOLE_SECONDS, ThreadedProxy.blackhole):
             return False
@@ -1146,11 +1178,27 @@ class Chaos:
         start(link)
         return True
 
+    @fault_kind(
+        "link_cut",
+        "network",
+        lambda slot: f"{LINKS[slot % 2]} link reset",
+    )
     def _fault_link_cut(self, fault: ScheduledFault) -> bool:
         cut = self.links[LINKS[fault.slot % 2]].cut()
         self.tally.link_cuts += cut > 0
         return cut > 0
 
+    # provider windows: besides these the sandbox drops responses and fails before
+    # committing throughout the run
+
+    @fault_kind(
+        "provider_conflicts",
+        "provider",
+        lambda slot: (
+            f"409 to {PROVIDER_CONFLICT_PROBABILITY:.0%} of refunds "
+            f"for {PROVIDER_FAULT_SECONDS:g} s"
+        ),
+    )
     def _fault_provider_conflicts(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "provider_conflicts",
@@ -1158,11 +1206,24 @@ class Chaos:
             "provider_conflict_windows",
         )
 
+    @fault_kind(
+        "lookups_unavailable",
+        "provider",
+        lambda slot: f"503 to lookups for {PROVIDER_FAULT_SECONDS:g} s",
+    )
     def _fault_lookups_unavailable(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "lookups_unavailable", {"lookups_unavailable": True}, "lookup_outages"
         )
 
+    @fault_kind(
+        "keys_pruned",
+        "provider",
+        lambda slot: (
+            f"keys older than {PRUNE_KEYS_OLDER_THAN_SECONDS:g} s forgotten "
+            f"for {PROVIDER_FAULT_SECONDS:g} s"
+        ),
+    )
     def _fault_keys_pruned(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "keys_pruned",
@@ -1172,6 +1233,11 @@ class Chaos:
 
     # overload (#22)
 
+    @fault_kind(
+        "cpu_starvation",
+        "overload",
+        lambda slot: f"{CPU_HOGS_PER_CORE[slot % 2]} busy loops a core for {OVERLOAD_SECONDS:g} s",
+    )
     def _fault_cpu_starvation(self, fault: ScheduledFault) -> bool:
         """Busy loops at normal priority, 2x or 4x the cores this process may use: the
         daemons, Postgres and this harness all get a share of what is left."""
@@ -1200,6 +1266,14 @@ class Chaos:
             hog.wait()
         self._overload_over()
 
+    @fault_kind(
+        "slow_database",
+        "overload",
+        lambda slot: (
+            f"database link +{SLOW_DATABASE_SECONDS[0] * 1000:g}-"
+            f"{SLOW_DATABASE_SECONDS[1] * 1000:g} ms a chunk for {OVERLOAD_SECONDS:g} s"
+        ),
+    )
     def _fault_slow_database(self, fault: ScheduledFault) -> bool:
         """The proxied daemons' database link: every chunk 50-500 ms late, both ways."""
         link = self.links["database"]
@@ -1215,6 +1289,14 @@ class Chaos:
         self.tally.slow_databases += 1
         return True
 
+    @fault_kind(
+        "decision_burst",
+        "overload",
+        lambda slot: (
+            f"decisions at {BURST_FACTOR:g}x the measured drain rate (its "
+            f"share of the {BURST_SHARE:.0%} kept for bursts)"
+        ),
+    )
     def _fault_decision_burst(self, fault: ScheduledFault) -> bool:
         """Decisions at 3x the drain rate measured when quiet, on top of the stream's:
         this burst's share of the decisions the steady stream left to the bursts."""
@@ -1236,11 +1318,26 @@ class Chaos:
 
     # callbacks (#25): the webhooks flow all run long; these disturb them for a while
 
+    @fault_kind(
+        "webhooks_dropped",
+        "callbacks",
+        lambda slot: (
+            f"every {WEBHOOK_DROP_EVERY}nd webhook dropped for {PROVIDER_FAULT_SECONDS:g} s"
+        ),
+    )
     def _fault_webhooks_dropped(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "webhooks_dropped", {"webhook_drop_every": WEBHOOK_DROP_EVERY}, "webhook_drop_windows"
         )
 
+    @fault_kind(
+        "webhooks_forged",
+        "callbacks",
+        lambda slot: (
+            f"every {WEBHOOK_FORGE_EVERY}nd webhook forged, every "
+            f"{WEBHOOK_STALE_EVERY}rd stale, for {PROVIDER_FAULT_SECONDS:g} s"
+        ),
+    )
     def _fault_webhooks_forged(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "webhooks_forged",
@@ -1251,6 +1348,14 @@ class Chaos:
             "webhook_forge_windows",
         )
 
+    @fault_kind(
+        "webhooks_duplicated",
+        "callbacks",
+        lambda slot: (
+            f"every {WEBHOOK_DUPLICATE_EVERY}nd webhook twice, "
+            f"{WEBHOOK_REORDER} at a time newest first, for {PROVIDER_FAULT_SECONDS:g} s"
+        ),
+    )
     def _fault_webhooks_duplicated(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "webhooks_duplicated",
@@ -1261,6 +1366,11 @@ class Chaos:
             "webhook_duplicate_windows",
         )
 
+    @fault_kind(
+        "webhooks_delayed",
+        "callbacks",
+        lambda slot: f"webhooks held {WEBHOOK_DELAY_MS} ms for {PROVIDER_FAULT_SECONDS:g} s",
+    )
     def _fault_webhooks_delayed(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
             "webhooks_delayed", {"webhook_delay_ms": WEBHOOK_DELAY_MS}, "webhook_delay_windows"
@@ -1333,6 +1443,13 @@ class Chaos:
                 say(f"  ! could not end {kind}: {type(error).__name__}")
         # All at once: each finishes the effects in hand while the others do the same.
         stop_all([daemon.process for daemon in self.daemons if daemon.process is not None])
+
+
+# The kinds ``--faults`` enables by category, in the order they were registered.
+FAULT_CATEGORIES: dict[str, tuple[str, ...]] = {
+    category: tuple(kind for kind, entry in FAULTS.items() if entry.category == category)
+    for category in dict.fromkeys(entry.category for entry in FAULTS.values())
+}
 
 
 class Sampler:

@@ -14,7 +14,7 @@ from outbox import store
 from outbox.cli import add_setting_flags, positive_int
 from outbox.connections import command_transaction
 from outbox.models import Callback, display_operation_id
-from outbox.operator.render import stamp, table
+from outbox.operator.render import instant, stamp, table
 from outbox.settings import Settings
 from outbox.store import Store
 
@@ -86,9 +86,9 @@ def callback_json(callback: Callback) -> dict[str, Any]:
         "named_operation_id": shown(callback.named_operation_id),
         "provider_reference": callback.provider_reference,
         "payload_digest": callback.payload_digest,
-        "received_at": stamp(callback.received_at),
+        "received_at": instant(callback.received_at),
         "outcome": str(callback.outcome) if callback.outcome else None,
-        "applied_at": stamp(callback.applied_at) if callback.applied_at else None,
+        "applied_at": instant(callback.applied_at),
     }
 
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import UTC, datetime
 from importlib.metadata import entry_points
 from typing import Any
+
+import psycopg
 
 from outbox.cli.arguments import (
     add_declare_topology_flag,
@@ -35,12 +38,20 @@ from outbox.cli.run import (
     run_command,
     run_parsed,
 )
+from outbox.connections import command_transaction
+from outbox.errors import OutboxError
 from outbox.loading import load_registry, module_list
 from outbox.metrics import version
 from outbox.migrate import declare_broker_topology, migrate
 from outbox.operator import commands as operator_commands
-from outbox.operator import dlq
+from outbox.operator import dlq, render
+from outbox.operator.views import (
+    DeadLetterView,
+    dead_letter_views,
+    dead_letter_views_without_database,
+)
 from outbox.settings import Settings
+from outbox.store import Store
 from outbox.urls import redact_url
 
 __all__ = [
@@ -118,8 +129,31 @@ def cmd_contracts(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_dlq_list(args: argparse.Namespace, settings: Settings) -> int:
     listing = run_async(dlq.list_dead_letters(settings, limit=args.limit))
-    print(dlq.listing_json(listing) if args.json else listing.text())
+    now = datetime.now(UTC)
+    views = _dead_letter_views(settings, listing)
+    if args.json:
+        print(json.dumps(render.dead_letters_json(listing, views, now), indent=2))
+    else:
+        print(render.dead_letters_text(listing, views, now))
     return 0
+
+
+def _dead_letter_views(settings: Settings, listing: dlq.Listing) -> list[DeadLetterView]:
+    """The messages with their operations, as the console's dead-letter page reads them;
+    the broker's view alone (and a line on stderr) when the operations cannot be read."""
+    if not any(message.envelope is not None for message in listing.messages):
+        return [dead_letter_views_without_database(m) for m in listing.messages]
+    try:
+        with command_transaction(settings) as connection:
+            connection.read_only = True
+            return dead_letter_views(Store(connection), listing.messages)
+    except (OutboxError, psycopg.Error) as error:
+        print(
+            f"outbox dlq list: the operations could not be read ({type(error).__name__}); "
+            "showing what the broker holds",
+            file=sys.stderr,
+        )
+        return [dead_letter_views_without_database(m) for m in listing.messages]
 
 
 def cmd_dlq_requeue(args: argparse.Namespace, settings: Settings) -> int:
@@ -208,10 +242,12 @@ def configure_dlq(commands: Commands) -> None:
         "list",
         help="show dead-lettered messages and why they died; leaves them all in the queue",
         description="A snapshot of the dead-letter queue: a count, then per message its id, "
-        "its envelope (or its size, if the body is not an envelope) and RabbitMQ's x-death "
-        "reason, queue and count. Messages are read without ack and handed back.",
+        "its envelope (or its size, if the body is not an envelope), RabbitMQ's x-death "
+        "reason, queue and count, why it died (the consumer's reason, read from the "
+        "database, where it wrote one) and whether its operation is already escalated or "
+        "settled. Messages are read without ack and handed back.",
     )
-    add_setting_flags(listing, "amqp_url", "dead_letter_queue")
+    add_setting_flags(listing, "amqp_url", "dead_letter_queue", "database_url")
     listing.add_argument(
         "--limit",
         type=positive_int,

@@ -27,8 +27,9 @@ from outbox.models import (
     OperationEvent,
     display_operation_id,
 )
+from outbox.operator.dlq import Listing
 from outbox.operator.rules import ApprovalDecided, Resolved
-from outbox.operator.views import Escalation
+from outbox.operator.views import DeadLetterView, Escalation
 from outbox.states import OperationState
 from outbox.store import ChainReport, OperationStats, OperationSummary, PendingApproval
 from outbox.store.evidence import REASONS
@@ -38,9 +39,21 @@ S = OperationState
 
 
 def stamp(moment: datetime | None) -> str:
+    """A time as a person reads it, one form in every command and on every console page:
+    UTC to the second, ``2026-12-02T03:04:05Z``, 20 characters that never wrap. The
+    fraction is cut, not rounded, so a stamp is never later than its moment; where
+    order matters the rows are already in order (a timeline, a listing)."""
     if moment is None:
         return "-"
-    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def instant(moment: datetime | None) -> str | None:
+    """A time in ``--json`` output: ISO 8601 in UTC at the database's full precision
+    (microseconds), ``2026-12-02T03:04:05.123456Z``, for scripts that compare or order."""
+    if moment is None:
+        return None
+    return moment.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -71,7 +84,7 @@ def escalation_json(escalation: Escalation | None, now: datetime) -> dict[str, A
         return None
     return {
         "reason": escalation.reason,
-        "since": stamp(escalation.since),
+        "since": instant(escalation.since),
         "waiting_seconds": round((now - escalation.since).total_seconds(), 3),
     }
 
@@ -94,8 +107,8 @@ def summary_json(
         "provider_reference": summary.provider_reference,
         "requires_approval": summary.requires_approval,
         "fingerprint": keyed_fingerprint(key, summary.input_fingerprint),
-        "created_at": stamp(summary.created_at),
-        "updated_at": stamp(summary.updated_at),
+        "created_at": instant(summary.created_at),
+        "updated_at": instant(summary.updated_at),
         "escalation": escalation,
     }
 
@@ -251,7 +264,7 @@ def show_json(
         "input": operation.input,
         "attempts": operation.attempts,
         "reconcile_attempts": operation.reconcile_attempts,
-        "first_attempt_at": stamp(operation.first_attempt_at),
+        "first_attempt_at": instant(operation.first_attempt_at),
         "provider_reference": operation.provider_reference,
         "last_error_class": operation.last_error_class,
         "effect_possible": operation.effect_possible,
@@ -259,10 +272,10 @@ def show_json(
         "approval": None
         if check is None
         else {"status": str(check.status), "reason": check.reason, "decided_by": decided_by},
-        "created_at": stamp(operation.created_at),
-        "updated_at": stamp(operation.updated_at),
+        "created_at": instant(operation.created_at),
+        "updated_at": instant(operation.updated_at),
         "events": [
-            {"at": stamp(event.created_at), "name": event.name, "attributes": event.attributes}
+            {"at": instant(event.created_at), "name": event.name, "attributes": event.attributes}
             for event in events
         ],
         "callbacks": [
@@ -273,7 +286,7 @@ def show_json(
                 "status": str(c.status),
                 "provider_reference": c.provider_reference,
                 "outcome": str(c.outcome) if c.outcome else None,
-                "received_at": stamp(c.received_at),
+                "received_at": instant(c.received_at),
             }
             for c in callbacks
         ],
@@ -414,7 +427,7 @@ def approval_decided_json(decided: ApprovalDecided) -> dict[str, Any]:
         "decision": str(approval.decision),
         "by": decided.by,
         "intent": decided.intent,
-        "expires_at": stamp(approval.expires_at),
+        "expires_at": instant(approval.expires_at),
         "state": str(decided.operation.state),
         "requires_approval": decided.operation.requires_approval,
     }
@@ -462,3 +475,48 @@ def resolved_text(resolved: Resolved, by: str) -> str:
             f"resolved by {printable(by)}; the evidence is kept in its operation.resolved event",
         ]
     )
+
+
+def dead_letter_fate(view: DeadLetterView, now: datetime) -> str | None:
+    """What became of a dead letter's operation, where that changes what to do with it:
+    escalated (resolve it; a requeue only gets acknowledged) or already settled."""
+    if view.escalation is not None:
+        waited = age_text((now - view.escalation.since).total_seconds())
+        return (
+            f"its operation is escalated ({printable(view.escalation.reason)}, {waited} ago): "
+            "resolve it with `outbox ops resolve`; a requeued copy would only be acknowledged"
+        )
+    state = view.operation_state
+    if state is not None and state is not S.PREPARED:
+        return f"its operation is {state}: a requeued copy would only be acknowledged"
+    return None
+
+
+def dead_letters_text(listing: Listing, views: Sequence[DeadLetterView], now: datetime) -> str:
+    """``outbox dlq list``: each message as the broker holds it, then why it died (the
+    consumer's reason where it wrote one) and what became of its operation."""
+    lines = [f"dead-lettered: {listing.count} message(s) in {listing.queue}"]
+    for view in views:
+        lines += [view.message.line(), f"  why: {printable(view.why)}"]
+        fate = dead_letter_fate(view, now)
+        if fate is not None:
+            lines.append(f"  {fate}")
+    if len(listing.messages) < listing.count:
+        lines.append(f"(showing {len(listing.messages)}; --limit N shows more)")
+    return "\n".join(lines)
+
+
+def dead_letters_json(
+    listing: Listing, views: Sequence[DeadLetterView], now: datetime
+) -> dict[str, Any]:
+    document = listing.as_json()
+    document["messages"] = [
+        {
+            **view.message.as_json(),
+            "why": view.why,
+            "operation_state": None if view.operation_state is None else str(view.operation_state),
+            "escalation": escalation_json(view.escalation, now),
+        }
+        for view in views
+    ]
+    return document

@@ -1,21 +1,7 @@
 """``outbox demo``: the lost refund response, twice, then a lost email answer.
 
-First a naive runtime that retries on any exception: the provider commits the refund,
-the response is lost to a timeout, the retry refunds again. Then the same fault under
-effect-outbox: the decision is recorded with its outbox row, the dispatcher publishes
-it, the consumer calls the provider with the operation id as the idempotency key, the
-timeout becomes ``outcome_unknown``, the reconciler looks the refund up and finds it.
-The provider's ledger is the evidence: two refunds, then one. Last, an email, which no
-lookup can find: its answer is lost too, and the provider's signed delivery callback
-(verified and recorded by ``record_callback``, as ``outbox callbacks serve`` does)
-settles it, where a person would otherwise
-have had to.
-
-Everything runs against the local Postgres and RabbitMQ in a database and broker names
-of its own, with the daemons as real subprocesses; all of it is removed at the end, also
-when the demo is stopped with SIGTERM or Ctrl-C. Both services are checked first: a
-missing one is named in one line, with how to start it. Exit status 0 only if the
-guarantee held.
+What it shows, and what it needs, is :data:`DESCRIPTION`, the text ``outbox demo --help``
+prints (plain text: a terminal shows it as written).
 """
 
 from __future__ import annotations
@@ -73,6 +59,27 @@ WEBHOOK_DELAY_MS = 300
 SERVICE_CHECK_SECONDS = 5
 
 
+DESCRIPTION = """\
+Watch a lost refund response, twice, then a lost email answer.
+
+First a naive runtime that retries on any exception: the provider commits the refund,
+the response is lost to a timeout, and the retry refunds again. Then the same fault
+under effect-outbox: the decision is recorded with its outbox row, the dispatcher
+publishes it, the consumer calls the provider with the operation id as the idempotency
+key, the timeout becomes outcome_unknown, and the reconciler looks the refund up and
+finds it. The provider's ledger is the evidence: two refunds, then one. Last, an email,
+which no lookup can find: its answer is lost too, and the provider's signed delivery
+callback (verified and recorded as `outbox callbacks serve` does) settles it, where a
+person would otherwise have had to.
+
+Everything runs against the local Postgres and RabbitMQ, in a database and broker names
+of its own, with the daemons as real subprocesses; all of it is removed at the end, also
+when the demo is stopped with SIGTERM or Ctrl-C. Both services are checked first: a
+missing one is named in one line, with how to start it. Exit status 0 only if the
+guarantee held.
+"""
+
+
 def scratch_for(settings: Settings) -> ScratchEnvironment:
     """A database ``outbox_demo_<tag>`` and broker names ``demo.<tag>.*`` for one run: its
     tag is printed once they exist, so that they can be found (and checked gone)."""
@@ -84,7 +91,7 @@ def register(commands: Any) -> None:
         "demo",
         help="watch a lost refund response (a naive retry refunds twice, effect-outbox "
         "once), then a lost email answer settled by its provider's callback",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from outbox.cli import add_setting_flags

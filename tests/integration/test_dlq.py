@@ -16,11 +16,16 @@ import aio_pika
 import pytest
 from pydantic import SecretStr
 
+from outbox import Registry
+from outbox import store as outbox_store
 from outbox.broker import OperationMessage, Topology, declare_topology, message_id
 from outbox.cli import run_command
 from outbox.settings import Settings
+from outbox.states import EventName
 
 from support.broker_helpers import read_raw
+from support.console_helpers import dead_letter_one
+from support.ops_helpers import Ops
 from support.waiting import eventually
 
 CANARY = "CANARY-7f3a-do-not-print"
@@ -349,3 +354,57 @@ async def test_requeue_needs_a_selection(cli: Cli, capsys: pytest.CaptureFixture
         run_command(["dlq", "requeue"])
     assert exit_.value.code == 2
     assert "one of the arguments --all --message-id is required" in capsys.readouterr().err
+
+
+async def test_list_says_why_each_died_and_which_operation_is_already_escalated(
+    settings: Settings,
+    database_url: str,
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It said only "reason=rejected count=1", and an operation escalated as undeliverable
+    # left its dead letter with no hint: the console's dead-letter page said both.
+    ops = Ops(database_url, registry)
+    undeliverable = ops.escalated_at_claim("undeliverable")
+    no_tool = ops.new()
+    ops.run(outbox_store.append_event(no_tool, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}))
+    for operation, outbox_id in ((undeliverable, 1), (no_tool, 2)):
+        await dead_letter_one(
+            settings,
+            OperationMessage(
+                operation_id=operation.id,
+                outbox_id=outbox_id,
+                tool=operation.tool_name,
+                tool_version=operation.tool_version,
+                input_fingerprint=operation.input_fingerprint,
+            ),
+            message_id=message_id(outbox_id),
+        )
+    monkeypatch.setenv("OUTBOX_AMQP_URL", settings.amqp_url.get_secret_value())
+    monkeypatch.setenv("OUTBOX_DEAD_LETTER_QUEUE", settings.dead_letter_queue)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+
+    def listed(*flags: str) -> str:
+        capsys.readouterr()
+        assert run_command(["dlq", "list", *flags]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""
+        return out
+
+    out = await asyncio.to_thread(listed)
+
+    blocks = {block.split(" ", 1)[0]: block for block in out.split("\nmessage_id=")[1:]}
+    escalated, refused = blocks["outbox-1"], blocks["outbox-2"]
+    assert "\n  why: refused by a consumer, 1 time(s), from " in escalated
+    assert "\n  its operation is escalated (undeliverable, " in escalated
+    assert "a requeued copy would only be acknowledged" in escalated
+    assert "\n  why: unknown_tool" in refused
+    assert "escalated" not in refused
+
+    document = json.loads(await asyncio.to_thread(listed, "--json"))
+    by_id = {m["message_id"]: m for m in document["messages"]}
+    assert by_id["outbox-1"]["operation_state"] == "escalated"
+    assert by_id["outbox-1"]["escalation"]["reason"] == "undeliverable"
+    assert by_id["outbox-2"]["why"] == "unknown_tool"
+    assert by_id["outbox-2"]["escalation"] is None

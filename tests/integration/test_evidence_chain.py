@@ -4,7 +4,7 @@ operation's chain in the statement that writes it, and `outbox ops verify` /
 
 Tampering here is what only a superuser (or the tables' owner) can do: switch the
 append-only trigger off, then UPDATE or DELETE. The roles forbid it to everyone else
-(tests/integration/test_roles.py)."""
+(tests/integration/roles/)."""
 
 from __future__ import annotations
 

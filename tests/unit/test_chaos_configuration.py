@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from harness import chaos
-from harness.chaos import FAULT_CATEGORIES, QUIET_SECONDS, build_parser, decision, fault_schedule
+from harness.chaos import (
+    FAULT_CATEGORIES,
+    FAULTS,
+    QUIET_SECONDS,
+    build_parser,
+    decision,
+    fault_schedule,
+)
 
 from support.ports import closed_port
 
@@ -65,6 +72,15 @@ def test_all_faults_take_in_overload_and_callbacks() -> None:
         "webhooks_duplicated",
         "webhooks_delayed",
     }
+
+
+def test_each_fault_kind_is_registered_with_its_own_handler() -> None:
+    # Dispatch was getattr(self, f"_fault_{kind}"): a typo surfaced mid-run. The registry
+    # is filled where each handler is defined; a handler under another kind's name would
+    # inject the wrong fault.
+    assert [entry.inject.__name__ for entry in FAULTS.values()] == [
+        f"_fault_{kind}" for kind in FAULTS
+    ]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

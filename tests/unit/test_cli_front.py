@@ -43,6 +43,17 @@ def test_a_duration_flags_default_is_shown_in_seconds(capsys: pytest.CaptureFixt
     assert "days," not in text
 
 
+def test_demo_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    # It printed the module's docstring: ``double backticks`` and :func: roles.
+    with pytest.raises(SystemExit):
+        run_command(["demo", "--help"])
+    description = capsys.readouterr().out.split("\n\n")[1]
+    assert description.startswith("Watch a lost refund response, twice")
+    assert "``" not in description
+    assert ":func:" not in description
+    assert ":data:" not in description
+
+
 # Every command that loads tools modules, as a user types it.
 TOOLS_COMMANDS = [
     ["consumer"],

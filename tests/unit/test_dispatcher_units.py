@@ -69,7 +69,7 @@ def test_properties_identify_the_row_and_persist_the_message() -> None:
 
 def test_the_traceparent_travels_as_the_only_header() -> None:
     # Which headers a row may hold, and which traceparent is valid, the claim's SQL
-    # decides (tests/integration/test_hostile_values.py): the encoder gets text or None.
+    # decides (tests/integration/hostile_values/): the encoder gets text or None.
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
     with_trace = encode(row(traceparent=traceparent)).properties

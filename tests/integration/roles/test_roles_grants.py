@@ -1,0 +1,244 @@
+"""What roles.sql grants: each group exactly its queries' privileges, applied after the
+schema, twice without change.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import psycopg.errors
+import pytest
+
+from outbox import schema as outbox_schema
+from outbox.errors import SchemaMissing
+from outbox.sql import QUERIES, roles_sql
+
+from support.db_helpers import execute_admin
+from support.roles_cases import (
+    AGENT,
+    CALLBACKS,
+    COMPONENT_QUERIES,
+    CONSUMER,
+    DISPATCHER,
+    OPERATOR,
+    TABLES,
+)
+
+OUTBOX = str(Path(sys.executable).parent / "outbox")
+
+# What each group holds, table by table; everything else is refused. Table-level
+# privileges here; column grants (which has_table_privilege does not count) below.
+GRANTS: dict[str, dict[str, set[str]]] = {
+    # The agent writes through outbox_record_decision only; it reads operations through
+    # the operation_status view (never the input).
+    AGENT: {
+        "operation_status": {"SELECT"},
+        "outbox_deployment": {"SELECT"},
+    },
+    DISPATCHER: {"outbox": {"SELECT", "DELETE"}},
+    CONSUMER: {
+        "operations": {"SELECT"},
+        "outbox": {"SELECT"},
+        "operation_events": {"SELECT"},
+        "approvals": {"SELECT"},
+        "outbox_deployment": {"SELECT"},
+        "callbacks": {"SELECT"},
+    },
+    OPERATOR: {
+        "operations": {"SELECT"},
+        "outbox": {"SELECT"},
+        "operation_events": {"SELECT"},
+        "approvals": {"SELECT"},
+        "outbox_schema_version": {"SELECT"},
+        "outbox_deployment": {"SELECT"},
+        # `outbox ops verify` compares each chain with its head.
+        "operation_event_heads": {"SELECT"},
+        "callbacks": {"SELECT"},
+    },
+    # No table at all: it writes through outbox_record_callback only.
+    CALLBACKS: {},
+}
+# Writes name only the columns a component chooses: never an id, a chain link, a birth
+# time, an intent column, a message's routing or headers, or an approval's time.
+_MOVES = frozenset(
+    {
+        "state",
+        "attempts",
+        "reconcile_attempts",
+        "lease_token",
+        "lease_owner",
+        "lease_expires_at",
+        "next_attempt_at",
+        "first_attempt_at",
+        "provider_reference",
+        "result",
+        "last_error_class",
+        "effect_possible",
+    }
+)
+_APPEND = frozenset({"operation_id", "name", "attributes"})
+_QUEUE = frozenset({"operation_id", "routing_key", "available_at"})
+COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
+    AGENT: {
+        ("operations", "SELECT"): frozenset({"id", "input_fingerprint"}),
+        ("operation_events", "INSERT"): _APPEND,
+        ("approvals", "SELECT"): frozenset(
+            {"id", "operation_id", "intent_hash", "decision", "expires_at", "created_at"}
+        ),
+    },
+    DISPATCHER: {
+        ("operations", "SELECT"): frozenset(
+            {"id", "state", "tool_name", "tool_version", "input_fingerprint"}
+        ),
+        ("outbox", "UPDATE"): frozenset(
+            {"published_at", "publish_attempts", "last_error", "available_at"}
+        ),
+    },
+    CONSUMER: {
+        ("operations", "UPDATE"): _MOVES,
+        ("outbox", "INSERT"): _QUEUE,
+        ("operation_events", "INSERT"): _APPEND,
+        # What it did with a callback; the trigger stamps when, and freezes the rest.
+        ("callbacks", "UPDATE"): frozenset({"outcome"}),
+    },
+    OPERATOR: {
+        ("operations", "UPDATE"): _MOVES,
+        ("outbox", "INSERT"): _QUEUE,
+        ("operation_events", "INSERT"): _APPEND,
+        ("approvals", "INSERT"): frozenset(
+            {"id", "operation_id", "intent_hash", "decision", "approved_by", "expires_at"}
+        ),
+    },
+}
+PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+
+
+# --- what roles.sql sets up ----------------------------------------------------------
+
+
+def test_every_query_belongs_to_a_component() -> None:
+    claimed = set().union(*COMPONENT_QUERIES.values())
+
+    assert set(QUERIES) - claimed == set(), "decide which role runs it and grant what it needs"
+    assert claimed - set(QUERIES) == set()
+
+
+def test_each_group_holds_exactly_its_grants_and_public_holds_none(roles_database: str) -> None:
+    held = {
+        (role, table, privilege)
+        for role in outbox_schema.ROLES
+        for table in TABLES
+        for privilege in PRIVILEGES
+        if execute_admin(
+            roles_database, "SELECT has_table_privilege(%s, %s, %s)", (role, table, privilege)
+        )[0][0]
+    }
+    columns = execute_admin(
+        roles_database,
+        "SELECT g.rolname, c.relname, p.privilege_type, array_agg(a.attname::text) "
+        "FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 "
+        "CROSS JOIN LATERAL aclexplode(a.attacl) p JOIN pg_roles g ON g.oid = p.grantee "
+        "WHERE c.relname = ANY(%s) GROUP BY 1, 2, 3",
+        (list(TABLES),),
+    )
+    public = execute_admin(
+        roles_database,
+        "SELECT c.relname, a.privilege_type FROM pg_class c, aclexplode(c.relacl) a "
+        "WHERE c.relname = ANY(%s) AND a.grantee = 0",
+        (list(TABLES),),
+    )
+    groups = execute_admin(
+        roles_database,
+        "SELECT rolname, rolcanlogin, rolsuper, rolcreaterole, rolcreatedb, rolbypassrls "
+        "FROM pg_roles WHERE rolname = ANY(%s) ORDER BY rolname",
+        (list(outbox_schema.ROLES),),
+    )
+    temporary = execute_admin(
+        roles_database,
+        "SELECT a.privilege_type FROM pg_database d, aclexplode(d.datacl) a "
+        "WHERE d.datname = current_database() AND a.grantee = 0",
+    )
+
+    assert held == {
+        (role, table, privilege)
+        for role, tables in GRANTS.items()
+        for table, privileges in tables.items()
+        for privilege in privileges
+    }
+    assert {
+        (role, table, privilege): frozenset(names) for role, table, privilege, names in columns
+    } == {
+        (role, table, privilege): names
+        for role, granted in COLUMN_GRANTS.items()
+        for (table, privilege), names in granted.items()
+    }
+    assert public == []
+    assert "TEMPORARY" not in {privilege for (privilege,) in temporary}
+    assert groups == [
+        (role, False, False, False, False, False) for role in sorted(outbox_schema.ROLES)
+    ]
+
+
+def test_the_roles_need_the_schema_first(empty_database_url: str) -> None:
+    with psycopg.connect(empty_database_url) as connection, pytest.raises(SchemaMissing):
+        outbox_schema.apply_roles(connection)
+
+
+def test_roles_sql_is_the_file_at_the_repository_root() -> None:
+    root = Path(__file__).resolve().parents[3] / "roles.sql"
+
+    assert roles_sql() == root.read_text(encoding="utf-8")
+
+
+def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
+    database_url: str,
+) -> None:
+    acl = (
+        "SELECT c.relname, c.relacl::text, "
+        "       array_agg(a.attname || '=' || a.attacl::text ORDER BY a.attnum) "
+        "       FILTER (WHERE a.attacl IS NOT NULL) "
+        "FROM pg_class c LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 "
+        "WHERE c.relname = ANY(%s) GROUP BY c.relname, c.relacl::text ORDER BY c.relname",
+        (list(TABLES),),
+    )
+    first = subprocess.run(
+        [OUTBOX, "migrate", "--roles", "--database-url", database_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+        check=False,
+    )
+    granted = execute_admin(database_url, *acl)
+    second = subprocess.run(
+        [OUTBOX, "migrate", "--roles"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OUTBOX_DATABASE_URL": database_url},
+        check=False,
+    )
+
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    for result in (first, second):
+        assert "schema version 7 is applied" in result.stdout
+        assert (
+            "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator, "
+            "outbox_callbacks are granted" in result.stdout
+        )
+    assert execute_admin(database_url, *acl) == granted
+    held_by = {table: f"{grants} {columns}" for table, grants, columns in granted}
+    assert "outbox_agent" in held_by.pop("operation_status")
+    assert all("outbox_operator" in grants for grants in held_by.values())
+
+
+def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
+    for _ in range(2):
+        with psycopg.connect(roles_database) as connection:
+            assert outbox_schema.apply_schema(connection) == 7
+            outbox_schema.apply_roles(connection)

@@ -1,0 +1,459 @@
+"""What every role is refused: writes its component never makes, forged operations,
+events and approvals, rewritten intents.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import psycopg.errors
+import pytest
+from psycopg.types.json import Jsonb
+from pydantic import SecretStr
+
+from consumer.worker import Consumer
+from outbox import Operation, Registry, Settings
+from outbox import schema as outbox_schema
+from outbox import store as outbox_store
+from outbox.broker import OperationMessage
+from outbox.errors import DatabaseError
+from outbox.models import ApprovalDecision
+
+from support.dispatch_helpers import counter_value
+from support.logins import Login
+from support.roles_cases import (
+    AGENT,
+    CALLBACKS,
+    CONSUMER,
+    DISPATCHER,
+    OPERATOR,
+    S,
+    advance,
+    new_operation,
+    run,
+    snapshot,
+)
+from support.sample_tools import Ledger
+
+# Statements a superuser could run on the seeded data (so "nothing changed" means the
+# refusal stopped them), refused to the roles that do not need them.
+TAMPER_OPERATION = "UPDATE operations SET last_error_class = 'tampered'"
+FORGE_OPERATION = (
+    "INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, input, "
+    "input_fingerprint) SELECT gen_random_uuid(), 'forged', tool_name, tool_version, "
+    "side_effect, input, input_fingerprint FROM operations"
+)
+FORGE_OUTBOX_ROW = (
+    "INSERT INTO outbox (operation_id, routing_key) SELECT id, 'x.v1' FROM operations"
+)
+FORGE_EVENT = (
+    "INSERT INTO operation_events (operation_id, name) "
+    "SELECT id, 'operation.committed' FROM operations"
+)
+FORGE_APPROVAL = (
+    "INSERT INTO approvals (id, operation_id, intent_hash, approved_by, expires_at) "
+    "SELECT gen_random_uuid(), id, input_fingerprint, 'mallory', now() + interval '1 day' "
+    "FROM operations"
+)
+MARK_PUBLISHED = "UPDATE outbox SET published_at = now()"
+RECORD_CALLBACK = (
+    "SELECT * FROM outbox_record_callback('payments', 'evt_forged', 'committed', "
+    "(SELECT max(id::text)::uuid FROM operations), NULL, repeat('0', 64))"
+)
+RECORD_CALLBACK_BLIND = (
+    "SELECT * FROM outbox_record_callback('payments', 'evt_forged', 'committed', "
+    "gen_random_uuid(), NULL, repeat('0', 64))"
+)
+RECORD_DECISION_BLIND = (
+    "SELECT * FROM outbox_record_decision(gen_random_uuid(), 'forged', NULL, 'send_refund', "
+    "1, 'deduplicated_write', '{}', repeat('0', 64), false, '{}')"
+)
+EVERYONE_REFUSED = [
+    # operation_events is evidence: its trigger refuses UPDATE and DELETE, but not
+    # TRUNCATE, which fires no row triggers; only the missing grant stops that.
+    "UPDATE operation_events SET name = 'operation.committed'",
+    "DELETE FROM operation_events",
+    "TRUNCATE operation_events",
+    "DELETE FROM operations",
+    "TRUNCATE operations CASCADE",
+    "UPDATE approvals SET expires_at = now() + interval '1 year'",
+    "DELETE FROM approvals",
+    "DELETE FROM outbox_schema_version",
+    # The evidence chain's heads: only the chain trigger (as the owner) writes them.
+    "UPDATE operation_event_heads SET events = events + 1",
+    "DELETE FROM operation_event_heads",
+    "INSERT INTO operation_event_heads SELECT gen_random_uuid(), 1, NULL, '\\x00'",
+    # The callbacks inbox: written only by outbox_record_callback, never deleted, and of
+    # a row only its outcome is ever set (by the consumer).
+    "INSERT INTO callbacks (provider, event_id, status, payload_digest) "
+    "VALUES ('payments', 'evt_typed', 'committed', repeat('0', 64))",
+    "DELETE FROM callbacks",
+    "TRUNCATE callbacks",
+    "UPDATE callbacks SET status = 'committed'",
+]
+REFUSED: dict[str, list[str]] = {
+    AGENT: [
+        TAMPER_OPERATION,
+        FORGE_OPERATION,
+        FORGE_OUTBOX_ROW,
+        "UPDATE operations SET state = 'in_flight' WHERE state = 'prepared'",
+        MARK_PUBLISHED,
+        "DELETE FROM outbox",
+        "SELECT count(*) FROM outbox",
+        "SELECT count(*) FROM operation_events",
+        FORGE_APPROVAL,
+        RECORD_CALLBACK_BLIND,
+    ],
+    DISPATCHER: [
+        TAMPER_OPERATION,
+        "SELECT input FROM operations",
+        "SELECT * FROM operations",
+        FORGE_OPERATION,
+        FORGE_OUTBOX_ROW,
+        FORGE_EVENT,
+        "SELECT count(*) FROM operation_events",
+        "SELECT count(*) FROM approvals",
+        FORGE_APPROVAL,
+        RECORD_CALLBACK,
+    ],
+    CONSUMER: [
+        FORGE_OPERATION,
+        MARK_PUBLISHED,
+        "DELETE FROM outbox",
+        FORGE_APPROVAL,
+        RECORD_CALLBACK,
+    ],
+    OPERATOR: [FORGE_OPERATION, MARK_PUBLISHED, "DELETE FROM outbox", RECORD_CALLBACK],
+    # The callbacks receiver learns nothing of operations and writes nothing but callbacks.
+    CALLBACKS: [
+        "SELECT count(*) FROM operations",
+        "SELECT count(*) FROM operation_status",
+        "SELECT count(*) FROM callbacks",
+        "SELECT count(*) FROM operation_events",
+        "SELECT count(*) FROM outbox",
+        "SELECT count(*) FROM approvals",
+        "SELECT count(*) FROM outbox_deployment",
+        TAMPER_OPERATION,
+        FORGE_OPERATION,
+        FORGE_OUTBOX_ROW,
+        FORGE_EVENT,
+        FORGE_APPROVAL,
+        MARK_PUBLISHED,
+        RECORD_DECISION_BLIND,
+        "UPDATE callbacks SET outcome = 'settled'",
+    ],
+}
+
+
+# --- and nothing more ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("group", "statement"),
+    [(group, statement) for group in outbox_schema.ROLES for statement in EVERYONE_REFUSED]
+    + [(group, statement) for group, statements in REFUSED.items() for statement in statements],
+)
+def test_a_role_is_refused_what_its_component_never_does(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str, statement: str
+) -> None:
+    user = login(group)
+    before = snapshot(roles_database)
+
+    # "permission denied": the grant refused it, not a trigger further down (the
+    # append-only trigger raises the same SQLSTATE).
+    with (
+        psycopg.connect(user) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match=r"^permission denied for "),
+    ):
+        connection.execute(statement)
+
+    assert snapshot(roles_database) == before
+
+
+def test_the_agent_cannot_mark_an_operation_committed(
+    login: Login, roles_database: str, registry: Registry
+) -> None:
+    agent = login(AGENT)
+    claimed = advance(roles_database, new_operation(agent, registry), S.IN_FLIGHT)
+    before = snapshot(roles_database)
+
+    with pytest.raises(DatabaseError) as refused:
+        run(
+            agent,
+            outbox_store.transition(
+                claimed.id,
+                source=S.IN_FLIGHT,
+                target=S.COMMITTED,
+                lease_token=claimed.lease_token,
+                provider_reference="re_forged",
+            ),
+        )
+
+    assert isinstance(refused.value.driver_error, psycopg.errors.InsufficientPrivilege)
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize("group", [AGENT, DISPATCHER, CONSUMER])
+def test_only_the_operator_grants_approvals(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str
+) -> None:
+    user = login(group)
+    before = snapshot(roles_database)
+
+    with pytest.raises(DatabaseError) as refused:
+        run(
+            user,
+            outbox_store.decide_approval(
+                seeded["waiting"].id,
+                decision=ApprovalDecision.GRANTED,
+                approved_by="mallory",
+                ttl=timedelta(days=1),
+            ),
+        )
+
+    assert isinstance(refused.value.driver_error, psycopg.errors.InsufficientPrivilege)
+    assert snapshot(roles_database) == before
+
+
+# --- attacks on the trust boundaries ------------------------------------------------
+
+
+def forged_refund_arguments(operation_id: uuid.UUID, amount_cents: int) -> dict[str, Any]:
+    """A refund decision written around the library: no approval asked for, and a
+    fingerprint that is not the input's."""
+    return {
+        "id": operation_id,
+        "run_id": "forged",
+        "decision_key": None,
+        "tool_name": "send_refund",
+        "tool_version": 1,
+        "side_effect": "deduplicated_write",
+        "input": Jsonb({"payment_id": "pay_forged", "amount_cents": amount_cents}),
+        "input_fingerprint": "0" * 64,
+        "requires_approval": False,
+        "headers": Jsonb({}),
+    }
+
+
+RECORD_DIRECTLY = (
+    "SELECT * FROM outbox_record_decision(%(id)s, %(run_id)s, %(decision_key)s, "
+    "%(tool_name)s, %(tool_version)s, %(side_effect)s, %(input)s, %(input_fingerprint)s, "
+    "%(requires_approval)s, %(headers)s)"
+)
+
+
+async def test_a_refund_forged_by_the_agent_role_is_escalated_as_tampering_never_paid(
+    login: Login, roles_database: str, registry: Registry, ledger: Ledger, settings: Settings
+) -> None:
+    agent, consumer_user = login(AGENT), login(CONSUMER)
+    forged = uuid.uuid4()
+    # 60,000 cents needs an approval; the forged row says it does not. The database
+    # cannot recompute a fingerprint, so it accepts the row through the agent's path.
+    with psycopg.connect(agent) as connection:
+        connection.execute(RECORD_DIRECTLY, forged_refund_arguments(forged, 60_000))
+    row = run(roles_database, outbox_store.get_operation(forged))
+    consumer = Consumer(
+        settings.model_copy(update={"database_url": SecretStr(consumer_user)}), registry
+    )
+    envelope = OperationMessage(
+        operation_id=forged,
+        outbox_id=1,
+        tool="send_refund",
+        tool_version=1,
+        input_fingerprint=row.input_fingerprint,
+    )
+    try:
+        verdict = await consumer.claim(envelope)
+    finally:
+        await consumer.close()
+
+    assert getattr(verdict, "result", None) == "tampered"
+    assert ledger.calls == []
+    final = run(roles_database, outbox_store.get_operation(forged))
+    assert final.state is S.ESCALATED
+    events = run(roles_database, outbox_store.events(forged))
+    assert [(e.name, e.attributes.get("check")) for e in events[-2:]] == [
+        ("operation.tampered", "fingerprint_mismatch"),
+        ("operation.escalated", "fingerprint_mismatch"),
+    ]
+    assert events[-1].attributes["reason"] == "tampered"
+    assert (
+        counter_value(
+            consumer,
+            "outbox_consumer_tampered_total",
+            tool="send_refund",
+            check="fingerprint_mismatch",
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("state", "'committed'"),
+        ("provider_reference", "'re_forged'"),
+        ("attempts", "1"),
+        ("result", "'{}'::jsonb"),
+    ],
+)
+def test_no_role_not_even_the_owner_inserts_an_operation_that_looks_executed(
+    roles_database: str, field: str, value: str
+) -> None:
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(roles_database) as connection,
+        pytest.raises(psycopg.errors.CheckViolation, match="must be prepared"),
+    ):
+        connection.execute(
+            f"INSERT INTO operations (id, run_id, tool_name, tool_version, side_effect, "
+            f"input, input_fingerprint, {field}) VALUES (gen_random_uuid(), 'forged', "
+            f"'send_refund', 1, 'deduplicated_write', '{{}}', repeat('0', 64), {value})"
+        )
+
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize(
+    "name", ["operation.resolved", "operation.committed", "operation.prepared"]
+)
+def test_the_agent_appends_no_event_but_its_own(
+    login: Login, roles_database: str, seeded: dict[str, Operation], name: str
+) -> None:
+    agent = login(AGENT)
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(agent) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="may not append"),
+    ):
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name, attributes) VALUES (%s, %s, %s)",
+            (seeded["escalated"].id, name, Jsonb({"by": "mallory", "decision": "rejected"})),
+        )
+
+    assert snapshot(roles_database) == before
+
+
+def test_the_agent_may_append_agent_completed(
+    login: Login, roles_database: str, seeded: dict[str, Operation]
+) -> None:
+    agent = login(AGENT)
+
+    with psycopg.connect(agent) as connection:
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name) VALUES (%s, 'agent.completed')",
+            (seeded["waiting"].id,),
+        )
+
+    names = [e.name for e in run(roles_database, outbox_store.events(seeded["waiting"].id))]
+    assert names[-1] == "agent.completed"
+
+
+def test_the_agent_appends_to_the_evidence_chain_without_choosing_its_link(
+    login: Login, roles_database: str, seeded: dict[str, Operation]
+) -> None:
+    """The chain trigger runs as the owner: the agent needs no grant on the heads, and no
+    INSERT of a role names the link (its grant is on the columns an append chooses); the
+    trigger writes the real one."""
+    agent = login(AGENT)
+
+    with psycopg.connect(agent) as connection:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute(
+                "INSERT INTO operation_events (operation_id, name, seq, prev_hash, hash) "
+                "VALUES (%s, 'agent.completed', 1, NULL, '\\x00')",
+                (seeded["waiting"].id,),
+            )
+        connection.rollback()
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name) VALUES (%s, 'agent.completed')",
+            (seeded["waiting"].id,),
+        )
+
+    report = run(roles_database, outbox_store.verify_chain(seeded["waiting"].id))
+    assert report.intact
+    events = run(roles_database, outbox_store.events(seeded["waiting"].id))
+    assert report.events_checked == len(events)
+
+
+@pytest.mark.parametrize("group", outbox_schema.ROLES)
+def test_no_role_hangs_the_chain_trigger_on_a_table_of_its_own(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str
+) -> None:
+    """outbox_chain_event runs as the owner; a trigger of a role's own (on a temporary
+    table) could move any operation's head with it. Creating one needs EXECUTE, which
+    nobody holds. (roles.sql revokes temporary tables too; this login has them back, as
+    a deployment's may, to show the missing EXECUTE holds on its own.)"""
+    user = login(group, temporary=True)
+    before = snapshot(roles_database)
+
+    with psycopg.connect(user) as connection:
+        connection.execute(
+            "CREATE TEMP TABLE forged (operation_id uuid, id bigint, name text, "
+            "attributes jsonb, created_at timestamptz, seq integer, prev_hash bytea, hash bytea)"
+        )
+        with pytest.raises(
+            psycopg.errors.InsufficientPrivilege, match="permission denied for function"
+        ):
+            connection.execute(
+                "CREATE TRIGGER forge BEFORE INSERT ON forged "
+                "FOR EACH ROW EXECUTE FUNCTION outbox_chain_event()"
+            )
+
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize("name", ["operation.resolved", "operation.prepared"])
+def test_the_consumer_appends_no_event_only_a_person_or_the_agent_path_writes(
+    login: Login, roles_database: str, seeded: dict[str, Operation], name: str
+) -> None:
+    consumer = login(CONSUMER)
+    before = snapshot(roles_database)
+
+    with (
+        psycopg.connect(consumer) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="may not append"),
+    ):
+        connection.execute(
+            "INSERT INTO operation_events (operation_id, name) VALUES (%s, %s)",
+            (seeded["escalated"].id, name),
+        )
+
+    assert snapshot(roles_database) == before
+
+
+@pytest.mark.parametrize("group", [CONSUMER, OPERATOR, None])
+@pytest.mark.parametrize(
+    "change",
+    [
+        'input = \'{"payment_id": "pay_other", "amount_cents": 60000}\'::jsonb',
+        "requires_approval = false",
+        "input_fingerprint = repeat('0', 64)",
+        "tool_name = 'send_email'",
+        "side_effect = 'idempotent_write'",
+    ],
+)
+def test_nobody_rewrites_a_recorded_intent(
+    login: Login, roles_database: str, seeded: dict[str, Operation], group: str | None, change: str
+) -> None:
+    user = login(group) if group else roles_database  # None: the owner, a superuser here
+    before = snapshot(roles_database)
+    # A component's UPDATE grant names no intent column; the owner, who may update any
+    # column, meets the trigger that freezes the intent for everyone.
+    refusal = "permission denied for table operations" if group else "intent"
+
+    with (
+        psycopg.connect(user) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match=refusal),
+    ):
+        connection.execute(
+            f"UPDATE operations SET {change} WHERE id = %s",
+            (seeded["waiting"].id,),
+        )
+
+    assert snapshot(roles_database) == before

@@ -1,0 +1,184 @@
+"""What the role tests share: the groups, the tables, the queries each component runs,
+logins per group and seeded operations to act on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from outbox import Operation, OperationState, Registry, record_decision
+from outbox import schema as outbox_schema
+from outbox import store as outbox_store
+from outbox.store import Plan, Store
+
+from support.db_helpers import execute_admin
+
+S = OperationState
+
+
+LEASE = timedelta(seconds=60)
+
+
+AGENT, DISPATCHER, CONSUMER, OPERATOR, CALLBACKS = outbox_schema.ROLES
+
+
+TABLES = (
+    "operation_status",
+    "operations",
+    "outbox",
+    "operation_events",
+    "approvals",
+    "outbox_schema_version",
+    "outbox_deployment",
+    "operation_event_heads",
+    "callbacks",
+)
+
+
+# Not group roles: `outbox migrate` runs as the schema's owner, and the chaos harness
+# (harness/diagnostics.py, not in the wheel) as an administrator of its own database;
+# roles.sql grants them nothing.
+MIGRATE, CHAOS = "outbox migrate", "python -m harness.chaos"
+
+
+# `outbox console` runs as outbox_operator too: its reads besides those of `outbox ops`.
+# tests/integration/console/ runs every page and action as a login that holds
+# only that role, which proves the grants cover them.
+CONSOLE = "outbox console"
+
+
+# Which statements of queries.sql each component runs. A query nobody claims fails
+# test_every_query_belongs_to_a_component: whoever adds one decides who needs it,
+# and the test of that component below proves the grants cover it.
+COMPONENT_QUERIES: dict[str, set[str]] = {
+    AGENT: {
+        "insert_decision",
+        "get_operation_by_decision_key",
+        "fingerprint_key",
+        "listen_operation_changes",
+        "operation_outcomes",
+        "operation_outcomes_changed",
+        "latest_approval",
+    },
+    DISPATCHER: {
+        "listen_outbox_pending",
+        "claim_outbox_batch",
+        "mark_outbox_published",
+        "mark_outbox_failed",
+        "outbox_backlog",
+        "operations_by_state",
+        "delete_published_outbox_rows",
+        # The liveness probe of a transaction past its soft deadline.
+        "backend_activity",
+    },
+    CONSUMER: {
+        "get_operation",
+        "latest_approval",
+        "insert_event",
+        "get_operations",
+        "claim_operations",
+        "commit_operations",
+        "transition_operation",
+        "requeue_stale_prepared",
+        "escalate_undeliverable",
+        "reject_denied_operations",
+        "fingerprint_key",
+        "claim_reconciliation_batch",
+        "lease_for_reconciliation",
+        "defer_reconciliation",
+        "schema_is_current",
+        "execution_gauges",
+        "backend_activity",
+        # Applying provider callbacks (consumer/callbacks.py).
+        "claim_callback_batch",
+        "operation_callbacks",
+        "apply_callback",
+        "lock_operation",
+    },
+    OPERATOR: {
+        "list_operation_summaries",
+        # `ops show op_74ca7733`: the short id the console prints.
+        "operation_ids_in_range",
+        "get_operation",
+        "list_events",
+        "list_outbox_rows",
+        "latest_approval",
+        "transition_operation",
+        "list_approval_candidates",
+        "insert_approval",
+        "count_operations_by_tool_and_state",
+        "outbox_backlog",
+        "verify_event_chains",
+        # Short fingerprints are the keyed ones, and who decided an approval is shown.
+        "fingerprint_key",
+        "console_operation_approvals",
+        # `ops show` lists an operation's callbacks; `outbox callbacks list` the inbox.
+        "operation_callbacks",
+        "list_callbacks",
+    },
+    # `outbox callbacks` and record_callback(): one write path, and the catalog at start.
+    CALLBACKS: {"record_callback", "schema_is_current"},
+    MIGRATE: {
+        "database_exists",
+        "take_migration_lock",
+        "has_schema_version_table",
+        "schema_version",
+    },
+    CHAOS: {"terminate_backends", "session_snapshot"},
+    CONSOLE: {"console_login", "console_operations_page", "console_operation_approvals"},
+}
+
+
+def run(url: str, plan: Plan[Any]) -> Any:
+    """One plan in its own committed transaction, connected as ``url``'s user."""
+    with psycopg.connect(url) as connection:
+        return Store(connection).run(plan)
+
+
+def snapshot(database_url: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every outbox table, as a superuser sees them."""
+    return {
+        table: execute_admin(database_url, f"SELECT * FROM {table} ORDER BY 1") for table in TABLES
+    }
+
+
+def new_operation(url: str, registry: Registry, amount_cents: int = 100) -> Operation:
+    with psycopg.connect(url) as connection:
+        recorded = record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": f"pay_{uuid.uuid4().hex[:8]}", "amount_cents": amount_cents},
+            run_id="run",
+        )
+    return recorded.operation
+
+
+def advance(url: str, operation: Operation, *targets: OperationState) -> Operation:
+    """Move an operation along legal edges, as ``url``'s user, one commit per edge."""
+    for target in targets:
+        if target is S.IN_FLIGHT:
+            claimed = run(url, outbox_store.claim(operation.id, owner="w", lease=LEASE))
+            assert claimed is not None
+            operation = claimed
+        else:
+            operation = run(
+                url,
+                outbox_store.transition(
+                    operation.id,
+                    source=operation.state,
+                    target=target,
+                    lease_token=operation.lease_token,
+                    error_class="lookups_unavailable" if target is S.ESCALATED else None,
+                ),
+            )
+    return operation
+
+
+def escalated(url: str, registry: Registry) -> Operation:
+    return advance(url, new_operation(url, registry), S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED)
