@@ -27,7 +27,6 @@ consumer's claim makes the second delivery a counted duplicate), never in neithe
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -143,13 +142,6 @@ class Listing:
             "shown": len(self.messages),
             "messages": [message.as_json() for message in self.messages],
         }
-
-    def text(self) -> str:
-        lines = [f"dead-lettered: {self.count} message(s) in {self.queue}"]
-        lines += [message.line() for message in self.messages]
-        if len(self.messages) < self.count:
-            lines.append(f"(showing {len(self.messages)}; --limit N shows more)")
-        return "\n".join(lines)
 
 
 @dataclass
@@ -447,7 +439,3 @@ async def _hand_back(messages: Sequence[AbstractIncomingMessage]) -> None:
             await message.nack(requeue=True)
         except _BROKER_ERRORS:
             return
-
-
-def listing_json(listing: Listing) -> str:
-    return json.dumps(listing.as_json(), indent=2)
