@@ -576,11 +576,11 @@ class OutboxSettings:
         }
 
 
-OUTBOX_EFFECTS = (
+COMMITTED_EFFECTS = (
     "SELECT operation_id::text, extract(epoch FROM created_at)::float8 "
     "FROM operation_events WHERE name = 'operation.committed'"
 )
-OUTBOX_COUNT = "SELECT count(*) FROM operation_events WHERE name = 'operation.committed'"
+COMMITTED_COUNT = "SELECT count(*) FROM operation_events WHERE name = 'operation.committed'"
 # Where effect-outbox's decision-to-effect time goes, from its own event log: the decision
 # commit (operation.prepared), the dispatcher's publish (outbox.published_at), the
 # consumer's claim (operation.attempted) and the committed outcome. Each timestamp is
@@ -714,10 +714,10 @@ class Outbox:
         ]
 
     def effect_times(self, url: str) -> dict[str, float]:
-        return read_effects(url, OUTBOX_EFFECTS)
+        return read_effects(url, COMMITTED_EFFECTS)
 
     def count_effects(self, connection: psycopg.Connection[Any]) -> int:
-        return count_rows(connection, OUTBOX_COUNT)
+        return count_rows(connection, COMMITTED_COUNT)
 
     def check(self, url: str, expected: int) -> list[str]:
         """Every operation committed, exactly one attempt and one committed event each."""
