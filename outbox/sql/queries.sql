@@ -334,10 +334,26 @@ WITH deferred AS (
 SELECT * FROM deferred
 
 -- name: requeue_stale_prepared
--- Queue a fresh outbox row for prepared operations that no message has reached for a long time (their message was dead-lettered or lost), except those waiting for an approval.
-WITH stale AS (
+-- Queue a fresh outbox row for prepared operations that no message has reached for a long time, except those waiting for an approval, and only where the message is gone rather than waiting in a slow queue: consumers have since taken up an operation whose first message went out at least half the stale period after this one's latest, or a consumer refused that latest message, or it went out three stale periods ago.
+WITH frontier AS (
+    -- How far the consumers have read: the newest first message of an operation that a
+    -- consumer has taken up. Never a requeue's message: the operation may have been
+    -- taken up through its first while that one still waits in the queue.
+    SELECT b.published_at
+    FROM outbox b
+    JOIN operations t ON t.id = b.operation_id
+    WHERE b.published_at IS NOT NULL
+      AND t.attempts > 0
+      AND NOT EXISTS (SELECT 1 FROM outbox f WHERE f.operation_id = b.operation_id AND f.id < b.id)
+    ORDER BY b.published_at DESC
+    LIMIT 1
+), stale AS (
     SELECT o.id, o.tool_name, o.tool_version
     FROM operations o
+    CROSS JOIN LATERAL (
+        SELECT coalesce(max(b.published_at), '-infinity') AS published_at
+        FROM outbox b WHERE b.operation_id = o.id
+    ) latest
     WHERE o.state = 'prepared'
       AND o.next_attempt_at < clock_timestamp() - %(stale_after)s::interval
       AND NOT EXISTS (
@@ -350,6 +366,15 @@ WITH stale AS (
           SELECT 1 FROM operation_events e
           WHERE e.id = (SELECT max(x.id) FROM operation_events x WHERE x.operation_id = o.id)
             AND e.name = 'operation.approval_required'
+      )
+      AND (
+          latest.published_at < (SELECT published_at FROM frontier) - %(stale_after)s::interval / 2
+          OR EXISTS (
+              SELECT 1 FROM operation_events r
+              WHERE r.operation_id = o.id AND r.name = 'operation.dead_lettered'
+                AND r.created_at >= latest.published_at
+          )
+          OR latest.published_at < clock_timestamp() - 3 * %(stale_after)s::interval
       )
     ORDER BY o.next_attempt_at
     LIMIT %(limit)s

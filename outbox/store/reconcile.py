@@ -62,7 +62,9 @@ def requeue_stale_prepared(stale_after: timedelta, limit: int) -> Plan[list[UUID
 
     A message can be dead-lettered (a database outage outlasting its delivery limit) or
     lost with a broker's disk; the operation row stays ``prepared`` and would otherwise
-    wait forever. Operations waiting for an approval are left to their grant.
+    wait forever. Operations waiting for an approval are left to their grant. A message
+    merely waiting behind a backlog is left too (queries.sql says how it is told apart):
+    sending it again there only doubles the work of consumers already behind.
     """
     rows = yield Step("requeue_stale_prepared", {"stale_after": stale_after, "limit": limit})
     return [row["operation_id"] for row in rows]

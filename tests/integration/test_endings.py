@@ -314,3 +314,79 @@ async def test_a_possible_effect_then_only_attempts_that_never_left_goes_to_a_pe
         )
         == 1
     )
+
+
+def published_ago(database_url: str, seconds: float, *operation_ids: Any) -> None:
+    """As if each operation's message went out ``seconds`` ago and nothing led anywhere."""
+    execute_admin(
+        database_url,
+        "UPDATE outbox SET published_at = clock_timestamp() - make_interval(secs => %s) "
+        "WHERE operation_id = ANY(%s)",
+        (seconds, list(operation_ids)),
+    )
+    execute_admin(
+        database_url,
+        f"UPDATE operations SET next_attempt_at = {HOUR_AGO} WHERE id = ANY(%s)",
+        (list(operation_ids),),
+    )
+
+
+async def requeued_by_one_sweep(settings: Settings, registry: Registry) -> set[Any]:
+    consumer = Consumer(settings, registry)
+    try:
+        return set(await consumer.requeue_stale())
+    finally:
+        await consumer.close()
+
+
+async def test_a_message_waiting_in_a_slow_queue_is_not_sent_again(
+    settings: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    # Stale period 60 s: each of these went out longer ago than that, and no consumer
+    # has taken anything up since, as behind a backlog.
+    behind = [decide(engine, registry, payment_id=f"pay_{n}") for n in range(3)]
+    published_ago(database_url, 90, *(op.id for op in behind))
+    sweeper = sweeping(settings)
+
+    assert await requeued_by_one_sweep(sweeper, registry) == set()
+    assert all("operation.requeued" not in event_names(database_url, op.id) for op in behind)
+
+    # A consumer takes up an operation whose message went out 40 s after theirs: the
+    # queue has moved past them, so their messages are gone.
+    later = decide(engine, registry, payment_id="pay_later")
+    published_ago(database_url, 50, later.id)
+    execute_admin(database_url, "UPDATE operations SET attempts = 1 WHERE id = %s", (later.id,))
+
+    assert await requeued_by_one_sweep(sweeper, registry) == {op.id for op in behind}
+
+
+async def test_a_message_only_just_behind_what_consumers_read_is_left_waiting(
+    settings: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    # Two dispatchers mark their batches a little out of order, and a consumer's
+    # prefetch holds a few messages: within half the stale period is no evidence.
+    close_behind = decide(engine, registry)
+    published_ago(database_url, 70, close_behind.id)
+    taken = decide(engine, registry, payment_id="pay_taken")
+    published_ago(database_url, 50, taken.id)
+    execute_admin(database_url, "UPDATE operations SET attempts = 1 WHERE id = %s", (taken.id,))
+
+    assert await requeued_by_one_sweep(sweeping(settings), registry) == set()
+
+
+async def test_a_refused_message_or_one_gone_three_periods_is_sent_again(
+    settings: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    refused, long_gone, waiting = (
+        decide(engine, registry, payment_id=f"pay_{n}") for n in range(3)
+    )
+    published_ago(database_url, 90, refused.id, waiting.id)
+    published_ago(database_url, 181, long_gone.id)
+    execute_admin(
+        database_url,
+        "INSERT INTO operation_events (operation_id, name, attributes) "
+        "VALUES (%s, 'operation.dead_lettered', '{\"reason\": \"unknown_tool\"}')",
+        (refused.id,),
+    )
+
+    assert await requeued_by_one_sweep(sweeping(settings), registry) == {refused.id, long_gone.id}
