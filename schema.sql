@@ -57,7 +57,11 @@ ALTER TABLE operations ADD COLUMN IF NOT EXISTS effect_possible boolean NOT NULL
 CREATE INDEX IF NOT EXISTS operations_state_next_attempt
     ON operations (state, next_attempt_at)
     WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated');
-CREATE INDEX IF NOT EXISTS operations_run ON operations (run_id);
+-- Version 8: no index on run_id alone. The unique (run_id, decision_key) index has the
+-- same leading column and serves every query that filters by run (the console's run
+-- filter, the agent's lookup by decision key); a second index only cost every insert
+-- and every non-HOT update of an operation one more entry.
+DROP INDEX IF EXISTS operations_run;
 -- The console's keyset pages (console_operations_page): newest change first, strictly
 -- after a (updated_at, id) cursor, read from this index instead of sorting the table
 -- for every page. Only an index: no version row, a database without it is as correct.
@@ -905,3 +909,4 @@ INSERT INTO outbox_schema_version (version) VALUES (4) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (5) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (6) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (7) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO NOTHING;
