@@ -97,7 +97,7 @@ WITH delivered AS (
 SELECT * FROM claimed
 
 -- name: commit_operations
--- in_flight -> committed for many operations in one statement, each only under its own fencing token; appends each one's operation.committed event.
+-- in_flight -> committed for many operations in one statement, each only under its own fencing token; appends each one's operation.committed event. Returns only the columns it writes: under the token the rest are as the claim returned them.
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(lease_tokens)s::bigint[], %(provider_references)s::text[],
@@ -112,7 +112,8 @@ WITH outcome AS (
         result = COALESCE(i.result, o.result)
     FROM outcome i
     WHERE o.id = i.id AND o.state = 'in_flight' AND o.lease_token = i.lease_token
-    RETURNING o.*
+    RETURNING o.id, o.state, o.lease_owner, o.lease_expires_at, o.provider_reference,
+              o.result, o.updated_at
 ), event AS (
     INSERT INTO operation_events (operation_id, name, attributes)
     SELECT m.id, 'operation.committed', i.event_attributes

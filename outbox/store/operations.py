@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 from psycopg.types.json import Jsonb
+from pydantic import BaseModel
 
 from outbox import lifecycle
 from outbox.bounds import bounded_reference, bounded_result
@@ -27,7 +28,7 @@ from outbox.errors import (
     TransientDatabaseError,
 )
 from outbox.fingerprint_key import key_from_environment, keyed_fingerprint
-from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision
+from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision, StoredObject
 from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
 from outbox.store.runner import Plan, Step
 
@@ -310,13 +311,28 @@ def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation
             "event_attributes": [Jsonb(event) for event in attributes],
         },
     )
+    claimed = {effect.operation.id: effect.operation for effect in effects}
     events = {effect.operation.id: event for effect, event in zip(effects, attributes, strict=True)}
     committed: dict[UUID, Operation] = {}
     for row in rows:
-        operation = Operation.model_validate(row)
+        written = _Committed.model_validate(row)
+        operation = claimed[written.id].model_copy(update=written.model_dump(exclude={"id"}))
         lifecycle.emit(EventName.COMMITTED, operation, events[operation.id])
         committed[operation.id] = operation
     return committed
+
+
+class _Committed(BaseModel):
+    """The columns commit_operations writes (the trigger stamps updated_at and may
+    replace the result with the unreadable marker), read back as the row has them."""
+
+    id: UUID
+    state: OperationState
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    provider_reference: str | None
+    result: StoredObject | None
+    updated_at: datetime
 
 
 _DEFAULT_EVENTS = {
