@@ -489,6 +489,11 @@ CREATE TRIGGER operation_events_chain
 -- typed and 1 inside outbox_chain_event, and the WHEN clause is evaluated without calling
 -- a function, so appends pay nearly nothing for this. Like the append-only trigger, it
 -- stops everyone but those who may switch triggers off (the owner, superusers).
+--
+-- Version 8: per statement, not per row. Any BEFORE UPDATE row trigger, even one whose
+-- WHEN is false, makes Postgres lock each row before it updates it, which is one more
+-- WAL record for every event appended; a statement-level trigger costs the chain's
+-- UPDATE nothing per row, and refuses a statement someone typed before it touches any.
 CREATE OR REPLACE FUNCTION outbox_event_heads_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -500,7 +505,7 @@ $$;
 DROP TRIGGER IF EXISTS operation_event_heads_guard ON operation_event_heads;
 CREATE TRIGGER operation_event_heads_guard
     BEFORE UPDATE OR DELETE ON operation_event_heads
-    FOR EACH ROW WHEN (pg_trigger_depth() = 0)
+    FOR EACH STATEMENT WHEN (pg_trigger_depth() = 0)
     EXECUTE FUNCTION outbox_event_heads_guard();
 
 -- Chain the events a database had before version 5, in id order per operation (before
