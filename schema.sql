@@ -289,54 +289,66 @@ CREATE TRIGGER operations_guard_birth
 -- event carries the agent's own words, so they stay in the agent's namespace (every key
 -- agent.<name>) and small, and every view shows them as the agent's, never as the
 -- runtime's.
+--
+-- Version 8: once per statement, over the rows it appended (a transition table), not
+-- once per row: the consumer appends a burst's events in one statement, and the role
+-- is the statement's, the same for every row. The check runs after the rows are
+-- written and chained; a refusal raises, and the statement, its heads included, is
+-- undone with it.
 CREATE OR REPLACE FUNCTION outbox_guard_event_names() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     owner oid;
+    refused text;
 BEGIN
-    IF jsonb_typeof(NEW.attributes) IS DISTINCT FROM 'object'
-       OR octet_length(NEW.attributes::text) > 65536
-       OR outbox_json_too_deep(NEW.attributes) THEN
+    IF EXISTS (SELECT 1 FROM appended a
+               WHERE jsonb_typeof(a.attributes) IS DISTINCT FROM 'object'
+                  OR octet_length(a.attributes::text) > 65536
+                  OR outbox_json_too_deep(a.attributes)) THEN
         RAISE EXCEPTION 'event attributes must be a JSON object of at most 65536 bytes (jsonb text) nested at most 64 deep'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_attributes_bounded';
     END IF;
-    IF NEW.name = 'agent.completed' AND (
-        octet_length(NEW.attributes::text) > 4096
-        OR EXISTS (SELECT 1 FROM jsonb_object_keys(NEW.attributes) AS k (key)
-                   WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$')
-    ) THEN
+    IF EXISTS (SELECT 1 FROM appended a
+               WHERE a.name = 'agent.completed' AND (
+                   octet_length(a.attributes::text) > 4096
+                   OR EXISTS (SELECT 1 FROM jsonb_object_keys(a.attributes) AS k (key)
+                              WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$'))) THEN
         RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
     END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_operator') THEN
-        RETURN NEW;
+        RETURN NULL;
     END IF;
     SELECT relowner INTO owner FROM pg_class WHERE oid = TG_RELID;
     IF pg_has_role(current_user, owner, 'MEMBER')
        OR pg_has_role(current_user, 'outbox_operator', 'MEMBER') THEN
-        RETURN NEW;
+        RETURN NULL;
     END IF;
     IF pg_has_role(current_user, 'outbox_consumer', 'MEMBER') THEN
-        IF NEW.name NOT IN ('operation.prepared', 'operation.resolved',
-                            'operation.approval_granted', 'operation.approval_denied',
-                            'operation.cancelled', 'agent.completed',
-                            'operation.callback_received') THEN
-            RETURN NEW;
-        END IF;
+        SELECT a.name INTO refused FROM appended a
+        WHERE a.name IN ('operation.prepared', 'operation.resolved',
+                         'operation.approval_granted', 'operation.approval_denied',
+                         'operation.cancelled', 'agent.completed',
+                         'operation.callback_received')
+        LIMIT 1;
     ELSIF pg_has_role(current_user, 'outbox_agent', 'MEMBER') THEN
-        IF NEW.name = 'agent.completed' THEN
-            RETURN NEW;
-        END IF;
+        SELECT a.name INTO refused FROM appended a WHERE a.name <> 'agent.completed' LIMIT 1;
+    ELSE
+        SELECT a.name INTO refused FROM appended a LIMIT 1;
     END IF;
-    RAISE EXCEPTION 'role % may not append % events', current_user, NEW.name
-        USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operation_events_by_role';
+    IF refused IS NOT NULL THEN
+        RAISE EXCEPTION 'role % may not append % events', current_user, refused
+            USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operation_events_by_role';
+    END IF;
+    RETURN NULL;
 END;
 $$;
 
 DROP TRIGGER IF EXISTS operation_events_by_role ON operation_events;
 CREATE TRIGGER operation_events_by_role
-    BEFORE INSERT ON operation_events
-    FOR EACH ROW EXECUTE FUNCTION outbox_guard_event_names();
+    AFTER INSERT ON operation_events
+    REFERENCING NEW TABLE AS appended
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_guard_event_names();
 
 CREATE OR REPLACE FUNCTION outbox_events_append_only() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -425,7 +437,8 @@ RETURN sha256(
 -- are inserted. (The roles hold no INSERT on the column either; this holds for the
 -- owner too.) The time is the database's clock at the append, so no writer backdates
 -- evidence. BEFORE triggers fire in name order: this one must stay the last, since it
--- hashes NEW as it will be stored (operation_events_by_role, before it, only refuses).
+-- hashes NEW as it will be stored (today it is the only one; operation_events_by_role
+-- checks the rows after the statement, and only refuses).
 --
 -- Appends that move an operation lock its operations row first (their UPDATE) and its
 -- head next; appends that move nothing (insert_event, insert_approval, agent.completed)
