@@ -151,11 +151,17 @@ class Claims:
         rest: list[OperationMessage] = []
         for envelope in envelopes:
             taken = claimed.get(envelope.operation_id)
-            verdict = runnable.pop(envelope.operation_id, None)
             if taken is None:
                 results.append(None)
                 rest.append(envelope)
-            elif verdict is None:
+                continue
+            if not _describes(envelope, taken.operation):
+                # Another message about the same operation that the claimed row refutes:
+                # what the checks say of it whether or not its neighbour came first.
+                results.append(Skip("invalid", "envelope_mismatch"))
+                continue
+            verdict = runnable.pop(envelope.operation_id, None)
+            if verdict is None:
                 # A second delivery of an operation this burst claimed: a duplicate.
                 results.append(await _suppressed(runner, taken.operation))
             else:
@@ -223,11 +229,7 @@ class Claims:
         with its validated input."""
         if operation is None:
             return Skip("invalid", "unknown_operation")
-        if (
-            operation.input_fingerprint != envelope.input_fingerprint
-            or operation.tool_name != envelope.tool
-            or operation.tool_version != envelope.tool_version
-        ):
+        if not _describes(envelope, operation):
             return Skip("invalid", "envelope_mismatch")
         try:
             contract = self.registry.get(operation.tool_name, operation.tool_version)
@@ -326,6 +328,15 @@ class Claims:
             return Skip("duplicate")
         self.metrics.escalations.labels(contract.name, "tampered").inc()
         return Skip("tampered")
+
+
+def _describes(envelope: OperationMessage, operation: Operation) -> bool:
+    """Whether the message names the operation's recorded tool, version and intent."""
+    return (
+        operation.input_fingerprint == envelope.input_fingerprint
+        and operation.tool_name == envelope.tool
+        and operation.tool_version == envelope.tool_version
+    )
 
 
 class _Recheck(Exception):

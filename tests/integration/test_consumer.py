@@ -640,3 +640,29 @@ async def test_a_tampered_row_in_a_burst_is_escalated_and_the_rest_claimed_once(
     ]
     after = operation(database_url, forged.id)
     assert (after.state, after.attempts, after.lease_token) == (S.ESCALATED, 0, 0)
+
+
+async def test_a_message_that_lies_about_an_operation_claimed_beside_it_is_refused(
+    fast: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    first, second = decide(engine, registry), decide(engine, registry, payment_id="pay_2")
+    truthful = [envelope_of(first), envelope_of(second)]
+    lies = [
+        truthful[0].model_copy(update={"input_fingerprint": "0" * 64}),
+        truthful[1].model_copy(update={"tool": "open_ticket"}),
+    ]
+    consumer = Consumer(fast, registry)
+    try:
+        # One burst: the truth before the lie about the first, after it about the second.
+        verdicts = await asyncio.gather(
+            *(consumer.claim(envelope) for envelope in (truthful[0], lies[0], lies[1], truthful[1]))
+        )
+    finally:
+        await consumer.close()
+
+    mismatch = Skip("invalid", "envelope_mismatch")
+    assert verdicts[1] == verdicts[2] == mismatch
+    for op, verdict in ((first, verdicts[0]), (second, verdicts[3])):
+        assert isinstance(verdict, Claimed)
+        assert verdict.operation == operation(database_url, op.id)
+        assert event_names(database_url, op.id) == ["operation.prepared", "operation.attempted"]
