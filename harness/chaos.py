@@ -56,10 +56,11 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import psycopg
@@ -190,11 +191,18 @@ Injector = Callable[["Chaos", "ScheduledFault"], bool]
 @dataclass(frozen=True)
 class Fault:
     """One kind of fault: the category ``--faults`` enables it by, what it targets given
-    its slot (the schedule and the run's lines print it), and how a run injects it."""
+    its slot (the schedule and the run's lines print it), and how a run injects it.
+
+    ``off_loop``: its calls start a CLI's Erlang VM (rabbitmqctl), which a busy machine
+    may take a minute to boot. Such a fault runs on the broker-control thread, so the
+    stream's loop keeps recording decisions and ending other faults on time meanwhile (a
+    sweep beside fsync-heavy writers once saw one call hold the loop for 61.6 s: an
+    overload due to end after 10 s lasted 70, and eight faults then landed at once)."""
 
     category: str
     target: Callable[[int], str]
     inject: Injector
+    off_loop: bool = False
 
 
 # Every kind of fault, in the order the schedule draws from: each ``Chaos._fault_*``
@@ -204,12 +212,12 @@ FAULTS: dict[str, Fault] = {}
 
 
 def fault_kind(
-    kind: str, category: str, target: Callable[[int], str]
+    kind: str, category: str, target: Callable[[int], str], *, off_loop: bool = False
 ) -> Callable[[Injector], Injector]:
     def register(inject: Injector) -> Injector:
         if kind in FAULTS:
             raise ValueError(f"fault {kind} registered twice")
-        FAULTS[kind] = Fault(category, target, inject)
+        FAULTS[kind] = Fault(category, target, inject, off_loop)
         return inject
 
     return register
@@ -220,6 +228,7 @@ START_APP_TRIES = 3
 BROKER_MODES = ("private", "shared")
 # rabbitmqctl: a command's arguments in, its output out (None, with a line, if it failed).
 BrokerControl = Callable[..., "str | None"]
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -788,8 +797,17 @@ class Chaos:
     # When the last fault ended: wall clock (to compare with the event log) and monotonic.
     faults_ended_at: float = field(default_factory=time.time)
     faults_ended_monotonic: float = field(default_factory=time.monotonic)
-    # Faults that last a while, by kind: when each ends and what ends it.
-    endings: dict[str, tuple[float, Callable[[], None]]] = field(default_factory=dict)
+    # Faults that last a while, by kind: when each ends, what ends it, and whether
+    # that runs off the loop (a broker's start_app, an Erlang VM of its own).
+    endings: dict[str, tuple[float, Callable[[], None], bool]] = field(default_factory=dict)
+    # The broker faults' CLI calls, on a thread of their own (Fault.off_loop).
+    off_loop: OffLoop = field(default_factory=lambda: OffLoop())
+    # Faults due and not yet applied, how often each was tried, and until when the
+    # stream's faults are retried (seconds into the stream, from stream_start).
+    pending: list[ScheduledFault] = field(default_factory=list)
+    retries: Counter[ScheduledFault] = field(default_factory=Counter)
+    retry_until: float = 0.0
+    stream_start: float = 0.0
     # The goodput series (every SAMPLE_SECONDS), the quiet rate measured from it when the
     # first fault came (with the backlog of the quiet phase), and when the last
     # overload ended (monotonic; None if none ran).
@@ -859,12 +877,12 @@ class Chaos:
         registry = load_registry([TOOLS_MODULE])
         self.timings["start_daemons"] = time.monotonic() - starting
         self.timings["faults"] = 0.0
-        pending = list(self.schedule)
-        retries: Counter[ScheduledFault] = Counter()
+        self.timings["broker_calls"] = 0.0
+        self.pending = list(self.schedule)
         rate = self.operations / stream_seconds(self.operations)
-        retry_until = stream_seconds(self.operations) + FAULT_RETRY_AFTER_STREAM_SECONDS
+        self.retry_until = stream_seconds(self.operations) + FAULT_RETRY_AFTER_STREAM_SECONDS
         recorded = 0
-        start = time.monotonic()
+        start = self.stream_start = time.monotonic()
         self.rate = rate
         bursts = sum(fault.kind == "decision_burst" for fault in self.schedule)
         self.burst_size = int(self.operations * BURST_SHARE / bursts) if bursts else 0
@@ -872,7 +890,7 @@ class Chaos:
         self.sampler = Sampler(self.database_url, self._sample)
         self.sampler.start()
         with psycopg.connect(self.database_url) as connection:
-            while recorded < self.operations or pending or self._faults_last():
+            while recorded < self.operations or self.pending or self._faults_last():
                 now = time.monotonic()
                 elapsed = now - start
                 self._advance_burst(now)
@@ -891,25 +909,10 @@ class Chaos:
                 connection.commit()
                 recorded = max(recorded, due)
                 self.recorded = recorded
-                while pending and pending[0].at <= elapsed:
-                    fault = pending.pop(0)
+                while self.pending and self.pending[0].at <= elapsed:
+                    fault = self.pending.pop(0)
                     self._measure_quiet_rate()
-                    if self._inject(fault, elapsed):
-                        continue
-                    if retries[fault] >= FAULT_RETRIES or elapsed >= retry_until:
-                        say(f"  ! {fault.kind} found nothing to act on; given up")
-                        self.tally.faults_that_found_nothing += 1
-                        if fault.kind == "decision_burst":
-                            # Its decisions still belong to the run: recorded at once.
-                            self.burst_recorded += self.burst_size
-                    else:
-                        retries[fault] += 1
-                        later = ScheduledFault(
-                            round(elapsed + FAULT_RETRY_SECONDS, 1), fault.kind, fault.slot
-                        )
-                        retries[later] = retries[fault]
-                        pending.append(later)
-                        pending.sort(key=lambda f: f.at)
+                    self._inject(fault, elapsed)
                 self._tend(time.monotonic())
                 # Pacing the schedule, not waiting for a condition.
                 time.sleep(LOOP_SECONDS)
@@ -980,17 +983,26 @@ class Chaos:
         self.burst_recorded = before + min(self.burst_size, int(burst_rate * (now - since)))
 
     def _faults_last(self) -> bool:
-        return bool(self.endings) or any(d.stopped_until is not None for d in self.daemons)
+        return (
+            bool(self.endings)
+            or self.off_loop.busy()
+            or any(d.stopped_until is not None for d in self.daemons)
+        )
 
     def _tend(self, now: float) -> None:
-        """End faults that are due to end; wake paused consumers when due; restart a
-        daemon that died on its own (and count it: the schedule never kills without
-        saying so)."""
-        for kind, (ends_at, end) in list(self.endings.items()):
+        """Take what the broker-control thread finished; end faults that are due to end;
+        wake paused consumers when due; restart a daemon that died on its own (and count
+        it: the schedule never kills without saying so)."""
+        self.off_loop.run_finished()
+        for kind, (ends_at, end, off_loop) in list(self.endings.items()):
             if now >= ends_at:
                 del self.endings[kind]
-                end()
-                self._fault_over()
+                if off_loop:
+                    # Over when the call returns: a broker still stopped is still a fault.
+                    self.off_loop.submit(end, lambda _: self._fault_over())
+                else:
+                    end()
+                    self._fault_over()
         for daemon in self.daemons:
             if daemon.resume_if_due(now):
                 self._fault_over()
@@ -1000,25 +1012,57 @@ class Chaos:
                 say(daemon.current.tail())
                 daemon.start()
 
-    def _lasting(self, kind: str, seconds: float, end: Callable[[], None]) -> bool:
+    def _lasting(
+        self, kind: str, seconds: float, end: Callable[[], None], *, off_loop: bool = False
+    ) -> bool:
         """Register how a fault that lasts ends; False if one of its kind still lasts."""
         if kind in self.endings:
             return False
-        self.endings[kind] = (time.monotonic() + seconds, end)
+        self.endings[kind] = (time.monotonic() + seconds, end, off_loop)
         return True
 
     def _of_kind(self, kind: str) -> list[Daemon]:
         return [daemon for daemon in self.daemons if daemon.kind == kind]
 
-    def _inject(self, fault: ScheduledFault, elapsed: float) -> bool:
-        """Apply one fault; False if it found nothing to act on (try again later)."""
+    def _inject(self, fault: ScheduledFault, elapsed: float) -> None:
+        """Apply one fault, here or (its calls slow to start) on the broker-control
+        thread; one that found nothing to act on is tried again later."""
+        entry = FAULTS[fault.kind]
+        if entry.off_loop:
+
+            def call() -> bool:
+                began = time.monotonic()
+                try:
+                    return entry.inject(self, fault)
+                finally:
+                    self.timings["broker_calls"] += time.monotonic() - began
+
+            self.off_loop.submit(call, lambda acted: self._injected(fault, elapsed, acted))
+            return
         began = time.monotonic()
-        acted = FAULTS[fault.kind].inject(self, fault)
+        acted = entry.inject(self, fault)
         self.timings["faults"] += time.monotonic() - began
+        self._injected(fault, elapsed, acted)
+
+    def _injected(self, fault: ScheduledFault, due: float, acted: bool) -> None:
+        """On the stream's loop, once a fault was applied (or found nothing to act on)."""
+        elapsed = time.monotonic() - self.stream_start
         if acted:
-            say(f"  at +{elapsed:5.1f}s {fault.kind:<24} {fault.target()}")
+            late = f" (due at +{due:.1f}s)" if elapsed - due >= 1.0 else ""
+            say(f"  at +{elapsed:5.1f}s {fault.kind:<24} {fault.target()}{late}")
             self._fault_over()  # a lasting fault's end moves this again
-        return bool(acted)
+            return
+        if self.retries[fault] >= FAULT_RETRIES or elapsed >= self.retry_until:
+            say(f"  ! {fault.kind} found nothing to act on; given up")
+            self.tally.faults_that_found_nothing += 1
+            if fault.kind == "decision_burst":
+                # Its decisions still belong to the run: recorded at once.
+                self.burst_recorded += self.burst_size
+            return
+        later = ScheduledFault(round(elapsed + FAULT_RETRY_SECONDS, 1), fault.kind, fault.slot)
+        self.retries[later] = self.retries[fault] + 1
+        self.pending.append(later)
+        self.pending.sort(key=lambda f: f.at)
 
     # --- the faults, one method each, registered in FAULTS by @fault_kind ------------
 
@@ -1100,6 +1144,7 @@ class Chaos:
         "broker_connection_close",
         "broker",
         lambda slot: f"{DAEMONS[slot]}#{slot % 2}",
+        off_loop=True,
     )
     def _fault_broker_connection_close(self, fault: ScheduledFault) -> bool:
         if "broker_restart" in self.endings:
@@ -1114,6 +1159,7 @@ class Chaos:
         "broker_restart",
         "broker",
         lambda slot: f"stop_app, start_app {BROKER_DOWN_SECONDS:g} s later",
+        off_loop=True,
     )
     def _fault_broker_restart(self, fault: ScheduledFault) -> bool:
         control = self.broker_control
@@ -1126,7 +1172,9 @@ class Chaos:
             return False
         if control("stop_app") is None:
             return False
-        self._lasting("broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(control))
+        self._lasting(
+            "broker_restart", BROKER_DOWN_SECONDS, lambda: _start_app(control), off_loop=True
+        )
         self.tally.broker_restarts += 1
         return True
 
@@ -1241,8 +1289,8 @@ class Chaos:
     def _fault_cpu_starvation(self, fault: ScheduledFault) -> bool:
         """Busy loops at normal priority, 2x or 4x the cores this process may use: the
         daemons, Postgres and this harness all get a share of what is left."""
-        if self.hogs or "broker_restart" in self.endings:
-            return False  # one at a time; a stopped broker's start_app first
+        if self.hogs or "broker_restart" in self.endings or self.off_loop.busy():
+            return False  # one at a time; a broker's CLI calls (start_app above all) first
         count = CPU_HOGS_PER_CORE[fault.slot % 2] * len(os.sched_getaffinity(0))
         self.hogs = [
             # This interpreter, a loop of its own: nothing of the caller's reaches it.
@@ -1435,7 +1483,9 @@ class Chaos:
         then stop the daemons."""
         if self.sampler is not None:
             self.sampler.stop()
-        for kind, (_, end) in list(self.endings.items()):
+        # A broker call under way finishes first (a start_app above all).
+        self.off_loop.close()
+        for kind, (_, end, _) in list(self.endings.items()):
             del self.endings[kind]
             try:
                 end()
@@ -1494,6 +1544,35 @@ class Sampler:
             if connection is not None:
                 with contextlib.suppress(psycopg.Error):
                     connection.close()
+
+
+class OffLoop:
+    """Calls that may take a minute (rabbitmqctl boots an Erlang VM of its own, slow on a
+    busy machine), run one at a time in the order given on a thread of their own. What
+    follows each (``then``) runs on the stream's loop, when it asks (``run_finished``);
+    a call's exception is raised there, as it would have been in the loop."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chaos-broker")
+        self._under_way: list[tuple[Future[Any], Callable[[Any], None]]] = []
+
+    def submit(self, call: Callable[[], T], then: Callable[[T], None]) -> None:
+        self._under_way.append((self._executor.submit(call), then))
+
+    def busy(self) -> bool:
+        """A call under way, or finished with its ``then`` still to run."""
+        return bool(self._under_way)
+
+    def run_finished(self) -> None:
+        # In submission order: a later call's result never overtakes an earlier one's.
+        while self._under_way and self._under_way[0][0].done():
+            future, then = self._under_way.pop(0)
+            then(future.result())
+
+    def close(self) -> None:
+        """Wait for the calls under way (their ``then`` is not run)."""
+        self._executor.shutdown(wait=True)
+        self._under_way.clear()
 
 
 def _start_app(control: BrokerControl) -> None:
