@@ -53,6 +53,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -76,7 +78,7 @@ from harness.checker import (
 )
 from harness.diagnostics import session_snapshot, terminate_backends
 from harness.proxy import ThreadedProxy, url_through
-from harness.rabbit_node import ClusterError, Node, RabbitCluster, private_broker
+from harness.rabbit_node import ClusterError, Node, RabbitCluster, free_port, private_broker
 from harness.rabbit_node import installed as rabbitmq_installed
 from outbox import store
 from outbox.callbacks import CallbackReceiver
@@ -183,6 +185,8 @@ BURST_SHARE = 0.2
 QUIET_SECONDS = 8.0
 # How often the run counts what is recorded and settled (the goodput series).
 SAMPLE_SECONDS = 0.5
+# How long the run waits for its daemons to say they are healthy before the stream.
+READY_SECONDS = 120.0
 
 # How a run injects a fault: False if it found nothing to act on (try again later).
 Injector = Callable[["Chaos", "ScheduledFault"], bool]
@@ -410,9 +414,21 @@ class Daemon:
     index: int
     environment: dict[str, str]
     log_dir: Path
+    metrics_port: int | None = None
     process: DaemonProcess | None = None
     generation: int = 0
     stopped_until: float | None = None
+
+    def healthy(self) -> bool:
+        """Whether its /healthz answers 200 (its sessions are up)."""
+        if self.metrics_port is None or self.process is None or not self.process.running():
+            return False
+        url = f"http://127.0.0.1:{self.metrics_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
 
     @property
     def name(self) -> str:
@@ -832,7 +848,7 @@ class Chaos:
     def database_url(self) -> str:
         return self.scratch.database_url
 
-    def environment(self, proxied: bool) -> dict[str, str]:
+    def environment(self, proxied: bool, metrics_port: int) -> dict[str, str]:
         database_url, amqp_url = self.database_url, self.scratch.amqp_url
         if proxied:
             database_url = url_through(database_url, self.links["database"].port)
@@ -851,7 +867,8 @@ class Chaos:
                 "poll_interval": 0.2,
                 "reconcile_interval": 0.2,
                 "metrics_host": "127.0.0.1",
-                "metrics_port": 0,
+                # A port of its own, kept through restarts: the run asks /healthz.
+                "metrics_port": metrics_port,
                 "log_level": "WARNING",
             }
         )
@@ -871,10 +888,13 @@ class Chaos:
         for kind in DAEMONS:
             index = counts[kind]
             counts[kind] += 1
-            daemon = Daemon(kind, index, self.environment(index == PROXIED_INDEX), self.log_dir)
+            port = free_port()
+            environment = self.environment(index == PROXIED_INDEX, port)
+            daemon = Daemon(kind, index, environment, self.log_dir, metrics_port=port)
             daemon.start()
             self.daemons.append(daemon)
         registry = load_registry([TOOLS_MODULE])
+        self._await_ready(time.monotonic() + READY_SECONDS)
         self.timings["start_daemons"] = time.monotonic() - starting
         self.timings["faults"] = 0.0
         self.timings["broker_calls"] = 0.0
@@ -935,6 +955,21 @@ class Chaos:
             # The last word on the series: what was settled when the run ended.
             with psycopg.connect(self.database_url) as connection:
                 self._sample(connection, time.monotonic())
+
+    def _await_ready(self, deadline: float) -> None:
+        """Before the first decision, until every daemon says it is healthy (its sessions
+        held) or ``deadline``: as a deployment runs, and so the quiet phase measures a
+        running system. Beside a sweep's hogs and fsync writers the daemons took over 10
+        s to start, so the stream met no consumer, its quiet phase answered almost
+        nothing, and recovery was judged against the offered rate instead."""
+        waiting = list(self.daemons)
+        while waiting and time.monotonic() < deadline:
+            waiting = [daemon for daemon in waiting if not daemon.healthy()]
+            if waiting:
+                time.sleep(LOOP_SECONDS * 4)  # polling /healthz, with the deadline above
+        if waiting:
+            names = ", ".join(daemon.name for daemon in waiting)
+            say(f"  ! not healthy after {READY_SECONDS:g} s: {names}; the stream starts anyway")
 
     def _fault_over(self) -> None:
         self.faults_ended_at = time.time()
