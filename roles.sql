@@ -16,7 +16,7 @@
 --                      outbox_backlog, operations_by_state, delete_published_outbox_rows,
 --                      listen_outbox_pending
 --   outbox_consumer    get_operation, get_operations, latest_approval, insert_event,
---                      claim_operations, commit_operations,
+--                      claim_deliveries, claim_operations, commit_operations,
 --                      transition_operation, requeue_stale_prepared,
 --                      claim_reconciliation_batch, lease_for_reconciliation,
 --                      defer_reconciliation, escalate_undeliverable,

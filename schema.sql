@@ -57,7 +57,11 @@ ALTER TABLE operations ADD COLUMN IF NOT EXISTS effect_possible boolean NOT NULL
 CREATE INDEX IF NOT EXISTS operations_state_next_attempt
     ON operations (state, next_attempt_at)
     WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated');
-CREATE INDEX IF NOT EXISTS operations_run ON operations (run_id);
+-- Version 8: no index on run_id alone. The unique (run_id, decision_key) index has the
+-- same leading column and serves every query that filters by run (the console's run
+-- filter, the agent's lookup by decision key); a second index only cost every insert
+-- and every non-HOT update of an operation one more entry.
+DROP INDEX IF EXISTS operations_run;
 -- The console's keyset pages (console_operations_page): newest change first, strictly
 -- after a (updated_at, id) cursor, read from this index instead of sorting the table
 -- for every page. Only an index: no version row, a database without it is as correct.
@@ -285,54 +289,66 @@ CREATE TRIGGER operations_guard_birth
 -- event carries the agent's own words, so they stay in the agent's namespace (every key
 -- agent.<name>) and small, and every view shows them as the agent's, never as the
 -- runtime's.
+--
+-- Version 8: once per statement, over the rows it appended (a transition table), not
+-- once per row: the consumer appends a burst's events in one statement, and the role
+-- is the statement's, the same for every row. The check runs after the rows are
+-- written and chained; a refusal raises, and the statement, its heads included, is
+-- undone with it.
 CREATE OR REPLACE FUNCTION outbox_guard_event_names() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     owner oid;
+    refused text;
 BEGIN
-    IF jsonb_typeof(NEW.attributes) IS DISTINCT FROM 'object'
-       OR octet_length(NEW.attributes::text) > 65536
-       OR outbox_json_too_deep(NEW.attributes) THEN
+    IF EXISTS (SELECT 1 FROM appended a
+               WHERE jsonb_typeof(a.attributes) IS DISTINCT FROM 'object'
+                  OR octet_length(a.attributes::text) > 65536
+                  OR outbox_json_too_deep(a.attributes)) THEN
         RAISE EXCEPTION 'event attributes must be a JSON object of at most 65536 bytes (jsonb text) nested at most 64 deep'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_attributes_bounded';
     END IF;
-    IF NEW.name = 'agent.completed' AND (
-        octet_length(NEW.attributes::text) > 4096
-        OR EXISTS (SELECT 1 FROM jsonb_object_keys(NEW.attributes) AS k (key)
-                   WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$')
-    ) THEN
+    IF EXISTS (SELECT 1 FROM appended a
+               WHERE a.name = 'agent.completed' AND (
+                   octet_length(a.attributes::text) > 4096
+                   OR EXISTS (SELECT 1 FROM jsonb_object_keys(a.attributes) AS k (key)
+                              WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$'))) THEN
         RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
     END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_operator') THEN
-        RETURN NEW;
+        RETURN NULL;
     END IF;
     SELECT relowner INTO owner FROM pg_class WHERE oid = TG_RELID;
     IF pg_has_role(current_user, owner, 'MEMBER')
        OR pg_has_role(current_user, 'outbox_operator', 'MEMBER') THEN
-        RETURN NEW;
+        RETURN NULL;
     END IF;
     IF pg_has_role(current_user, 'outbox_consumer', 'MEMBER') THEN
-        IF NEW.name NOT IN ('operation.prepared', 'operation.resolved',
-                            'operation.approval_granted', 'operation.approval_denied',
-                            'operation.cancelled', 'agent.completed',
-                            'operation.callback_received') THEN
-            RETURN NEW;
-        END IF;
+        SELECT a.name INTO refused FROM appended a
+        WHERE a.name IN ('operation.prepared', 'operation.resolved',
+                         'operation.approval_granted', 'operation.approval_denied',
+                         'operation.cancelled', 'agent.completed',
+                         'operation.callback_received')
+        LIMIT 1;
     ELSIF pg_has_role(current_user, 'outbox_agent', 'MEMBER') THEN
-        IF NEW.name = 'agent.completed' THEN
-            RETURN NEW;
-        END IF;
+        SELECT a.name INTO refused FROM appended a WHERE a.name <> 'agent.completed' LIMIT 1;
+    ELSE
+        SELECT a.name INTO refused FROM appended a LIMIT 1;
     END IF;
-    RAISE EXCEPTION 'role % may not append % events', current_user, NEW.name
-        USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operation_events_by_role';
+    IF refused IS NOT NULL THEN
+        RAISE EXCEPTION 'role % may not append % events', current_user, refused
+            USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operation_events_by_role';
+    END IF;
+    RETURN NULL;
 END;
 $$;
 
 DROP TRIGGER IF EXISTS operation_events_by_role ON operation_events;
 CREATE TRIGGER operation_events_by_role
-    BEFORE INSERT ON operation_events
-    FOR EACH ROW EXECUTE FUNCTION outbox_guard_event_names();
+    AFTER INSERT ON operation_events
+    REFERENCING NEW TABLE AS appended
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_guard_event_names();
 
 CREATE OR REPLACE FUNCTION outbox_events_append_only() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -421,7 +437,8 @@ RETURN sha256(
 -- are inserted. (The roles hold no INSERT on the column either; this holds for the
 -- owner too.) The time is the database's clock at the append, so no writer backdates
 -- evidence. BEFORE triggers fire in name order: this one must stay the last, since it
--- hashes NEW as it will be stored (operation_events_by_role, before it, only refuses).
+-- hashes NEW as it will be stored (today it is the only one; operation_events_by_role
+-- checks the rows after the statement, and only refuses).
 --
 -- Appends that move an operation lock its operations row first (their UPDATE) and its
 -- head next; appends that move nothing (insert_event, insert_approval, agent.completed)
@@ -485,6 +502,11 @@ CREATE TRIGGER operation_events_chain
 -- typed and 1 inside outbox_chain_event, and the WHEN clause is evaluated without calling
 -- a function, so appends pay nearly nothing for this. Like the append-only trigger, it
 -- stops everyone but those who may switch triggers off (the owner, superusers).
+--
+-- Version 8: per statement, not per row. Any BEFORE UPDATE row trigger, even one whose
+-- WHEN is false, makes Postgres lock each row before it updates it, which is one more
+-- WAL record for every event appended; a statement-level trigger costs the chain's
+-- UPDATE nothing per row, and refuses a statement someone typed before it touches any.
 CREATE OR REPLACE FUNCTION outbox_event_heads_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -496,7 +518,7 @@ $$;
 DROP TRIGGER IF EXISTS operation_event_heads_guard ON operation_event_heads;
 CREATE TRIGGER operation_event_heads_guard
     BEFORE UPDATE OR DELETE ON operation_event_heads
-    FOR EACH ROW WHEN (pg_trigger_depth() = 0)
+    FOR EACH STATEMENT WHEN (pg_trigger_depth() = 0)
     EXECUTE FUNCTION outbox_event_heads_guard();
 
 -- Chain the events a database had before version 5, in id order per operation (before
@@ -905,3 +927,4 @@ INSERT INTO outbox_schema_version (version) VALUES (4) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (5) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (6) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (7) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO NOTHING;

@@ -93,52 +93,133 @@ class Claims:
         return await self._batcher.submit(envelope)
 
     async def _prepare_many(self, envelopes: list[OperationMessage]) -> list[Claimed | Skip]:
-        """Load, check and claim a burst of deliveries in one transaction, committed
-        before any of their external calls: one round trip loads them all, one statement
-        claims them all, each with its own lease and a new fencing token."""
+        """Check and claim a burst of deliveries in one transaction, committed before any
+        of their external calls, each with its own lease and a new fencing token.
+
+        One statement claims every operation that its message matches and that needs no
+        approval, and the checks read what it returned; only the rest are read first.
+        A claimed operation that fails a check rolls the burst back, and the burst is
+        then read, checked and claimed again the way that writes that check's evidence:
+        rare (a tampered row, an unreadable input, a passed replay window), and never a
+        call, since nothing was committed."""
         began = time.monotonic()
+        try:
+            async with self.database.transaction() as connection:
+                runner = await AsyncStore.on(connection)
+                await self.database.remember_fingerprint_key(runner)
+                return await self._claim_then_check(runner, envelopes, began)
+        except _Recheck:
+            pass
         async with self.database.transaction() as connection:
             runner = await AsyncStore.on(connection)
-            await self.database.remember_fingerprint_key(runner)
-            operations = await runner.run(
-                store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
+            return await self._check_then_claim(runner, envelopes, began)
+
+    async def _claim_then_check(
+        self, runner: AsyncStore, envelopes: list[OperationMessage], began: float
+    ) -> list[Claimed | Skip]:
+        """Claim what the messages name in one statement, check what it returned, and
+        hand the deliveries it did not claim to :meth:`_check_then_claim`; raises
+        :class:`_Recheck` when a claimed operation fails a check."""
+        contracts: dict[UUID, ToolContract[Any]] = {}
+        deliveries: list[store.DeliveryClaim] = []
+        for envelope in envelopes:
+            if envelope.operation_id in contracts:
+                continue
+            try:
+                # The claim matches the row's tool to the message's, so this is the row's.
+                contract = self.registry.get(envelope.tool, envelope.tool_version)
+            except ToolNotRegistered:
+                continue
+            contracts[envelope.operation_id] = contract
+            deliveries.append(
+                store.DeliveryClaim(
+                    envelope.operation_id,
+                    envelope.tool,
+                    envelope.tool_version,
+                    envelope.input_fingerprint,
+                    lease=self._lease(contract),
+                )
             )
-            verdicts: list[Skip | _Runnable] = []
-            wanted: dict[UUID, timedelta] = {}
-            for envelope in envelopes:
-                verdict = await self._check(runner, envelope, operations.get(envelope.operation_id))
-                verdicts.append(verdict)
-                if not isinstance(verdict, Skip):
-                    lease = verdict.contract.deadline + timedelta(
-                        seconds=self.settings.lease_margin
-                    )
-                    wanted.setdefault(envelope.operation_id, lease)
-            claimed = await runner.run(
-                store.claim_many(sorted(wanted.items()), owner=self.worker_id)
-            )
-            results: list[Claimed | Skip] = []
-            for envelope, verdict in zip(envelopes, verdicts, strict=True):
-                if isinstance(verdict, Skip):
-                    results.append(verdict)
-                    continue
-                # One claim per operation: a second delivery of it in this burst, or one
-                # whose claim another worker won since the read, is a duplicate.
-                operation = claimed.pop(envelope.operation_id, None)
-                if operation is None:
-                    current = await runner.run(store.find_operation(envelope.operation_id))
-                    results.append(
-                        await _suppressed(runner, current or operations[envelope.operation_id])
-                    )
-                    continue
-                lease_seconds = wanted[envelope.operation_id].total_seconds()
+        claimed = await runner.run(store.claim_deliveries(deliveries, owner=self.worker_id))
+        runnable: dict[UUID, _Runnable] = {}
+        for operation_id, delivery in claimed.items():
+            verdict = _may_run(delivery, contracts[operation_id])
+            if verdict is None:
+                raise _Recheck
+            runnable[operation_id] = verdict
+        results: list[Claimed | Skip | None] = []
+        rest: list[OperationMessage] = []
+        for envelope in envelopes:
+            taken = claimed.get(envelope.operation_id)
+            if taken is None:
+                results.append(None)
+                rest.append(envelope)
+                continue
+            if not _describes(envelope, taken.operation):
+                # Another message about the same operation that the claimed row refutes:
+                # what the checks say of it whether or not its neighbour came first.
+                results.append(Skip("invalid", "envelope_mismatch"))
+                continue
+            verdict = runnable.pop(envelope.operation_id, None)
+            if verdict is None:
+                # A second delivery of an operation this burst claimed: a duplicate.
+                results.append(await _suppressed(runner, taken.operation))
+            else:
                 results.append(
                     Claimed(
-                        operation,
+                        taken.operation,
                         verdict.contract,
-                        lease_safe_until=began + lease_seconds,
+                        lease_safe_until=began + self._lease(verdict.contract).total_seconds(),
                         tool_input=verdict.tool_input,
                     )
                 )
+        if not rest:
+            return [result for result in results if result is not None]
+        checked = iter(await self._check_then_claim(runner, rest, began))
+        return [next(checked) if result is None else result for result in results]
+
+    def _lease(self, contract: ToolContract[Any]) -> timedelta:
+        return contract.deadline + timedelta(seconds=self.settings.lease_margin)
+
+    async def _check_then_claim(
+        self, runner: AsyncStore, envelopes: list[OperationMessage], began: float
+    ) -> list[Claimed | Skip]:
+        """Load, check and claim deliveries: one round trip loads them all, the checks
+        write their evidence, one statement claims those that may run."""
+        operations = await runner.run(
+            store.find_operations(list(dict.fromkeys(e.operation_id for e in envelopes)))
+        )
+        verdicts: list[Skip | _Runnable] = []
+        wanted: dict[UUID, timedelta] = {}
+        for envelope in envelopes:
+            verdict = await self._check(runner, envelope, operations.get(envelope.operation_id))
+            verdicts.append(verdict)
+            if not isinstance(verdict, Skip):
+                wanted.setdefault(envelope.operation_id, self._lease(verdict.contract))
+        claimed = await runner.run(store.claim_many(sorted(wanted.items()), owner=self.worker_id))
+        results: list[Claimed | Skip] = []
+        for envelope, verdict in zip(envelopes, verdicts, strict=True):
+            if isinstance(verdict, Skip):
+                results.append(verdict)
+                continue
+            # One claim per operation: a second delivery of it in this burst, or one
+            # whose claim another worker won since the read, is a duplicate.
+            operation = claimed.pop(envelope.operation_id, None)
+            if operation is None:
+                current = await runner.run(store.find_operation(envelope.operation_id))
+                results.append(
+                    await _suppressed(runner, current or operations[envelope.operation_id])
+                )
+                continue
+            lease_seconds = wanted[envelope.operation_id].total_seconds()
+            results.append(
+                Claimed(
+                    operation,
+                    verdict.contract,
+                    lease_safe_until=began + lease_seconds,
+                    tool_input=verdict.tool_input,
+                )
+            )
         return results
 
     async def _check(
@@ -148,11 +229,7 @@ class Claims:
         with its validated input."""
         if operation is None:
             return Skip("invalid", "unknown_operation")
-        if (
-            operation.input_fingerprint != envelope.input_fingerprint
-            or operation.tool_name != envelope.tool
-            or operation.tool_version != envelope.tool_version
-        ):
+        if not _describes(envelope, operation):
             return Skip("invalid", "envelope_mismatch")
         try:
             contract = self.registry.get(operation.tool_name, operation.tool_version)
@@ -251,6 +328,35 @@ class Claims:
             return Skip("duplicate")
         self.metrics.escalations.labels(contract.name, "tampered").inc()
         return Skip("tampered")
+
+
+def _describes(envelope: OperationMessage, operation: Operation) -> bool:
+    """Whether the message names the operation's recorded tool, version and intent."""
+    return (
+        operation.input_fingerprint == envelope.input_fingerprint
+        and operation.tool_name == envelope.tool
+        and operation.tool_version == envelope.tool_version
+    )
+
+
+class _Recheck(Exception):
+    """An operation the burst's claim took failed a check: roll the claim back."""
+
+
+def _may_run(delivery: store.ClaimedDelivery, contract: ToolContract[Any]) -> _Runnable | None:
+    """The checks of :meth:`Claims._check` that a prepared operation can fail, asked of
+    one that the claim took (so already known to match its message and to need no
+    approval); None when one fails. Pure: the evidence of a failure is written by
+    :meth:`Claims._check` once the claim is rolled back."""
+    operation = delivery.operation
+    if is_unreadable(operation.input):
+        return None
+    intent = derive_intent(contract, operation)
+    if intent.disagreement is not None or intent.requires_approval:
+        return None
+    if policy.replay_window_passed(delivery.before, contract, now=datetime.now(UTC)):
+        return None
+    return _Runnable(contract, intent.tool_input)
 
 
 async def _suppressed(runner: AsyncStore, operation: Operation) -> Skip:

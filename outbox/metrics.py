@@ -66,6 +66,7 @@ class MetricNames:
     DISPATCHER_PUBLISHED = f"{PREFIX}_dispatcher_published"
     DISPATCHER_PUBLISH_FAILURES = f"{PREFIX}_dispatcher_publish_failures"
     DISPATCHER_BATCH_SIZE = f"{PREFIX}_dispatcher_batch_size"
+    DISPATCHER_EMPTY_CLAIMS = f"{PREFIX}_dispatcher_empty_claims"
     DISPATCHER_COMMIT_TO_CONFIRM = f"{PREFIX}_dispatcher_commit_to_confirm_seconds"
     DISPATCHER_RETENTION_DELETED = f"{PREFIX}_dispatcher_retention_deleted_rows"
     DISPATCHER_RECONNECTS = f"{PREFIX}_dispatcher_reconnects"
@@ -168,6 +169,7 @@ class DispatcherMetrics:
     published: Counter
     publish_failures: Counter
     batch_size: Histogram
+    empty_claims: Counter
     commit_to_confirm: Histogram
     retention_deleted: Counter
     reconnects: Counter
@@ -219,6 +221,12 @@ class DispatcherMetrics:
                 names.DISPATCHER_BATCH_SIZE,
                 "Rows claimed per batch",
                 buckets=BATCH_BUCKETS,
+                registry=registry,
+            ),
+            empty_claims=Counter(
+                names.DISPATCHER_EMPTY_CLAIMS,
+                "Claims that found no pending row: a wake-up that cost a transaction and "
+                "published nothing",
                 registry=registry,
             ),
             commit_to_confirm=Histogram(

@@ -55,8 +55,49 @@ WITH claimed AS (
 )
 SELECT * FROM claimed
 
+-- name: claim_deliveries
+-- claim_operations for a consumer's burst without reading the operations first: claims each delivered operation that is prepared, due, matches its message (tool, version, fingerprint) and needs no approval, with its operation.attempted event, and returns what the consumer's checks read (the row as claimed, and first_attempt_at as it was before); the rest are left untouched for the checks that read them.
+WITH delivered AS (
+    SELECT *
+    FROM unnest(%(ids)s::uuid[], %(leases)s::interval[], %(tool_names)s::text[],
+                %(tool_versions)s::integer[], %(input_fingerprints)s::text[])
+        AS d (id, lease, tool_name, tool_version, input_fingerprint)
+), claimed AS (
+    UPDATE operations o
+    SET state = 'in_flight',
+        attempts = o.attempts + 1,
+        lease_token = greatest(o.lease_token + 1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint),
+        lease_owner = %(owner)s,
+        lease_expires_at = now() + d.lease,
+        first_attempt_at = COALESCE(o.first_attempt_at, now())
+    FROM delivered d
+    WHERE o.id = d.id AND o.state = 'prepared' AND o.next_attempt_at <= clock_timestamp()
+      -- An approval is checked against the approvals table before a claim: those go the
+      -- way of a read, a check and claim_operations.
+      AND NOT o.requires_approval
+      AND o.tool_name = d.tool_name AND o.tool_version = d.tool_version
+      AND o.input_fingerprint = d.input_fingerprint
+    RETURNING o.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.side_effect,
+              o.input, o.input_fingerprint, o.requires_approval, o.state, o.attempts,
+              o.reconcile_attempts, o.lease_token, o.lease_owner, o.lease_expires_at,
+              o.next_attempt_at, o.first_attempt_at, o.provider_reference, o.result,
+              o.last_error_class, o.effect_possible, o.created_at, o.updated_at,
+              -- As the statement's snapshot has it, before the claim: the replay check
+              -- counts from the first attempt. The claims set first_attempt_at only from
+              -- NULL, so a row claimed and released since the snapshot reads the same
+              -- value or NULL, which counts from the decision, earlier: never later.
+              (SELECT p.first_attempt_at FROM operations p WHERE p.id = o.id)
+                  AS first_attempt_before
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, 'operation.attempted',
+           jsonb_build_object('attempt', attempts, 'lease_token', lease_token, 'worker', lease_owner)
+    FROM claimed
+)
+SELECT * FROM claimed
+
 -- name: commit_operations
--- in_flight -> committed for many operations in one statement, each only under its own fencing token; appends each one's operation.committed event.
+-- in_flight -> committed for many operations in one statement, each only under its own fencing token; appends each one's operation.committed event. Returns only the columns it writes: under the token the rest are as the claim returned them.
 WITH outcome AS (
     SELECT *
     FROM unnest(%(ids)s::uuid[], %(lease_tokens)s::bigint[], %(provider_references)s::text[],
@@ -71,7 +112,8 @@ WITH outcome AS (
         result = COALESCE(i.result, o.result)
     FROM outcome i
     WHERE o.id = i.id AND o.state = 'in_flight' AND o.lease_token = i.lease_token
-    RETURNING o.*
+    RETURNING o.id, o.state, o.lease_owner, o.lease_expires_at, o.provider_reference,
+              o.result, o.updated_at
 ), event AS (
     INSERT INTO operation_events (operation_id, name, attributes)
     SELECT m.id, 'operation.committed', i.event_attributes

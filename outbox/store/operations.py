@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
 
 from psycopg.types.json import Jsonb
+from pydantic import BaseModel
 
 from outbox import lifecycle
 from outbox.bounds import bounded_reference, bounded_result
@@ -27,7 +28,7 @@ from outbox.errors import (
     TransientDatabaseError,
 )
 from outbox.fingerprint_key import key_from_environment, keyed_fingerprint
-from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision
+from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision, StoredObject
 from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
 from outbox.store.runner import Plan, Step
 
@@ -188,6 +189,84 @@ def claim_many(
 
 
 @dataclass(frozen=True)
+class DeliveryClaim:
+    """A delivered message's claim on its operation: what the message says the operation
+    is (tool, version, fingerprint), and the lease to take if the row agrees."""
+
+    operation_id: UUID
+    tool_name: str
+    tool_version: int
+    input_fingerprint: str
+    lease: timedelta
+
+
+@dataclass(frozen=True)
+class ClaimedDelivery:
+    """An operation :func:`claim_deliveries` put in flight."""
+
+    operation: Operation
+    """As claimed: in flight, under its new lease and fencing token."""
+    first_attempt_before: datetime | None
+    """``first_attempt_at`` as it was before this claim (the claim sets it when unset)."""
+
+    @property
+    def before(self) -> Operation:
+        """The row as the claim found it, as far as the consumer's checks read it: still
+        prepared, one attempt fewer, its first attempt's time as it was."""
+        return self.operation.model_copy(
+            update={
+                "state": OperationState.PREPARED,
+                "attempts": self.operation.attempts - 1,
+                "first_attempt_at": self.first_attempt_before,
+            }
+        )
+
+
+def claim_deliveries(
+    deliveries: Sequence[DeliveryClaim], *, owner: str
+) -> Plan[dict[UUID, ClaimedDelivery]]:
+    """:func:`claim_many` for a consumer's burst, without reading the operations first:
+    one statement claims each operation that is prepared, due, needs no approval and
+    matches what its message says, and returns it as claimed.
+
+    Every other operation is absent from the result and unchanged: the caller reads and
+    checks those as before a :func:`claim_many`. The caller checks what the claim
+    returned (tampering, the replay window) before it commits, and rolls back if a check
+    fails. One claim per operation id: a second delivery of an id is not claimed again.
+    """
+    if any(delivery.lease <= timedelta(0) for delivery in deliveries):
+        raise ValueError("lease must be positive")
+    unique = sorted(
+        {delivery.operation_id: delivery for delivery in deliveries}.values(),
+        key=lambda delivery: delivery.operation_id,
+    )
+    if not unique:
+        return {}
+    rows = yield Step(
+        "claim_deliveries",
+        {
+            "ids": [delivery.operation_id for delivery in unique],
+            "leases": [delivery.lease for delivery in unique],
+            "tool_names": [delivery.tool_name for delivery in unique],
+            "tool_versions": [delivery.tool_version for delivery in unique],
+            "input_fingerprints": [delivery.input_fingerprint for delivery in unique],
+            "owner": owner,
+        },
+    )
+    claimed: dict[UUID, ClaimedDelivery] = {}
+    for row in rows:
+        first_attempt_before = row.pop("first_attempt_before")
+        operation = Operation.model_validate(row)
+        lifecycle.emit(
+            EventName.ATTEMPTED,
+            operation,
+            {"attempt": operation.attempts, "lease_token": operation.lease_token},
+        )
+        claimed[operation.id] = ClaimedDelivery(operation, first_attempt_before)
+    return claimed
+
+
+@dataclass(frozen=True)
 class ConfirmedEffect:
     """A provider confirmed the effect of an operation this worker holds in flight."""
 
@@ -232,13 +311,28 @@ def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation
             "event_attributes": [Jsonb(event) for event in attributes],
         },
     )
+    claimed = {effect.operation.id: effect.operation for effect in effects}
     events = {effect.operation.id: event for effect, event in zip(effects, attributes, strict=True)}
     committed: dict[UUID, Operation] = {}
     for row in rows:
-        operation = Operation.model_validate(row)
+        written = _Committed.model_validate(row)
+        operation = claimed[written.id].model_copy(update=written.model_dump(exclude={"id"}))
         lifecycle.emit(EventName.COMMITTED, operation, events[operation.id])
         committed[operation.id] = operation
     return committed
+
+
+class _Committed(BaseModel):
+    """The columns commit_operations writes (the trigger stamps updated_at and may
+    replace the result with the unreadable marker), read back as the row has them."""
+
+    id: UUID
+    state: OperationState
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    provider_reference: str | None
+    result: StoredObject | None
+    updated_at: datetime
 
 
 _DEFAULT_EVENTS = {

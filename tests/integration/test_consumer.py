@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -40,7 +41,7 @@ from support.consume_helpers import (
 )
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value, running_dispatcher
-from support.logs import logged
+from support.logs import logged, records_of
 from support.sample_tools import Ledger, RefundInput
 from support.waiting import eventually
 
@@ -556,3 +557,112 @@ async def test_a_blind_replay_claimed_after_its_dedupe_window_goes_to_a_person(
         )
         == 1
     )
+
+
+def envelope_of(op: Any) -> OperationMessage:
+    return OperationMessage(
+        operation_id=op.id,
+        outbox_id=1,
+        tool=op.tool_name,
+        tool_version=op.tool_version,
+        input_fingerprint=op.input_fingerprint,
+    )
+
+
+async def test_a_burst_is_claimed_by_one_statement_that_reads_nothing_first(
+    fast: Settings,
+    registry: Registry,
+    engine: Any,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    burst = [decide(engine, registry, payment_id=f"pay_{n}") for n in range(3)]
+    consumer = Consumer(fast, registry)
+    try:
+        await consumer.database.run(store.fingerprint_key())
+        caplog.set_level(logging.DEBUG, logger="outbox.store")
+        # Submitted together, claimed together: one burst, one transaction.
+        verdicts = await asyncio.gather(*(consumer.claim(envelope_of(op)) for op in burst))
+    finally:
+        await consumer.close()
+
+    assert [type(verdict) for verdict in verdicts] == [Claimed] * 3
+    ran = [str(getattr(record, "query", "")) for record in records_of(caplog, "store.statement")]
+    assert ran == ["claim_deliveries"]
+    for op, verdict in zip(burst, verdicts, strict=True):
+        assert isinstance(verdict, Claimed)
+        assert verdict.operation == operation(database_url, op.id)
+        assert event_names(database_url, op.id) == ["operation.prepared", "operation.attempted"]
+
+
+async def test_a_tampered_row_in_a_burst_is_escalated_and_the_rest_claimed_once(
+    fast: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    good = decide(engine, registry)
+    forged = decide(engine, registry, payment_id="pay_2")
+    # The input changed behind the fingerprint: the message and the row still agree,
+    # so the set-based claim takes it, and the check after it must undo that.
+    execute_admin(
+        database_url, "ALTER TABLE operations DISABLE TRIGGER operations_guard_transition"
+    )
+    try:
+        execute_admin(
+            database_url,
+            "UPDATE operations SET input = jsonb_set(input, '{amount_cents}', '999') WHERE id = %s",
+            (forged.id,),
+        )
+    finally:
+        execute_admin(
+            database_url, "ALTER TABLE operations ENABLE TRIGGER operations_guard_transition"
+        )
+    consumer = Consumer(fast, registry)
+    try:
+        verdicts = await asyncio.gather(
+            *(consumer.claim(envelope_of(op)) for op in (good, forged, good))
+        )
+    finally:
+        await consumer.close()
+
+    claimed, tampered, duplicate = verdicts
+    assert isinstance(claimed, Claimed)
+    assert claimed.operation == operation(database_url, good.id)
+    assert (tampered, duplicate) == (Skip("tampered"), Skip("duplicate"))
+    assert event_names(database_url, good.id) == [
+        "operation.prepared",
+        "operation.attempted",
+        "operation.delivery_suppressed",
+    ]
+    # Nothing of the claim that was rolled back: no attempt, no lease.
+    assert event_names(database_url, forged.id) == [
+        "operation.prepared",
+        "operation.tampered",
+        "operation.escalated",
+    ]
+    after = operation(database_url, forged.id)
+    assert (after.state, after.attempts, after.lease_token) == (S.ESCALATED, 0, 0)
+
+
+async def test_a_message_that_lies_about_an_operation_claimed_beside_it_is_refused(
+    fast: Settings, registry: Registry, engine: Any, database_url: str
+) -> None:
+    first, second = decide(engine, registry), decide(engine, registry, payment_id="pay_2")
+    truthful = [envelope_of(first), envelope_of(second)]
+    lies = [
+        truthful[0].model_copy(update={"input_fingerprint": "0" * 64}),
+        truthful[1].model_copy(update={"tool": "open_ticket"}),
+    ]
+    consumer = Consumer(fast, registry)
+    try:
+        # One burst: the truth before the lie about the first, after it about the second.
+        verdicts = await asyncio.gather(
+            *(consumer.claim(envelope) for envelope in (truthful[0], lies[0], lies[1], truthful[1]))
+        )
+    finally:
+        await consumer.close()
+
+    mismatch = Skip("invalid", "envelope_mismatch")
+    assert verdicts[1] == verdicts[2] == mismatch
+    for op, verdict in ((first, verdicts[0]), (second, verdicts[3])):
+        assert isinstance(verdict, Claimed)
+        assert verdict.operation == operation(database_url, op.id)
+        assert event_names(database_url, op.id) == ["operation.prepared", "operation.attempted"]

@@ -46,6 +46,16 @@ async def test_n_committed_rows_become_exactly_n_confirmed_messages(
     assert counter_value(dispatcher, "outbox_dispatcher_published_total", tool="send_refund") == 450
 
 
+async def test_a_drain_with_nothing_to_publish_costs_one_claim(settings: Settings) -> None:
+    # Every lane claiming at each wake made most claims at low rates find nothing.
+    dispatcher = Dispatcher(settings.model_copy(update={"dispatch_lanes": 4}))
+
+    report = await dispatcher.drain()
+
+    assert (report.published, report.failed) == (0, 0)
+    assert counter_value(dispatcher, "outbox_dispatcher_empty_claims_total") == 1
+
+
 async def test_messages_are_thin_persistent_and_carry_no_input(
     settings: Settings, registry: Registry, engine: Any, database_url: str, amqp_server_url: str
 ) -> None:

@@ -29,7 +29,7 @@ def test_applying_the_schema_again_is_harmless(
 
     for _ in range(2):
         with psycopg.connect(database_url) as connection:
-            assert outbox_schema.apply_schema(connection) == 7
+            assert outbox_schema.apply_schema(connection) == 8
 
     assert execute_admin(database_url, SCHEMA_OBJECTS) == before
     assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(1,)]
@@ -38,8 +38,8 @@ def test_applying_the_schema_again_is_harmless(
 def test_schema_version_is_none_on_an_empty_database(empty_database_url: str) -> None:
     with psycopg.connect(empty_database_url) as connection:
         assert outbox_schema.schema_version(connection) is None
-        assert outbox_schema.apply_schema(connection) == 7
-        assert outbox_schema.schema_version(connection) == 7
+        assert outbox_schema.apply_schema(connection) == 8
+        assert outbox_schema.schema_version(connection) == 8
 
 
 def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> None:
@@ -52,9 +52,26 @@ def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> N
         assert not outbox_schema.schema_is_current(connection)
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_schema.apply_schema(connection) == 7
+        assert outbox_schema.apply_schema(connection) == 8
     with psycopg.connect(database_url) as connection:
         assert outbox_schema.schema_is_current(connection)
+
+
+def test_a_version_7_database_loses_its_redundant_run_index(database_url: str) -> None:
+    # As a version-7 database looks: it still has the index on run_id alone.
+    execute_admin(database_url, "CREATE INDEX operations_run ON operations (run_id)")
+    execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 8")
+
+    with psycopg.connect(database_url) as connection:
+        assert outbox_schema.apply_schema(connection) == 8
+
+    assert execute_admin(database_url, "SELECT to_regclass('operations_run')") == [(None,)]
+    # What the run filter reads instead: the unique (run_id, decision_key) index.
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SET enable_seqscan = off")
+        plan = connection.execute("EXPLAIN SELECT id FROM operations WHERE run_id = 'r'")
+        lines = " ".join(str(row[0]) for row in plan.fetchall())
+    assert "operations_run_decision_key" in lines, lines
 
 
 def test_an_operation_is_born_with_no_possible_effect(

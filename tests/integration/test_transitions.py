@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 from uuid import uuid4
 
 import psycopg
@@ -280,6 +282,87 @@ def test_claim_many_claims_each_prepared_operation_once_with_its_own_lease(ops: 
     assert ops.event_names(fresh.id)[-1] == "operation.attempted"
     assert ops.get(taken.id) == taken
     assert ops.run(outbox_store.claim_many([], owner="worker-b")) == {}
+
+
+def delivered(operation: Operation, **message: Any) -> outbox_store.DeliveryClaim:
+    """The claim a message about ``operation`` makes, with what ``message`` changes."""
+    claim = outbox_store.DeliveryClaim(
+        operation.id,
+        operation.tool_name,
+        operation.tool_version,
+        operation.input_fingerprint,
+        lease=LEASE,
+    )
+    return dataclasses.replace(claim, **message)
+
+
+def test_claim_deliveries_claims_only_what_a_claim_many_after_the_checks_would(
+    ops: Ops,
+) -> None:
+    fresh, taken = ops.new(), ops.at(S.IN_FLIGHT)
+    forged = ops.new(amount_cents=101)
+    # Above 50,000 cents a person must approve: the approvals are read before a claim.
+    approval = ops.new(amount_cents=60_000)
+    assert approval.requires_approval
+    later = ops.new(amount_cents=102)
+    execute_admin(
+        ops.database_url,
+        "UPDATE operations SET next_attempt_at = now() + interval '1 hour' WHERE id = %s",
+        (later.id,),
+    )
+    untouched = [taken, forged, approval, ops.get(later.id)]
+    short = timedelta(seconds=5)
+
+    claimed = ops.run(
+        outbox_store.claim_deliveries(
+            [
+                delivered(fresh, lease=short),
+                delivered(taken),
+                delivered(forged, input_fingerprint="0" * 64),
+                delivered(approval),
+                delivered(later),
+                delivered(ops.new(amount_cents=103), tool_name="file_ticket"),
+                delivered(ops.new(amount_cents=104), tool_version=2),
+            ],
+            owner="worker-b",
+        )
+    )
+
+    assert list(claimed) == [fresh.id]
+    stored = ops.get(fresh.id)
+    assert claimed[fresh.id].operation == stored
+    assert (stored.state, stored.attempts, stored.lease_owner) == (S.IN_FLIGHT, 1, "worker-b")
+    assert stored.lease_expires_at is not None
+    assert stored.lease_expires_at < stored.updated_at + LEASE - timedelta(seconds=30)
+    assert ops.events(fresh.id)[-1].name == "operation.attempted"
+    assert ops.events(fresh.id)[-1].attributes == {
+        "attempt": 1,
+        "lease_token": stored.lease_token,
+        "worker": "worker-b",
+    }
+    assert [ops.get(operation.id) for operation in untouched] == untouched
+    assert ops.run(outbox_store.claim_deliveries([], owner="worker-b")) == {}
+
+
+def test_claim_deliveries_returns_the_row_as_the_checks_knew_it(ops: Ops) -> None:
+    first = ops.at(S.IN_FLIGHT)
+    retried = ops.move(first, S.PREPARED)
+
+    (claimed,) = ops.run(
+        outbox_store.claim_deliveries([delivered(retried)], owner="worker-b")
+    ).values()
+
+    assert claimed.operation.attempts == 2
+    assert claimed.operation.first_attempt_at == first.first_attempt_at
+    assert claimed.before.attempts == 1
+    assert claimed.before.state is S.PREPARED
+    assert claimed.before.first_attempt_at == first.first_attempt_at
+    # A first attempt: its time is this claim's, and the row before had none.
+    (fresh,) = ops.run(
+        outbox_store.claim_deliveries([delivered(ops.new(amount_cents=7))], owner="w")
+    ).values()
+    assert fresh.operation.first_attempt_at is not None
+    assert (fresh.before.attempts, fresh.before.first_attempt_at) == (0, None)
 
 
 def test_commit_many_writes_what_transition_writes(ops: Ops) -> None:

@@ -81,6 +81,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "latest_approval",
         "insert_event",
         "get_operations",
+        "claim_deliveries",
         "claim_operations",
         "commit_operations",
         "transition_operation",

@@ -8,7 +8,7 @@ import gc
 import uuid
 from collections.abc import Coroutine
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import aiormq.exceptions
 import pytest
@@ -16,9 +16,9 @@ from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 import dispatcher.cli
-from dispatcher.daemon import Dispatcher, DrainReport
-from dispatcher.publisher import Publisher, classify, encode
-from outbox.broker import OperationMessage, Topology
+from dispatcher.daemon import Dispatcher, DrainReport, _Tally
+from dispatcher.publisher import Publisher, PublishOutcome, classify, encode
+from outbox.broker import BrokerUnavailable, OperationMessage, Topology
 from outbox.settings import Settings
 from outbox.store import ClaimedRow
 
@@ -205,3 +205,76 @@ async def test_a_confirm_cancelled_by_a_closing_connection_is_a_lost_connection(
     assert [published.id for published in outcome.published] == [1]
     assert [(failed.id, reason) for failed, reason, _ in outcome.failed] == [(2, "connection_lost")]
     assert outcome.connection_lost
+
+
+class ScriptedBatches:
+    """Stands in for ``Dispatcher._batch``: hands out ``backlog`` rows in batches of up to
+    ``limit``, notes which connection claimed each, and counts the claims that found
+    nothing (each a transaction in the real daemon)."""
+
+    def __init__(self, backlog: int) -> None:
+        self.backlog = backlog
+        self.claims: list[tuple[str, int]] = []
+
+    async def __call__(self, database: Any, publisher: Any, limit: int) -> PublishOutcome | None:
+        await asyncio.sleep(0)  # let the other lanes run, as a round trip would
+        taken = min(limit, self.backlog)
+        self.backlog -= taken
+        self.claims.append((database, taken))
+        if not taken:
+            return None
+        return PublishOutcome(published=[row(id=n) for n in range(taken)])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3])
+async def test_a_wake_for_less_than_a_batch_claims_on_one_connection_once(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dispatcher = Dispatcher(Settings(dispatch_lanes=4, batch_size=5))
+    batches = ScriptedBatches(rows)
+    monkeypatch.setattr(dispatcher, "_batch", batches)
+    tally = _Tally()
+
+    await dispatcher._drain_available(
+        cast(Any, ["lane-1", "lane-2", "lane-3", "lane-4"]), cast(Any, None), tally
+    )
+
+    assert batches.claims == [("lane-1", rows)]
+    assert tally.published == rows
+
+
+async def test_each_full_batch_brings_in_another_lane_up_to_one_per_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dispatcher = Dispatcher(Settings(dispatch_lanes=3, batch_size=5))
+    limit = dispatcher.pacing.limit
+    batches = ScriptedBatches(limit * 20 + 2)
+    monkeypatch.setattr(dispatcher, "_batch", batches)
+    tally = _Tally()
+
+    await dispatcher._drain_available(
+        cast(Any, ["lane-1", "lane-2", "lane-3"]), cast(Any, None), tally
+    )
+
+    assert tally.published == limit * 20 + 2
+    assert {database for database, _ in batches.claims} == {"lane-1", "lane-2", "lane-3"}
+    # The drain ends with each lane's last claim coming up short: at most one empty each.
+    empty = [database for database, taken in batches.claims if not taken]
+    assert len(empty) <= 3
+    assert len(set(empty)) == len(empty)
+
+
+async def test_a_lane_that_fails_ends_the_drain_with_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dispatcher = Dispatcher(Settings(dispatch_lanes=2, batch_size=5))
+
+    async def lost(database: Any, publisher: Any, asked: int) -> PublishOutcome:
+        await asyncio.sleep(0)
+        return PublishOutcome(published=[row(id=n) for n in range(asked)], connection_lost=True)
+
+    monkeypatch.setattr(dispatcher, "_batch", lost)
+    with pytest.raises(BrokerUnavailable):
+        await dispatcher._drain_available(
+            cast(Any, ["lane-1", "lane-2"]), cast(Any, None), _Tally()
+        )

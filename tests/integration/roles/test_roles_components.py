@@ -286,6 +286,25 @@ def test_the_consumer_executes_reconciles_and_escalates(
         operation=claimed, provider_reference="re_burst", result={}, attributes={}
     )
     assert run(consumer, outbox_store.commit_many([effect]))[burst.id].state is S.COMMITTED
+    # ... or claimed without a read first, matched to what its message says.
+    delivered = new_operation(roles_database, registry)
+    (taken,) = run(
+        consumer,
+        outbox_store.claim_deliveries(
+            [
+                outbox_store.DeliveryClaim(
+                    delivered.id,
+                    delivered.tool_name,
+                    delivered.tool_version,
+                    delivered.input_fingerprint,
+                    lease=LEASE,
+                )
+            ],
+            owner="w",
+        ),
+    ).values()
+    assert taken.operation.state is S.IN_FLIGHT
+    assert taken.before.first_attempt_at is None
     # A provider's callback about it: claimed with its operation, read under the
     # operation's lock, applied once.
     run(

@@ -226,7 +226,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 7 is applied" in result.stdout
+        assert "schema version 8 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator, "
             "outbox_callbacks are granted" in result.stdout
@@ -240,5 +240,5 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_schema.apply_schema(connection) == 7
+            assert outbox_schema.apply_schema(connection) == 8
             outbox_schema.apply_roles(connection)

@@ -427,6 +427,34 @@ def test_the_consumer_appends_no_event_only_a_person_or_the_agent_path_writes(
     assert snapshot(roles_database) == before
 
 
+def test_one_forbidden_event_refuses_the_whole_statement_that_appends_it(
+    login: Login, roles_database: str, seeded: dict[str, Operation]
+) -> None:
+    """The names are checked once per statement, over every row it appended: a row the
+    consumer may append does not carry one it may not past the check, in either order,
+    and nothing of the statement stays (its events, their chain heads)."""
+    consumer = login(CONSUMER)
+    before = snapshot(roles_database)
+
+    for names in (
+        ["operation.lookup_deferred", "operation.resolved"],
+        ["operation.resolved", "operation.lookup_deferred"],
+    ):
+        with (
+            psycopg.connect(consumer) as connection,
+            pytest.raises(
+                psycopg.errors.InsufficientPrivilege, match=r"may not append operation\.resolved"
+            ),
+        ):
+            connection.execute(
+                "INSERT INTO operation_events (operation_id, name)"
+                " SELECT %s, name FROM unnest(%s::text[]) AS n (name)",
+                (seeded["escalated"].id, names),
+            )
+
+    assert snapshot(roles_database) == before
+
+
 @pytest.mark.parametrize("group", [CONSUMER, OPERATOR, None])
 @pytest.mark.parametrize(
     "change",
