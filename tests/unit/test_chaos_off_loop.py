@@ -150,3 +150,34 @@ def test_a_failed_call_raises_on_the_loop() -> None:
     with pytest.raises(RuntimeError, match="start the broker by hand"):
         wait_until(taken, "the failure")
     off_loop.close()
+
+
+def test_the_cpu_hogs_wait_their_turn_behind_a_broker_call_without_using_their_tries() -> None:
+    broker = HeldBroker()
+    chaos = chaos_with(broker)
+    hogs = ScheduledFault(5.0, "cpu_starvation", 0)
+    chaos.retries[hogs] = 3
+    chaos._inject(ScheduledFault(0.0, "broker_restart", 0), 0.0)
+    wait_until(lambda: broker.calls == ["stop_app"], "stop_app to be called")
+
+    assert chaos._waits_its_turn(hogs)
+    chaos._postpone(hogs, 5.0)
+    assert [(f.kind, f.at) for f in chaos.pending] == [("cpu_starvation", 6.0)]
+    assert chaos.retries[chaos.pending[0]] == 3, "waiting its turn is not a try"
+
+    broker.release.set()
+    wait_until(lambda: _ran(chaos), "stop_app's end to be taken")
+    # The broker is stopped until start_app: still not the hogs' turn.
+    assert chaos._waits_its_turn(hogs)
+    chaos.stop()
+
+
+def test_the_broker_faults_wait_their_turn_behind_the_cpu_hogs() -> None:
+    chaos = chaos_with(HeldBroker())
+    chaos.hogs = [cast(Any, object())]
+
+    assert chaos._waits_its_turn(ScheduledFault(0.0, "broker_restart", 0))
+    assert chaos._waits_its_turn(ScheduledFault(0.0, "broker_connection_close", 2))
+    assert not chaos._waits_its_turn(ScheduledFault(0.0, "consumer_kill", 1))
+    chaos.hogs = []
+    assert not chaos._waits_its_turn(ScheduledFault(0.0, "broker_restart", 0))
