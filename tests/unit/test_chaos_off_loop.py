@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -21,14 +21,14 @@ from harness.chaos import (
     ScheduledFault,
 )
 
+from support.chaos_runs import idle_chaos
+from support.waiting import eventually_sync
+
 DEADLINE_SECONDS = 30.0
 
 
-def wait_until(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)  # polling the condition, with the deadline above
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    eventually_sync(condition, within=DEADLINE_SECONDS, what=what)
 
 
 class HeldBroker:
@@ -46,16 +46,8 @@ class HeldBroker:
 
 
 def chaos_with(control: HeldBroker) -> Chaos:
-    # No daemon, database or provider is reached by what these tests drive.
-    return Chaos(
-        scratch=cast(Any, None),
-        provider=cast(Any, None),
-        links={},
-        log_dir=Path("."),
-        operations=1,
-        schedule=[],
+    return idle_chaos(
         broker_control=control,
-        drain_timeout=1.0,
         timings={"faults": 0.0, "broker_calls": 0.0},
         stream_start=time.monotonic(),
     )

@@ -11,13 +11,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 from harness.chaos import Chaos, Daemon
 from harness.rabbit_node import free_port
 from outbox.sandbox.processes import DaemonProcess
+
+from support.chaos_runs import idle_chaos
 
 DEADLINE_SECONDS = 30.0
 
@@ -91,18 +93,7 @@ class Starting:
 
 
 def chaos_with(daemons: list[Starting]) -> Chaos:
-    # Only the daemons are reached by what these tests drive.
-    return Chaos(
-        scratch=cast(Any, None),
-        provider=cast(Any, None),
-        links={},
-        log_dir=Path("."),
-        operations=1,
-        schedule=[],
-        broker_control=None,
-        drain_timeout=1.0,
-        daemons=cast(Any, daemons),
-    )
+    return idle_chaos(daemons=daemons)
 
 
 def test_the_stream_waits_until_every_daemon_is_healthy() -> None:
