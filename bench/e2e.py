@@ -8,8 +8,10 @@
 Run from the repository root. The systems (bench/systems.py, one class each on the
 ``System`` protocol) do the same job on the same Postgres and RabbitMQ, one after another:
 ``minimal`` (a hand-written pipeline with no guarantees, the physical limit), ``outbox``
-(effect-outbox's daemons as deployed), ``pgqueuer`` and ``procrastinate``. Every process
-runs on uvloop. Per system:
+(effect-outbox's daemons as deployed, one broker message per operation),
+``outbox-chunked`` (the same with ``--outbox-chunk`` operations per message,
+OUTBOX_MESSAGE_OPERATIONS), ``pgqueuer`` and ``procrastinate``. Every process runs on
+uvloop. Per system:
 
 1. drain: ``--operations`` decisions/jobs written in one transaction before anything
    runs (not timed), the system's processes started (consumers first, ready, then the
@@ -585,7 +587,11 @@ def summarize(results: dict[str, Any]) -> None:
             entry["cpu_ms_per_op"][phase_name(measured)] = measured["cpu"]["cpu_ms_per_op"]
     median = {s: e["per_s_median"] for s, e in results["systems"].items()}
     pairs = [(system, "minimal") for system in results["systems"] if system != "minimal"]
-    pairs += [("outbox", peer) for peer in ("pgqueuer", "procrastinate")]
+    pairs += [
+        (outbox, peer)
+        for outbox in ("outbox", "outbox-chunked")
+        for peer in ("pgqueuer", "procrastinate")
+    ]
     pairs = [(a, b) for a, b in pairs if a in results["systems"] and b in results["systems"]]
     results["ratios"] = {f"{a}/{b}": median[a] / median[b] for a, b in pairs}
     # CPU per operation, the same pairs and phases: how many times the CPU the other spends.
@@ -762,7 +768,8 @@ def environment(args: argparse.Namespace, bench: Bench, outbox: OutboxSettings) 
 def child(args: argparse.Namespace) -> None:
     """A child process: ``<system>-<role>``, the role one of the system's own or
     ``writer``; the same Context as its parent's, so the same names."""
-    system_name, _, role = args.child.partition("-")
+    # The role is the last part: a system's name may hold a hyphen (outbox-chunked).
+    system_name, _, role = args.child.rpartition("-")
     context = Context(
         admin_url=args.child_url,
         amqp_url=args.amqp_url,
@@ -844,6 +851,12 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--outbox-prefetch", type=positive_int, default=64)
     parser.add_argument("--outbox-batch-size", type=positive_int, default=200)
     parser.add_argument("--outbox-lanes", type=positive_int, default=2)
+    parser.add_argument(
+        "--outbox-chunk",
+        type=positive_int,
+        default=16,
+        help="operations per broker message of the outbox-chunked system (default 16)",
+    )
     parser.add_argument("--outbox-log-level", default="INFO")
     parser.add_argument(
         "--outbox-without-change-notify",
@@ -898,6 +911,7 @@ def main() -> None:
         lanes=args.outbox_lanes,
         log_level=args.outbox_log_level,
         change_notify=not args.outbox_without_change_notify,
+        chunk_operations=args.outbox_chunk,
     )
     chosen = ["outbox"] if args.scale_out else args.systems
     began = time.monotonic()

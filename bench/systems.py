@@ -562,9 +562,13 @@ class OutboxSettings:
     # Whether the operation_events trigger notifies outbox_operation_changed (what
     # await_outcome's watcher listens to): the cost of that NOTIFY, measured.
     change_notify: bool = True
+    # Operations per broker message for the "outbox-chunked" system (the "outbox" one
+    # always sends one message per operation).
+    chunk_operations: int = 16
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "chunk_operations": self.chunk_operations,
             "change_notify": self.change_notify,
             "consumer_processes": self.consumers,
             "dispatcher_processes": self.dispatchers,
@@ -681,11 +685,16 @@ class Outbox:
             prefetch=self.settings.prefetch,
             batch_size=self.settings.batch_size,
             dispatch_lanes=self.settings.lanes,
+            message_operations=self.message_operations,
             log_level=self.settings.log_level,
             metrics_host="127.0.0.1",
             metrics_port=0,
         )
         return {**os.environ, **daemon_settings.to_environment()}
+
+    @property
+    def message_operations(self) -> int:
+        return 1
 
     def daemons(self, url: str) -> list[list[Daemon]]:
         env = self.environment(url)
@@ -754,7 +763,20 @@ class Outbox:
         raise SystemExit(f"effect-outbox runs its own daemons, no child {role!r}")
 
 
-SYSTEM_NAMES = ("minimal", "outbox", "pgqueuer", "procrastinate")
+@dataclass
+class ChunkedOutbox(Outbox):
+    """effect-outbox with several operations per broker message (OUTBOX_MESSAGE_OPERATIONS
+    = ``--outbox-chunk``): one publish, one delivery and one ack for each chunk."""
+
+    name: str = "outbox-chunked"
+    label: str = "effect-outbox, chunked"
+
+    @property
+    def message_operations(self) -> int:
+        return self.settings.chunk_operations
+
+
+SYSTEM_NAMES = ("minimal", "outbox", "outbox-chunked", "pgqueuer", "procrastinate")
 
 
 def systems(context: Context, outbox: OutboxSettings | None = None) -> dict[str, System]:
@@ -762,6 +784,7 @@ def systems(context: Context, outbox: OutboxSettings | None = None) -> dict[str,
     found: dict[str, System] = {
         "minimal": Minimal(context),
         "outbox": Outbox(context, outbox or OutboxSettings()),
+        "outbox-chunked": ChunkedOutbox(context, outbox or OutboxSettings()),
         "pgqueuer": Pgqueuer(context),
         "procrastinate": Procrastinate(context),
     }

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -47,12 +48,17 @@ from consumer.telemetry import log, logger, prime_metrics
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.broker import (
+    CHUNK_BODY_START,
+    MAX_CHUNK_BODY_BYTES,
+    MAX_ENVELOPE_BYTES,
     SESSION_SETUP_SECONDS,
     DeclaredTopology,
+    OperationChunk,
     OperationMessage,
     Topology,
     broker_urls,
     establish_topology,
+    parse_body,
 )
 from outbox.broker import connect as connect_to_broker
 from outbox.contracts import Registry
@@ -66,7 +72,6 @@ from outbox.settings import Settings, redact_url
 from outbox.states import OperationState
 
 DEFAULT_METRICS_PORT = 9465
-MAX_BODY_BYTES = 4096
 S = OperationState
 T = TypeVar("T")
 
@@ -273,7 +278,10 @@ class Consumer(Daemon):
             if limit == applied:
                 continue
             try:
-                await channel.set_qos(prefetch_count=limit)
+                # Shielded: aiormq closes a channel whose RPC is cancelled, and this task is
+                # cancelled when the session ends, while the deliveries in hand still
+                # have their acks to send on that channel.
+                await asyncio.shield(channel.set_qos(prefetch_count=limit))
             except Exception as error:
                 # The session's to notice a lost channel; this one only stops pacing it.
                 log(
@@ -324,28 +332,89 @@ class Consumer(Daemon):
 
     async def handle(self, message: AbstractIncomingMessage, settlements: Settlements) -> str:
         """Handle one delivery and settle it; returns its result label (for metrics and
-        tests)."""
-        if len(message.body) > MAX_BODY_BYTES:
+        tests), ``"chunk"`` for a message of several operations."""
+        body = message.body
+        limit = MAX_CHUNK_BODY_BYTES if body.startswith(CHUNK_BODY_START) else MAX_ENVELOPE_BYTES
+        if len(body) > limit:
             return await self._dead_letter(message, settlements, "oversized")
         try:
-            envelope = OperationMessage.model_validate_json(message.body)
+            envelope = parse_body(body)
         except pydantic.ValidationError:
             return await self._dead_letter(message, settlements, "malformed")
+        if isinstance(envelope, OperationChunk):
+            return await self._handle_chunk(message, settlements, envelope)
+        # Only a well-formed W3C traceparent may parent the span; any other header is ignored.
+        headers = message.headers or {}
+        handled = await self._operate(
+            envelope, tracing.valid_traceparent(headers.get("traceparent"))
+        )
+        if handled.returned is not None:
+            return await self._later(message, settlements, handled.returned)
+        if handled.dead_letter_reason is not None:
+            return await self._dead_letter(message, settlements, handled.dead_letter_reason)
+        self.metrics.deliveries.labels(handled.result).inc()
+        await settlements.settle(message, Settlement.ACK)
+        return handled.result
+
+    async def _handle_chunk(
+        self, message: AbstractIncomingMessage, settlements: Settlements, chunk: OperationChunk
+    ) -> str:
+        """Every operation of a chunk, each as a delivery of its own (their claims and
+        outcomes share transactions), then one settlement for the message.
+
+        An entry that can never be right does not take its neighbours to the dead-letter
+        queue: it is counted and logged by its position, the checks wrote what evidence
+        its row can hold (an unknown tool's, a tampered or unreadable row's), and its
+        operation, still prepared, comes back through the stale sweep like any message
+        that went missing. Only a chunk whose every entry is such goes to the
+        dead-letter queue, and one with an entry the database could not take is
+        returned to the queue whole, where its finished entries are duplicates."""
+        handled = await asyncio.gather(
+            *(
+                self._operate(entry, tracing.valid_traceparent(entry.traceparent))
+                for entry in chunk.operations
+            ),
+            return_exceptions=True,
+        )
+        for outcome in handled:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        done = [outcome for outcome in handled if not isinstance(outcome, BaseException)]
+        refused = [h.dead_letter_reason for h in done if h.dead_letter_reason is not None]
+        returned = next((h.returned for h in done if h.returned is not None), None)
+        if returned is None and len(refused) == len(done):
+            return await self._dead_letter(message, settlements, refused[0])
+        for position, handled_entry in enumerate(done):
+            if handled_entry.dead_letter_reason is not None:
+                self.metrics.dead_lettered.labels(handled_entry.dead_letter_reason).inc()
+                log(
+                    logging.WARNING,
+                    "consumer.chunk_entry_refused",
+                    "an operation of a chunk can never run from this message; its "
+                    "neighbours went on",
+                    reason=handled_entry.dead_letter_reason,
+                    message_id=_safe_id(message.message_id),
+                    position=position,
+                )
+            self.metrics.deliveries.labels(handled_entry.result).inc()
+        if returned is not None:
+            self._log_returned(returned)
+            await settlements.settle(message, Settlement.REQUEUE)
+            return "chunk"
+        await settlements.settle(message, Settlement.ACK)
+        return "chunk"
+
+    async def _operate(self, envelope: OperationMessage, traceparent: str | None) -> _Handled:
+        """One operation's claim, call and record; what its message should get."""
         try:
             claimed = await self._holding(lambda: self.claim(envelope))
         except Exception as error:
             if not is_transient_database_error(error):
                 raise
-            return await self._later(message, settlements, error)
+            return _Handled("retry_later", returned=error)
         if isinstance(claimed, Skip):
-            if claimed.dead_letter_reason is not None:
-                return await self._dead_letter(message, settlements, claimed.dead_letter_reason)
-            self.metrics.deliveries.labels(claimed.result).inc()
-            await settlements.settle(message, Settlement.ACK)
-            return claimed.result
-        # Only a well-formed W3C traceparent may parent the span; any other header is ignored.
-        headers = message.headers or {}
-        attempt = await self.attempt(claimed, tracing.valid_traceparent(headers.get("traceparent")))
+            return _Handled(claimed.result, dead_letter_reason=claimed.dead_letter_reason)
+        attempt = await self.attempt(claimed, traceparent)
         try:
             await self._holding(lambda: self.record(claimed, attempt))
         except Exception as error:
@@ -353,10 +422,8 @@ class Consumer(Daemon):
                 raise
             # The lease will expire and the reconciler will find out what happened; a
             # redelivery meanwhile is a duplicate (the operation is in flight).
-            return await self._later(message, settlements, error)
-        self.metrics.deliveries.labels("processed").inc()
-        await settlements.settle(message, Settlement.ACK)
-        return "processed"
+            return _Handled("retry_later", returned=error)
+        return _Handled("processed")
 
     async def _holding(self, step: Callable[[], Awaitable[T]]) -> T:
         """``step``, tried again with backoff while the database is away or too slow,
@@ -417,6 +484,11 @@ class Consumer(Daemon):
         self, message: AbstractIncomingMessage, settlements: Settlements, error: BaseException
     ) -> str:
         self.metrics.deliveries.labels("retry_later").inc()
+        self._log_returned(error)
+        await settlements.settle(message, Settlement.REQUEUE)
+        return "retry_later"
+
+    def _log_returned(self, error: BaseException) -> None:
         log(
             logging.WARNING,
             "consumer.delivery_returned",
@@ -424,8 +496,16 @@ class Consumer(Daemon):
             "too long; it goes back to the queue",
             error=type(error).__name__,
         )
-        await settlements.settle(message, Settlement.REQUEUE)
-        return "retry_later"
+
+
+@dataclass(frozen=True)
+class _Handled:
+    """What one operation's handling leaves for its message: a result label, why the
+    message can never be right, or the database error that sends it back to the queue."""
+
+    result: str
+    dead_letter_reason: str | None = None
+    returned: BaseException | None = None
 
 
 def _safe_id(value: str | None) -> str:

@@ -110,6 +110,7 @@ class Dispatcher(Daemon):
             self.metrics.registry,
             database=redact_url(self.settings.libpq_url),
             queue=self._topology.queue,
+            message_operations=self.settings.message_operations,
             **self.database_bounds.fields(),
         ):
             beside = [
@@ -442,6 +443,7 @@ class Dispatcher(Daemon):
             self._topology,
             connection_name=f"{APPLICATION_NAME} {self.worker_id}",
             declare_topology=self.settings.declare_topology,
+            operations_per_message=self.settings.message_operations,
         )
         async with contextlib.AsyncExitStack() as stack:
             databases = [

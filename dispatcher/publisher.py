@@ -22,12 +22,14 @@ from pamqp.commands import Basic
 
 from outbox.broker import (
     APP_ID,
+    CHUNK_MESSAGE_TYPE,
     CONTENT_TYPE,
     MESSAGE_TYPE,
     SESSION_SETUP_SECONDS,
     BrokerUnavailable,
     Topology,
     broker_urls,
+    chunk_message_id,
     establish_topology,
     message_id,
 )
@@ -100,6 +102,48 @@ def encode(row: ClaimedRow) -> Encoded:
     )
 
 
+def encode_chunk(rows: Sequence[ClaimedRow]) -> Encoded:
+    """One message for several outbox rows of the same routing key: the chunked envelope
+    (``v`` 2, :class:`outbox.broker.OperationChunk`), each entry the single envelope's
+    fields and its row's trace context."""
+    entries = []
+    for row in rows:
+        entry: dict[str, object] = {
+            "operation_id": str(row.operation_id),
+            "outbox_id": row.id,
+            "tool": row.tool_name,
+            "tool_version": row.tool_version,
+            "input_fingerprint": row.input_fingerprint,
+        }
+        if row.traceparent is not None:
+            entry["traceparent"] = row.traceparent
+        entries.append(entry)
+    return Encoded(
+        body=_BODY_ENCODER.encode({"v": 2, "operations": entries}).encode(),
+        properties=Basic.Properties(
+            content_type=CONTENT_TYPE,
+            delivery_mode=PERSISTENT,
+            message_id=chunk_message_id([row.id for row in rows]),
+            message_type=CHUNK_MESSAGE_TYPE,
+            app_id=APP_ID,
+        ),
+    )
+
+
+def chunks(rows: Sequence[ClaimedRow], size: int) -> list[list[ClaimedRow]]:
+    """The messages a batch becomes: runs of up to ``size`` rows in claim order, a new one
+    wherever the routing key changes (a chunk is routed as one message, so a binding
+    that sends one tool elsewhere still gets only that tool's operations)."""
+    found: list[list[ClaimedRow]] = []
+    for row in rows:
+        last = found[-1] if found else None
+        if last is not None and len(last) < size and last[0].routing_key == row.routing_key:
+            last.append(row)
+        else:
+            found.append([row])
+    return found
+
+
 # Every reason label classify() and publish() give: the dispatcher exports each at 0 from
 # its start, so the first failure of each is seen by rate().
 PUBLISH_FAILURE_REASONS = (
@@ -141,12 +185,14 @@ class Publisher:
         connection_name: str,
         *,
         declare_topology: bool = False,
+        operations_per_message: int = 1,
     ) -> None:
         # One URL or a cluster's several (OUTBOX_AMQP_URL's comma-separated form).
         self._urls = broker_urls(amqp_url, heartbeat)
         self._connection_name = connection_name
         self._topology = topology
         self._declare_topology = declare_topology
+        self._operations_per_message = operations_per_message
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._exchange: AbstractExchange | None = None
@@ -228,8 +274,9 @@ class Publisher:
         )
 
     async def publish(self, rows: list[ClaimedRow], confirm_within: float) -> PublishOutcome:
-        """Publish every row with its confirm outstanding at once; wait for all of them
-        (or the timeout) and say which rows the broker confirmed."""
+        """Publish every row (one message each, or chunks of them) with every confirm
+        outstanding at once; wait for all of them (or the timeout) and say which rows the
+        broker confirmed. A chunk's rows share its confirm, and its failure."""
         outcome = PublishOutcome()
         if not self.usable:
             outcome.connection_lost = True
@@ -238,15 +285,19 @@ class Publisher:
             ]
             return outcome
         channel = await self._underlay()
+        if self._operations_per_message == 1:
+            groups = [[row] for row in rows]
+        else:
+            groups = chunks(rows, self._operations_per_message)
         tasks = []
-        for row in rows:
-            message = encode(row)
+        for group in groups:
+            message = encode(group[0]) if len(group) == 1 else encode_chunk(group)
             tasks.append(
                 asyncio.ensure_future(
                     channel.basic_publish(
                         message.body,
                         exchange=self._topology.exchange,
-                        routing_key=row.routing_key,
+                        routing_key=group[0].routing_key,
                         properties=message.properties,
                         mandatory=True,
                         # Not waiting for each frame's socket drain: with it, every
@@ -261,7 +312,7 @@ class Publisher:
         _, pending = await asyncio.wait(tasks, timeout=confirm_within)
         for task in pending:
             task.cancel()
-        for row, task in zip(rows, tasks, strict=True):
+        for group, task in zip(groups, tasks, strict=True):
             error: BaseException | None
             if task in pending:
                 error = TimeoutError()
@@ -272,10 +323,10 @@ class Publisher:
             else:
                 error = task.exception()
             if error is None:
-                outcome.published.append(row)
+                outcome.published.extend(group)
                 continue
             reason, text = classify(error)
-            outcome.failed.append((row, reason, text))
+            outcome.failed.extend((row, reason, text) for row in group)
             if reason in ("connection_lost", "exchange_missing", "confirm_timeout"):
                 outcome.connection_lost = True
         if pending:

@@ -19,11 +19,16 @@ import aio_pika
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
 from pamqp.common import FieldTable
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from outbox.errors import ConfigurationError, TopologyMissing
 from outbox.logs import log_fields
-from outbox.settings import Settings, redact_amqp_urls, split_amqp_urls
+from outbox.settings import (
+    MAX_MESSAGE_OPERATIONS,
+    Settings,
+    redact_amqp_urls,
+    split_amqp_urls,
+)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -55,9 +60,54 @@ class OperationMessage(BaseModel):
     input_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+# A single envelope is ~250 bytes, an entry of a chunk at most ~320 (MAX_MESSAGE_OPERATIONS
+# of them fit in MAX_CHUNK_BODY_BYTES): the consumer
+# dead-letters anything larger unparsed, so a hostile body costs no parse.
+MAX_ENVELOPE_BYTES = 4096
+MAX_CHUNK_BODY_BYTES = 32_768
+CHUNK_MESSAGE_TYPE = "outbox.operations.v2"
+# How the dispatcher starts a chunk's body: a consumer bounds a body by the larger limit
+# only when it starts so.
+CHUNK_BODY_START = b'{"v":2,'
+
+
+class ChunkEntry(OperationMessage):
+    """One operation of a chunk: the single envelope's fields and the decision's W3C trace
+    context, which a single message carries as its ``traceparent`` header. Each entry is
+    parsed here and checked against its row like a message of its own."""
+
+    # Checked again where it is used (outbox.tracing.valid_traceparent); bounded here.
+    traceparent: str | None = Field(default=None, max_length=64)
+
+
+class OperationChunk(BaseModel):
+    """The body of a message that carries several operations (``v`` 2): one broker message
+    and one acknowledgement for up to :data:`MAX_MESSAGE_OPERATIONS` of them, all with the
+    same routing key. Dedupe and every check stay per operation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[2]
+    operations: tuple[ChunkEntry, ...] = Field(min_length=1, max_length=MAX_MESSAGE_OPERATIONS)
+
+
+_BODY = TypeAdapter[OperationMessage | OperationChunk](OperationMessage | OperationChunk)
+
+
+def parse_body(body: bytes) -> OperationMessage | OperationChunk:
+    """The envelope of a message body, single or chunk; raises pydantic's
+    ``ValidationError`` for anything else."""
+    return _BODY.validate_json(body)
+
+
 def message_id(outbox_id: int) -> str:
     """Stable per outbox row: a re-publish of the same row carries the same id."""
     return f"outbox-{outbox_id}"
+
+
+def chunk_message_id(outbox_ids: Sequence[int]) -> str:
+    """Stable per chunk: its first row and how many it holds."""
+    return f"outbox-{outbox_ids[0]}-n{len(outbox_ids)}"
 
 
 @dataclass(frozen=True)

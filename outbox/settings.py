@@ -103,6 +103,10 @@ _SEPARATE_THEM = (
 )
 
 
+# The most operations one broker message may carry (see outbox.broker.OperationChunk).
+MAX_MESSAGE_OPERATIONS = 64
+
+
 class Settings(BaseSettings):
     # extra="ignore" is about keyword arguments; unknown variables are refused by
     # load_settings, which sees the environment as a whole.
@@ -142,6 +146,15 @@ class Settings(BaseSettings):
         ge=1,
         le=16,
         description="batches a dispatcher has in flight at once, each its own transaction",
+    )
+    # 1 by default: a consumer older than the chunked envelope dead-letters a chunk as
+    # malformed, so chunks are turned on once every consumer reads them.
+    message_operations: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_MESSAGE_OPERATIONS,
+        description="operations the dispatcher puts in one broker message (1: one message "
+        "each; more: one message and one ack for up to that many, same routing key)",
     )
     poll_interval: float = Field(
         default=1.0, description="seconds between scans when no notification arrives"

@@ -141,7 +141,7 @@ def cmd_dlq_list(args: argparse.Namespace, settings: Settings) -> int:
 def _dead_letter_views(settings: Settings, listing: dlq.Listing) -> list[DeadLetterView]:
     """The messages with their operations, as the console's dead-letter page reads them;
     the broker's view alone (and a line on stderr) when the operations cannot be read."""
-    if not any(message.envelope is not None for message in listing.messages):
+    if not any(message.parsed for message in listing.messages):
         return [dead_letter_views_without_database(m) for m in listing.messages]
     try:
         with command_transaction(settings) as connection:

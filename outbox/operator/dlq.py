@@ -37,15 +37,21 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractQueue
 from pydantic import ValidationError
 
-from outbox.broker import OperationMessage, connect_for_command
+from outbox.broker import (
+    CHUNK_BODY_START,
+    MAX_CHUNK_BODY_BYTES,
+    MAX_ENVELOPE_BYTES,
+    OperationChunk,
+    OperationMessage,
+    connect_for_command,
+    parse_body,
+)
 from outbox.errors import ConfigurationError, OutboxError, ServiceUnavailable
 from outbox.settings import Settings
 
 T = TypeVar("T")
 
 DEFAULT_LIST_LIMIT = 100
-# The consumer dead-letters anything larger as "oversized"; an envelope is ~250 bytes.
-MAX_ENVELOPE_BYTES = 4096
 # Publishes awaiting their confirm at once during a requeue.
 REQUEUE_WINDOW = 64
 # Longest header string shown; anything longer is described, not printed.
@@ -82,24 +88,31 @@ class DeadLetter:
 
     message_id: str | None
     envelope: OperationMessage | None
+    """A single message's envelope; None for a chunk or a body that is neither."""
     body_bytes: int
     deaths: tuple[Death, ...]
     first_death_reason: str | None
     routing_key: str
     delivery_count: int | None
+    chunk: tuple[OperationMessage, ...] = ()
+    """The operations of a message that carries several (OUTBOX_MESSAGE_OPERATIONS)."""
+
+    @property
+    def parsed(self) -> bool:
+        """Whether the body is an envelope or a chunk of them: what a consumer can read."""
+        return self.envelope is not None or bool(self.chunk)
 
     def as_json(self) -> dict[str, Any]:
         envelope = self.envelope
         return {
             "message_id": self.message_id,
-            "envelope": None
-            if envelope is None
-            else {
-                "operation_id": str(envelope.operation_id),
-                "tool": envelope.tool,
-                "tool_version": envelope.tool_version,
-            },
-            "body": "envelope" if envelope is not None else "unparseable",
+            "envelope": None if envelope is None else _thin(envelope),
+            "operations": [_thin(entry) for entry in self.chunk],
+            "body": "envelope"
+            if envelope is not None
+            else "chunk"
+            if self.chunk
+            else "unparseable",
             "body_bytes": self.body_bytes,
             "deaths": [
                 {"reason": death.reason, "queue": death.queue, "count": death.count}
@@ -112,12 +125,19 @@ class DeadLetter:
 
     def line(self) -> str:
         envelope = self.envelope
-        what = (
-            f"body: unparseable ({self.body_bytes} bytes)"
-            if envelope is None
-            else f"operation_id={envelope.operation_id} tool={envelope.tool} "
-            f"tool_version={envelope.tool_version}"
-        )
+        if envelope is not None:
+            what = (
+                f"operation_id={envelope.operation_id} tool={envelope.tool} "
+                f"tool_version={envelope.tool_version}"
+            )
+        elif self.chunk:
+            what = f"chunk of {len(self.chunk)}: " + " ".join(
+                f"operation_id={entry.operation_id} tool={entry.tool} "
+                f"tool_version={entry.tool_version}"
+                for entry in self.chunk
+            )
+        else:
+            what = f"body: unparseable ({self.body_bytes} bytes)"
         deaths = "; ".join(
             f"reason={death.reason} queue={death.queue} count={death.count}"
             for death in self.deaths
@@ -233,7 +253,7 @@ async def requeue_dead_letters(
                         continue
                     if message.message_id is not None:
                         found.add(message.message_id)
-                    if dead.envelope is None:
+                    if not dead.parsed:
                         held.append(message)
                         report.unparseable += 1
                         continue
@@ -253,8 +273,10 @@ async def requeue_dead_letters(
 
 
 def inspect(message: AbstractIncomingMessage) -> DeadLetter:
-    """What may be shown of a message; its body only if it is an operation envelope."""
+    """What may be shown of a message; its body only if it is an operation envelope or a
+    chunk of them."""
     headers = message.headers or {}
+    parsed = _envelopes(message.body)
     deaths: list[Death] = []
     routing_keys: list[str] = []
     raw_deaths = headers.get("x-death")
@@ -276,7 +298,8 @@ def inspect(message: AbstractIncomingMessage) -> DeadLetter:
     delivery_count = headers.get("x-delivery-count")
     return DeadLetter(
         message_id=_shown(message.message_id),
-        envelope=_envelope(message.body),
+        envelope=parsed if isinstance(parsed, OperationMessage) else None,
+        chunk=parsed.operations if isinstance(parsed, OperationChunk) else (),
         body_bytes=len(message.body),
         deaths=tuple(deaths),
         first_death_reason=_shown(headers.get("x-first-death-reason")),
@@ -287,13 +310,22 @@ def inspect(message: AbstractIncomingMessage) -> DeadLetter:
     )
 
 
-def _envelope(body: bytes) -> OperationMessage | None:
-    if len(body) > MAX_ENVELOPE_BYTES:
+def _envelopes(body: bytes) -> OperationMessage | OperationChunk | None:
+    limit = MAX_CHUNK_BODY_BYTES if body.startswith(CHUNK_BODY_START) else MAX_ENVELOPE_BYTES
+    if len(body) > limit:
         return None
     try:
-        return OperationMessage.model_validate_json(body)
+        return parse_body(body)
     except ValidationError:
         return None
+
+
+def _thin(envelope: OperationMessage) -> dict[str, Any]:
+    return {
+        "operation_id": str(envelope.operation_id),
+        "tool": envelope.tool,
+        "tool_version": envelope.tool_version,
+    }
 
 
 def _shown(value: object) -> str | None:

@@ -11,9 +11,10 @@ from datetime import datetime
 from uuid import UUID
 
 from outbox import store
+from outbox.broker import MAX_ENVELOPE_BYTES
 from outbox.errors import OperationNotFound
 from outbox.models import OperationEvent, display_operation_id, parse_operation_id
-from outbox.operator.dlq import MAX_ENVELOPE_BYTES, DeadLetter
+from outbox.operator.dlq import DeadLetter
 from outbox.states import EventName, OperationState
 from outbox.store import Store
 
@@ -131,7 +132,7 @@ def _with_operation(runner: Store, view: DeadLetterView, operation_id: UUID) -> 
 
 def dead_letter_views_without_database(message: DeadLetter) -> DeadLetterView:
     """What the message alone says, for when the operations cannot be read."""
-    if message.envelope is None:
+    if not message.parsed:
         why = "oversized" if message.body_bytes > MAX_ENVELOPE_BYTES else "malformed"
     else:
         why = _broker_says(message)

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from outbox import Registry, Settings
 from outbox import schema as outbox_schema
-from outbox.broker import OperationMessage, Topology, declare_topology
+from outbox.broker import OperationChunk, OperationMessage, Topology, declare_topology
 from outbox.console.app import Console, create_app
 from outbox.console.config import AuthConfig, Credential, ProxyIdentity, parse_proxies
 
@@ -113,11 +113,15 @@ def csrf(test_client: TestClient, path: str = "/") -> str:
 
 
 async def dead_letter_one(
-    settings: Settings, envelope: OperationMessage, *, message_id: str = "outbox-1"
+    settings: Settings,
+    envelope: OperationMessage | OperationChunk,
+    *,
+    message_id: str = "outbox-1",
 ) -> None:
     """A genuine dead letter, x-death and all: taken from the operations queue (this
     test's topology, declared here) and rejected without requeue, as the consumer
     rejects poison."""
+    first = envelope.operations[0] if isinstance(envelope, OperationChunk) else envelope
     connection = await aio_pika.connect(settings.amqp_url.get_secret_value())
     async with connection:
         channel = await connection.channel()
@@ -125,7 +129,7 @@ async def dead_letter_one(
         exchange = await channel.get_exchange(settings.exchange)
         await exchange.publish(
             aio_pika.Message(envelope.model_dump_json().encode(), message_id=message_id),
-            routing_key=f"{envelope.tool}.v{envelope.tool_version}",
+            routing_key=f"{first.tool}.v{first.tool_version}",
         )
         queue = await channel.get_queue(settings.queue)
         taken = None

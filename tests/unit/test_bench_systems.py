@@ -50,7 +50,18 @@ def test_children_run_as_the_bench_module_with_the_parents_names(name: str) -> N
 
 def test_only_the_broker_systems_count_rabbitmq() -> None:
     using = {name for name, system in systems(CONTEXT).items() if system.uses_broker}
-    assert using == {"minimal", "outbox"}
+    assert using == {"minimal", "outbox", "outbox-chunked"}
+
+
+def test_only_the_chunked_outbox_puts_several_operations_in_a_message() -> None:
+    found = systems(CONTEXT, OutboxSettings(chunk_operations=12))
+    one, chunked = (
+        found[name].daemons(URL)[1][0].environment for name in ("outbox", "outbox-chunked")
+    )
+    assert one["OUTBOX_MESSAGE_OPERATIONS"] == "1"
+    assert chunked["OUTBOX_MESSAGE_OPERATIONS"] == "12"
+    # Names of its own: the two never share a database or a queue.
+    assert chunked["OUTBOX_QUEUE"] == f"bench.e2e.{CONTEXT.run_name}.outbox-chunked.q"
 
 
 def test_outbox_daemons_follow_its_settings() -> None:

@@ -166,10 +166,16 @@ class ConfirmingChannel:
             await asyncio.Event().wait()  # a confirm that never comes
 
 
-def publishing_on(channel: ConfirmingChannel, monkeypatch: pytest.MonkeyPatch) -> Publisher:
+def publishing_on(
+    channel: ConfirmingChannel, monkeypatch: pytest.MonkeyPatch, operations_per_message: int = 1
+) -> Publisher:
     """A publisher whose confirm channel is ``channel``."""
     publisher = Publisher(
-        "amqp://guest:guest@127.0.0.1/", 15, Topology.from_settings(Settings()), "t"
+        "amqp://guest:guest@127.0.0.1/",
+        15,
+        Topology.from_settings(Settings()),
+        "t",
+        operations_per_message=operations_per_message,
     )
 
     async def underlay() -> ConfirmingChannel:
@@ -205,6 +211,23 @@ async def test_a_confirm_cancelled_by_a_closing_connection_is_a_lost_connection(
     assert [published.id for published in outcome.published] == [1]
     assert [(failed.id, reason) for failed, reason, _ in outcome.failed] == [(2, "connection_lost")]
     assert outcome.connection_lost
+
+
+async def test_the_rows_of_a_chunk_share_its_confirm_and_its_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    channel = ConfirmingChannel(confirmed={"outbox-1-n2", "outbox-5"})
+    publisher = publishing_on(channel, monkeypatch, operations_per_message=2)
+    rows = [row(id=n) for n in (1, 2, 3, 4)] + [row(id=5, routing_key="close_ticket.v1")]
+    outcome = await publisher.publish(rows, confirm_within=0.05)
+
+    # Three messages: two chunks of two and, under another routing key, a single one.
+    assert len(channel.waits) == 3
+    assert [published.id for published in outcome.published] == [1, 2, 5]
+    assert [(failed.id, reason) for failed, reason, _ in outcome.failed] == [
+        (3, "confirm_timeout"),
+        (4, "confirm_timeout"),
+    ]
 
 
 class ScriptedBatches:

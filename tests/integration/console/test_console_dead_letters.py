@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from outbox import Settings
 from outbox import store as outbox_store
-from outbox.broker import OperationMessage
+from outbox.broker import ChunkEntry, OperationChunk, OperationMessage
 from outbox.console.app import Console
 from outbox.models import Operation
 from outbox.states import EventName
@@ -57,6 +57,35 @@ async def test_a_dead_letter_is_listed_and_requeued_by_an_operator(
     lines = [r for r in caplog.records if getattr(r, "action", None) == "console.dlq_requeue"]
     assert [getattr(r, "operator", None) for r in lines] == [OPERATOR, OPERATOR]
     assert [getattr(r, "requeued", None) for r in lines] == [0, 1]
+
+
+async def test_a_dead_chunk_lists_each_of_its_operations_and_is_requeued_whole(
+    app_console: Console, settings: Settings, ops: Ops
+) -> None:
+    first, second = ops.new(), ops.new()
+    chunk = OperationChunk(
+        v=2,
+        operations=tuple(
+            ChunkEntry(**envelope_of(op).model_dump(exclude={"v"})) for op in (first, second)
+        ),
+    )
+    await dead_letter_one(settings, chunk, message_id="outbox-7-n2")
+
+    with client(app_console) as test_client:
+        page = logged_in(test_client).get("/dead-letters").text
+        token = csrf_of(page)
+        requeued = test_client.post(
+            "/dead-letters/requeue", data={"csrf_token": token, "message_id": "outbox-7-n2"}
+        )
+
+    assert "a chunk of 2: send_refund" in page
+    assert first.display_id in page
+    assert second.display_id in page
+    assert 'name="message_id" value="outbox-7-n2"' in page
+    assert requeued.status_code == 303
+    [back] = await read_raw(settings.amqp_url.get_secret_value(), settings.queue, expect=1)
+    assert back.message_id == "outbox-7-n2"
+    assert back.body == chunk.model_dump_json().encode()
 
 
 def envelope_of(op: Operation) -> OperationMessage:
