@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The two flags `outbox` took before a subcommand: every flag of `outbox chaos` stays.
     add_setting_flags(parser, "log_level", "log_format")
     add_setting_flags(parser, "database_url", "amqp_url")
+    # Chunked messages meet the same faults: the run's daemons take it as they take
+    # every other setting of the run.
+    add_setting_flags(parser, "message_operations")
     parser.add_argument(
         "--operations", type=positive_int, default=300, help="decisions to record (300)"
     )
@@ -559,7 +562,7 @@ def run_once(
     schedule = fault_schedule(seed, operations, categories)
     say(
         f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}"
-        f", broker {broker}"
+        f", broker {broker}, {settings.message_operations} operation(s) per message"
     )
     say(f"database {redact_url(scratch.database_url)}, queue {scratch.topology.queue}")
     say(f"fault schedule ({len(schedule)}):")
