@@ -383,7 +383,7 @@ class Consumer(Daemon):
         refused = [h.dead_letter_reason for h in done if h.dead_letter_reason is not None]
         returned = next((h.returned for h in done if h.returned is not None), None)
         if returned is None and len(refused) == len(done):
-            return await self._dead_letter(message, settlements, refused[0])
+            return await self._dead_letter(message, settlements, *refused)
         for position, handled_entry in enumerate(done):
             if handled_entry.dead_letter_reason is not None:
                 self.metrics.dead_lettered.labels(handled_entry.dead_letter_reason).inc()
@@ -466,15 +466,18 @@ class Consumer(Daemon):
         await self.effects.record(claimed, attempt)
 
     async def _dead_letter(
-        self, message: AbstractIncomingMessage, settlements: Settlements, reason: str
+        self, message: AbstractIncomingMessage, settlements: Settlements, *reasons: str
     ) -> str:
-        self.metrics.deliveries.labels("invalid").inc()
-        self.metrics.dead_lettered.labels(reason).inc()
+        """Reject ``message`` to the dead-letter queue, counting one reason per operation
+        it carries (one for a body that is no envelope)."""
+        for reason in reasons:
+            self.metrics.deliveries.labels("invalid").inc()
+            self.metrics.dead_lettered.labels(reason).inc()
         log(
             logging.WARNING,
             "consumer.dead_lettered",
             "dead-lettered",
-            reason=reason,
+            reason=",".join(sorted(set(reasons))),
             message_id=_safe_id(message.message_id),
         )
         await settlements.settle(message, Settlement.REJECT)

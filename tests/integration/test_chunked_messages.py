@@ -149,15 +149,13 @@ async def test_a_chunk_with_nothing_that_can_run_is_dead_lettered_whole_and_list
     async with running_consumer(chunked(settings), registry) as consumer:
         await publish_raw(amqp_server_url, settings.exchange, body)
 
-        async def dead_lettered() -> bool:
-            return (
-                counter_value(
-                    consumer, "outbox_consumer_dead_lettered_total", reason="unknown_operation"
-                )
-                == 1
-            )
+        def refused(reason: str) -> float:
+            return counter_value(consumer, "outbox_consumer_dead_lettered_total", reason=reason)
 
-        await eventually(dead_lettered, within=20, what="the chunk dead-lettered")
+        async def dead_lettered() -> bool:
+            return refused("unknown_operation") == 1 and refused("envelope_mismatch") == 1
+
+        await eventually(dead_lettered, within=20, what="both entries of the chunk counted")
         listing = None
 
         async def listed() -> bool:
