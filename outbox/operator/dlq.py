@@ -7,7 +7,8 @@ whatever they do not explicitly settle goes back to the queue: a crash or a lost
 connection loses nothing.
 
 What is printed is the thin envelope only: the message id, and the operation id, tool
-and tool version when the body parses as :class:`OperationMessage`. A body that does
+and tool version when the body parses as :class:`OperationMessage` (each entry's, for a
+chunk of several operations). A body that does
 not parse is never printed (it may hold anything); neither are header strings that are
 not plain printable ASCII.
 
