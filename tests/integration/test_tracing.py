@@ -23,7 +23,7 @@ from outbox.fingerprint_key import keyed_fingerprint
 from support import otel_helpers
 from support.consume_helpers import in_state, running_consumer
 from support.db_helpers import execute_admin
-from support.dispatch_helpers import running_dispatcher
+from support.dispatch_helpers import counter_value, running_dispatcher
 from support.sample_tools import Ledger
 from support.waiting import eventually
 
@@ -126,6 +126,43 @@ async def test_decision_publish_and_effect_are_one_trace(
             *map(str, (span.attributes or {}).values()),
         ]
         assert not any(CANARY in text for text in seen), span.name
+
+
+async def test_each_operation_of_a_chunk_continues_its_own_decisions_trace(
+    fast: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    database_url: str,
+    exporter: InMemorySpanExporter,
+) -> None:
+    agent_tracer = trace.get_tracer("agent")
+    decided = []
+    for payment in ("pay_1", "pay_2"):
+        with agent_tracer.start_as_current_span("agent.turn") as agent_span, engine.begin() as tx:
+            recorded = record_decision(
+                tx, registry, "send_refund", {**REFUND, "payment_id": payment}, run_id="run"
+            )
+        decided.append((recorded.operation, agent_span.get_span_context()))
+    chunked = fast.model_copy(update={"message_operations": 4})
+
+    # Both rows are waiting before the dispatcher starts: one batch, one message.
+    async with running_dispatcher(chunked), running_consumer(chunked, registry) as consumer:
+        for op, _ in decided:
+            await eventually(in_state(database_url, op.id, S.COMMITTED), within=30, what="done")
+
+    assert counter_value(consumer, "outbox_consumer_deliveries_total", result="processed") == 2
+    attempts = {
+        dict(span.attributes or {})["outbox.operation_id"]: span
+        for span in named(exporter.get_finished_spans(), "outbox.attempt send_refund")
+    }
+    assert set(attempts) == {str(op.id) for op, _ in decided}
+    for op, agent in decided:
+        attempt = attempts[str(op.id)]
+        assert attempt.context is not None
+        assert attempt.parent is not None
+        assert attempt.context.trace_id == agent.trace_id
+        assert attempt.parent.span_id == agent.span_id
 
 
 async def test_a_committed_attempt_carries_its_provider_reference(
