@@ -226,7 +226,10 @@ async def test_a_chunk_the_database_cannot_take_goes_back_to_the_queue_whole(
         update={
             "database_url": SecretStr(
                 url_through(settings.database_url.get_secret_value(), database_proxy.port)
-            )
+            ),
+            # A connect into the black hole gives up soon, so the stop below is not
+            # held up by one.
+            "db_connect_timeout": 2,
         }
     )
     async with running_consumer(through_proxy, registry) as consumer:

@@ -32,3 +32,12 @@ def test_static_check_passes(command: list[str]) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    # The test directories are not packages: pytest imports each file by its base name,
+    # so a second file of the same name fails the whole run's collection.
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPOSITORY / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPOSITORY)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
