@@ -48,9 +48,6 @@ from consumer.telemetry import log, logger, prime_metrics
 from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.broker import (
-    CHUNK_BODY_START,
-    MAX_CHUNK_BODY_BYTES,
-    MAX_ENVELOPE_BYTES,
     SESSION_SETUP_SECONDS,
     DeclaredTopology,
     OperationChunk,
@@ -58,6 +55,7 @@ from outbox.broker import (
     Topology,
     broker_urls,
     establish_topology,
+    oversized,
     parse_body,
 )
 from outbox.broker import connect as connect_to_broker
@@ -333,12 +331,10 @@ class Consumer(Daemon):
     async def handle(self, message: AbstractIncomingMessage, settlements: Settlements) -> str:
         """Handle one delivery and settle it; returns its result label (for metrics and
         tests), ``"chunk"`` for a message of several operations."""
-        body = message.body
-        limit = MAX_CHUNK_BODY_BYTES if body.startswith(CHUNK_BODY_START) else MAX_ENVELOPE_BYTES
-        if len(body) > limit:
+        if oversized(message.body):
             return await self._dead_letter(message, settlements, "oversized")
         try:
-            envelope = parse_body(body)
+            envelope = parse_body(message.body)
         except pydantic.ValidationError:
             return await self._dead_letter(message, settlements, "malformed")
         if isinstance(envelope, OperationChunk):

@@ -91,6 +91,14 @@ class OperationChunk(BaseModel):
     operations: tuple[ChunkEntry, ...] = Field(min_length=1, max_length=MAX_MESSAGE_OPERATIONS)
 
 
+def oversized(body: bytes) -> bool:
+    """Whether ``body`` is larger than any envelope may be: a chunk's limit for a body
+    that starts as the dispatcher starts a chunk, a single envelope's for any other.
+    Checked before parsing, so a hostile body costs no parse."""
+    limit = MAX_CHUNK_BODY_BYTES if body.startswith(CHUNK_BODY_START) else MAX_ENVELOPE_BYTES
+    return len(body) > limit
+
+
 _BODY = TypeAdapter[OperationMessage | OperationChunk](OperationMessage | OperationChunk)
 
 

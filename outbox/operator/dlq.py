@@ -39,12 +39,10 @@ from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractQueu
 from pydantic import ValidationError
 
 from outbox.broker import (
-    CHUNK_BODY_START,
-    MAX_CHUNK_BODY_BYTES,
-    MAX_ENVELOPE_BYTES,
     OperationChunk,
     OperationMessage,
     connect_for_command,
+    oversized,
     parse_body,
 )
 from outbox.errors import ConfigurationError, OutboxError, ServiceUnavailable
@@ -312,8 +310,7 @@ def inspect(message: AbstractIncomingMessage) -> DeadLetter:
 
 
 def _envelopes(body: bytes) -> OperationMessage | OperationChunk | None:
-    limit = MAX_CHUNK_BODY_BYTES if body.startswith(CHUNK_BODY_START) else MAX_ENVELOPE_BYTES
-    if len(body) > limit:
+    if oversized(body):
         return None
     try:
         return parse_body(body)

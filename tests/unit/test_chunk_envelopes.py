@@ -18,6 +18,7 @@ from outbox.broker import (
     MAX_ENVELOPE_BYTES,
     OperationChunk,
     OperationMessage,
+    oversized,
     parse_body,
 )
 from outbox.settings import MAX_MESSAGE_OPERATIONS, Settings
@@ -137,3 +138,12 @@ def test_a_chunk_size_one_message_cannot_carry_is_refused(size: int) -> None:
     assert Settings().message_operations == 1
     with pytest.raises(pydantic.ValidationError, match="message_operations"):
         Settings(message_operations=size)
+
+
+def test_a_body_is_oversized_past_the_limit_of_what_it_starts_as() -> None:
+    assert not oversized(CHUNK_BODY_START + b"x" * (MAX_CHUNK_BODY_BYTES - len(CHUNK_BODY_START)))
+    assert oversized(CHUNK_BODY_START + b"x" * MAX_CHUNK_BODY_BYTES)
+    assert not oversized(b"x" * MAX_ENVELOPE_BYTES)
+    # Only a body that starts as a chunk gets the chunk's limit.
+    assert oversized(b"x" * (MAX_ENVELOPE_BYTES + 1))
+    assert oversized(b'{"v": 2, ' + b"x" * MAX_ENVELOPE_BYTES)
