@@ -60,9 +60,9 @@ class OperationMessage(BaseModel):
     input_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-# A single envelope is ~250 bytes, an entry of a chunk at most ~320 (MAX_MESSAGE_OPERATIONS
-# of them fit in MAX_CHUNK_BODY_BYTES): the consumer
-# dead-letters anything larger unparsed, so a hostile body costs no parse.
+# A single envelope is ~250 bytes, an entry of a chunk at most ~320, so
+# MAX_MESSAGE_OPERATIONS entries fit in MAX_CHUNK_BODY_BYTES. The consumer dead-letters
+# anything larger unparsed, so a hostile body costs no parse.
 MAX_ENVELOPE_BYTES = 4096
 MAX_CHUNK_BODY_BYTES = 32_768
 CHUNK_MESSAGE_TYPE = "outbox.operations.v2"
@@ -114,7 +114,8 @@ def message_id(outbox_id: int) -> str:
 
 
 def chunk_message_id(outbox_ids: Sequence[int]) -> str:
-    """Stable per chunk: its first row and how many it holds."""
+    """A chunk's first row and how many it holds. Unlike a single row's id it may differ
+    on a re-publish, whose batch can group the rows otherwise."""
     return f"outbox-{outbox_ids[0]}-n{len(outbox_ids)}"
 
 

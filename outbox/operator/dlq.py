@@ -8,9 +8,8 @@ connection loses nothing.
 
 What is printed is the thin envelope only: the message id, and the operation id, tool
 and tool version when the body parses as :class:`OperationMessage` (each entry's, for a
-chunk of several operations). A body that does
-not parse is never printed (it may hold anything); neither are header strings that are
-not plain printable ASCII.
+chunk of several operations). A body that does not parse is never printed (it may hold
+anything); neither are header strings that are not plain printable ASCII.
 
 ``list`` is a snapshot. Messages it took are handed back with ``basic.nack(requeue=True)``,
 which adds one to a quorum queue's delivery count. The dead-letter queue has no delivery
