@@ -372,10 +372,11 @@ class Consumer(Daemon):
             ),
             return_exceptions=True,
         )
+        done: list[_Handled] = []
         for outcome in handled:
             if isinstance(outcome, BaseException):
                 raise outcome
-        done = [outcome for outcome in handled if not isinstance(outcome, BaseException)]
+            done.append(outcome)
         refused = [h.dead_letter_reason for h in done if h.dead_letter_reason is not None]
         returned = next((h.returned for h in done if h.returned is not None), None)
         if returned is None and len(refused) == len(done):

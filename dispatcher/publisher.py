@@ -285,10 +285,7 @@ class Publisher:
             ]
             return outcome
         channel = await self._underlay()
-        if self._operations_per_message == 1:
-            groups = [[row] for row in rows]
-        else:
-            groups = chunks(rows, self._operations_per_message)
+        groups = chunks(rows, self._operations_per_message)
         tasks = []
         for group in groups:
             message = encode(group[0]) if len(group) == 1 else encode_chunk(group)

@@ -51,6 +51,13 @@ def chunk_body(*entries: dict[str, Any]) -> bytes:
     return json.dumps({"v": 2, "operations": list(entries)}, separators=(",", ":")).encode()
 
 
+def two_in_a_chunk(database_url: str, registry: Registry) -> tuple[UUID, UUID, bytes]:
+    """Two refunds decided and the chunk that names both, as the dispatcher would send it."""
+    first = record_one(database_url, registry, payment_id="pay_1")
+    second = record_one(database_url, registry, payment_id="pay_2")
+    return first, second, chunk_body(entry(database_url, first), entry(database_url, second))
+
+
 async def test_a_batch_goes_out_as_chunks_that_name_each_operation_once(
     settings: Settings, registry: Registry, database_url: str, amqp_server_url: str
 ) -> None:
@@ -184,9 +191,7 @@ async def test_a_chunk_delivered_again_is_a_duplicate_for_every_entry(
     database_url: str,
     amqp_server_url: str,
 ) -> None:
-    first = record_one(database_url, registry, payment_id="pay_1")
-    second = record_one(database_url, registry, payment_id="pay_2")
-    body = chunk_body(entry(database_url, first), entry(database_url, second))
+    first, second, body = two_in_a_chunk(database_url, registry)
     async with running_consumer(chunked(settings), registry) as consumer:
 
         def count(result: str) -> float:
@@ -220,9 +225,7 @@ async def test_a_chunk_the_database_cannot_take_goes_back_to_the_queue_whole(
     amqp_server_url: str,
     database_proxy: TcpProxy,
 ) -> None:
-    first = record_one(database_url, registry, payment_id="pay_1")
-    second = record_one(database_url, registry, payment_id="pay_2")
-    body = chunk_body(entry(database_url, first), entry(database_url, second))
+    first, second, body = two_in_a_chunk(database_url, registry)
     through_proxy = chunked(settings).model_copy(
         update={
             "database_url": SecretStr(

@@ -136,14 +136,10 @@ async def test_each_operation_of_a_chunk_continues_its_own_decisions_trace(
     database_url: str,
     exporter: InMemorySpanExporter,
 ) -> None:
-    agent_tracer = trace.get_tracer("agent")
     decided = []
-    for payment in ("pay_1", "pay_2"):
-        with agent_tracer.start_as_current_span("agent.turn") as agent_span, engine.begin() as tx:
-            recorded = record_decision(
-                tx, registry, "send_refund", {**REFUND, "payment_id": payment}, run_id="run"
-            )
-        decided.append((recorded.operation, agent_span.get_span_context()))
+    for key in ("k1", "k2"):
+        op, agent_span = decide_in_agent_span(engine, registry, decision_key=key)
+        decided.append((op, agent_span.get_span_context()))
     chunked = fast.model_copy(update={"message_operations": 4})
 
     # Both rows are waiting before the dispatcher starts: one batch, one message.
