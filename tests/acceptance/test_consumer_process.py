@@ -172,7 +172,7 @@ def test_the_same_message_published_twice_executes_once(
                 await publish_raw(amqp_server_url, settings.exchange, body)
 
         eventually_sync(lambda: system.daemons[0].running(), within=5, what="consumer up")
-        wait_for_queue(amqp_server_url, settings.queue)
+        wait_for_consumer(amqp_server_url, settings.queue)
         asyncio.run(publish_twice())
         final = system.wait_for(op.id, *SETTLED)
         output = system.daemons[0].output()
@@ -183,20 +183,40 @@ def test_the_same_message_published_twice_executes_once(
     assert "consumer.dead_lettered" not in output
 
 
-def wait_for_queue(amqp_url: str, queue: str) -> None:
+def wait_for_consumer(amqp_url: str, queue: str) -> None:
     import aio_pika
 
-    async def exists() -> bool:
+    # The consumer declares its queue, binds it, then consumes: a consumer on the queue
+    # means a message published to the exchange is routed to it.
+    async def consumed() -> bool:
         connection = await aio_pika.connect(amqp_url)
         async with connection:
             channel = await connection.channel()
             try:
-                await channel.declare_queue(queue, passive=True)
+                declared = await channel.declare_queue(queue, passive=True)
             except aio_pika.exceptions.ChannelClosed:
                 return False
-            return True
+            return (declared.declaration_result.consumer_count or 0) > 0
 
-    eventually_sync(lambda: asyncio.run(exists()), within=20, what=f"queue {queue} declared")
+    eventually_sync(lambda: asyncio.run(consumed()), within=20, what=f"a consumer on queue {queue}")
+
+
+async def wait_for_dead_letter_queue(amqp_url: str, queue: str) -> None:
+    """A probe published straight to the dead-letter queue, confirmed and read back.
+
+    The broker retries an unconfirmed dead-lettering only after three minutes
+    (``dead_letter_worker_publisher_confirm_timeout``), so a poison message rejected
+    while the just-declared quorum queue is still electing its leader can miss the
+    test's deadline. A confirmed probe shows the queue is taking messages.
+    """
+    import aio_pika
+
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(on_return_raises=True)
+        await channel.default_exchange.publish(aio_pika.Message(b"probe"), routing_key=queue)
+    probe = await read_raw(amqp_url, queue, expect=1, within=30)
+    assert [m.body for m in probe] == [b"probe"]
 
 
 def test_approval_gates_the_refund_and_binds_to_the_amount(settings: Settings) -> None:
@@ -350,7 +370,8 @@ def test_poison_messages_are_dead_lettered_with_no_effect(
                 {**envelope, "operation_id": "00000000-0000-4000-8000-000000000000"}
             ).encode(),
         ]
-        wait_for_queue(amqp_server_url, settings.queue)
+        wait_for_consumer(amqp_server_url, settings.queue)
+        asyncio.run(wait_for_dead_letter_queue(amqp_server_url, settings.dead_letter_queue))
 
         async def publish_all() -> None:
             for body in poison:

@@ -66,7 +66,9 @@ async def publish_raw(
 ) -> None:
     connection = await aio_pika.connect(amqp_url)
     async with connection:
-        channel = await connection.channel()
+        # A body the exchange cannot route comes back; raising turns a test that
+        # published before its queue was bound into a clear error, not a lost message.
+        channel = await connection.channel(on_return_raises=True)
         target = await channel.get_exchange(exchange)
         await target.publish(
             aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
