@@ -95,10 +95,17 @@ class Database:
         never holds an operation's row beyond the lease. The lifecycle lines its plans
         emit are written once it commits, and dropped if it rolls back: a line never
         reports a move the database did not keep."""
+        async with self._paced(self.sessions.transaction()) as connection:
+            yield connection
+
+    @contextlib.asynccontextmanager
+    async def _paced(
+        self, session: contextlib.AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         began = time.monotonic()
         try:
             with lifecycle.held() as lines:
-                async with self.sessions.transaction() as connection:
+                async with session as connection:
                     yield connection
         except Exception as error:
             if is_transient_database_error(error):
@@ -111,6 +118,14 @@ class Database:
         """``plan`` in a transaction of its own."""
         async with self.transaction() as connection:
             return await (await AsyncStore.on(connection)).run(plan)
+
+    async def run_alone(self, plan: Plan[T]) -> T:
+        """``plan``, which sends one statement, as a transaction of its own in autocommit:
+        one round trip where :meth:`run` takes three (BEGIN, the statement, COMMIT), under
+        the same deadline and pacing. A plan that tries a second statement raises before
+        sending it."""
+        async with self._paced(self.sessions.statement()) as connection:
+            return await (await AsyncStore.alone(connection)).run(plan)
 
     async def remember_fingerprint_key(self, runner: AsyncStore) -> None:
         if self.fingerprint_key is None:

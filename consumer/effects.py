@@ -129,7 +129,8 @@ class Effects:
                     attributes={"attempt": claimed.operation.attempts},
                 )
             )
-        committed = await self.database.run(store.commit_many(effects))
+        # One statement writes every row and its event: autocommit spares two round trips.
+        committed = await self.database.run_alone(store.commit_many(effects))
         for claimed, attempt in done:
             moved = committed.get(claimed.operation.id)
             if moved is None:

@@ -306,16 +306,27 @@ class Store:
 
 
 class AsyncStore:
-    """Runs plans on an async connection, inside the caller's transaction."""
+    """Runs plans on an async connection, inside the caller's transaction.
 
-    def __init__(self, executor: _AsyncExecutor) -> None:
+    :meth:`alone` runs a plan of one statement on an autocommit connection instead,
+    where the statement is its own transaction.
+    """
+
+    def __init__(self, executor: _AsyncExecutor, *, one_statement: bool = False) -> None:
         self._executor = executor
+        self._one_statement = one_statement
 
     @classmethod
     async def on(
         cls, connection: AsyncConnection, *, require_transaction: bool = True
     ) -> AsyncStore:
         return cls(await _async_executor(connection, require_transaction))
+
+    @classmethod
+    async def alone(cls, connection: psycopg.AsyncConnection[Any]) -> AsyncStore:
+        """A runner for plans that send one statement, on an autocommit connection: a
+        second statement would commit apart from the first, so it is refused unsent."""
+        return cls(await _async_executor(connection, False), one_statement=True)
 
     async def run(self, plan: Plan[T]) -> T:
         observer = getattr(self._executor, "commit_observer", None)
@@ -328,6 +339,7 @@ class AsyncStore:
 
     async def _run(self, plan: Plan[T]) -> T:
         rows: list[Row] | None = None
+        sent = 0
         try:
             while True:
                 step = plan.send(rows) if rows is not None else next(plan)
@@ -335,6 +347,13 @@ class AsyncStore:
                 if remembered is not None:
                     rows = remembered
                     continue
+                if self._one_statement and sent:
+                    plan.close()
+                    raise RuntimeError(
+                        f"{step.query!r} would be a second statement outside a transaction; "
+                        "run this plan in one"
+                    )
+                sent += 1
                 with wrap_database_errors(step.query):
                     rows = await self._executor.fetch(step)
                 if statements.isEnabledFor(logging.DEBUG):

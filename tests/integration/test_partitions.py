@@ -1,10 +1,11 @@
 """A database link that goes silent mid-transaction costs seconds, never an operation.
 
 A TCP proxy between one daemon and Postgres silences exactly one connection at the
-worst moment: the consumer's right after the UPDATE that records a confirmed refund
-(the row stays locked, the COMMIT never comes), the dispatcher's right after its claim
-(the outbox row stays locked, other claims skip it). The client cuts the link at its
-transaction deadline; the server ends the stalled session at its
+worst moment: the consumer's right after the UPDATE that claims a delivery (the row
+stays locked, the COMMIT never comes), or right after the statement that records a
+confirmed refund (it commits on its own; the answer never comes back), the dispatcher's
+right after its claim (the outbox row stays locked, other claims skip it). The client
+cuts the link at its transaction deadline; the server ends a stalled session at its
 idle_in_transaction_session_timeout; the operation settles, with one effect.
 """
 
@@ -17,7 +18,7 @@ import psycopg
 from pydantic import SecretStr
 
 from harness.proxy import TcpProxy, url_through
-from outbox import OperationState, Registry, Settings, record_decision
+from outbox import Operation, OperationState, Registry, Settings, record_decision
 from outbox.connections import DatabaseBounds
 
 from support.broker_helpers import read_all
@@ -27,9 +28,11 @@ from support.sample_tools import Ledger
 from support.waiting import eventually
 
 S = OperationState
-# The consumer's record of a confirmed effect (commit_operations in queries.sql), and
-# the dispatcher's claim (claim_outbox_batch): sent as text the first time each runs.
+# The consumer's record of a confirmed effect (commit_operations in queries.sql), its
+# claim (claim_deliveries) and the dispatcher's claim (claim_outbox_batch): sent as text
+# the first time each runs.
 RECORDING_A_CONFIRMED_EFFECT = b"SET state = 'committed'"
+CLAIMING_DELIVERIES = b"AS d (id, lease, tool_name, tool_version, input_fingerprint)"
 CLAIMING_OUTBOX_ROWS = b"SELECT id, operation_id, routing_key, headers"
 
 
@@ -46,6 +49,17 @@ def bounded(settings: Settings, proxy: TcpProxy, **changes: Any) -> Settings:
             **changes,
         }
     )
+
+
+def decide_refund(engine: Any, registry: Registry) -> Operation:
+    with engine.begin() as connection:
+        return record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": "pay_1", "amount_cents": 900},
+            run_id="partition",
+        ).operation
 
 
 def stalled_sessions(database_url: str, application: str, statement: bytes) -> list[int]:
@@ -69,7 +83,7 @@ def sessions_ended_by_the_server(database_url: str) -> int:
     return int(row[0]) if row else 0
 
 
-async def test_a_commit_whose_link_goes_silent_is_cut_and_the_refund_settles_once(
+async def test_a_consumer_claim_whose_link_goes_silent_is_cut_and_the_refund_settles_once(
     settings: Settings,
     registry: Registry,
     ledger: Ledger,
@@ -85,32 +99,25 @@ async def test_a_commit_whose_link_goes_silent_is_cut_and_the_refund_settles_onc
         1.0,
     )
     fatal_before = await asyncio.to_thread(sessions_ended_by_the_server, database_url)
-    database_proxy.go_silent_on(RECORDING_A_CONFIRMED_EFFECT)
-    with engine.begin() as connection:
-        op = record_decision(
-            connection,
-            registry,
-            "send_refund",
-            {"payment_id": "pay_1", "amount_cents": 900},
-            run_id="partition",
-        ).operation
+    database_proxy.go_silent_on(CLAIMING_DELIVERIES)
+    op = decide_refund(engine, registry)
 
     async with (
         running_dispatcher(settings),
         running_consumer(consumer_settings, registry) as consumer,
     ):
         await asyncio.wait_for(database_proxy.went_silent.wait(), timeout=30)
-        # The UPDATE ran and the row is locked by a session the consumer can no longer
-        # reach; the operation must still settle, by the reconciler's lookup.
+        # The claim's UPDATE ran and the row is locked by a session the consumer can no
+        # longer reach, its COMMIT never sent; the refund must still settle, once.
         await eventually(
             in_state(database_url, op.id, S.COMMITTED),
             within=60,
-            what="the refund to settle although its recording session went silent",
+            what="the refund to settle although its claiming session went silent",
         )
 
         async def stalled_session_gone() -> bool:
             return not await asyncio.to_thread(
-                stalled_sessions, database_url, "outbox-consumer", RECORDING_A_CONFIRMED_EFFECT
+                stalled_sessions, database_url, "outbox-consumer", CLAIMING_DELIVERIES
             )
 
         await eventually(
@@ -133,24 +140,63 @@ async def test_a_commit_whose_link_goes_silent_is_cut_and_the_refund_settles_onc
         return await asyncio.to_thread(sessions_ended_by_the_server, database_url) > fatal_before
 
     await eventually(ended_by_timeout, within=10, what="a session ended by a server timeout")
+    # The stalled claim was rolled back with its session: the call came after the claim
+    # that committed, once.
     assert ledger.calls == [str(op.id)]
-    final = operation(database_url, op.id)
-    assert final.provider_reference == f"re_{str(op.id)[:8]}"
-    # One attempt: the record tried again in hand lands once the server ended the
-    # stalled session, or, if the lease ran out first, the lookup finds the refund and
-    # the late record is fenced. Settled by evidence either way, never by a retry.
     transitions = [
         name for name in event_names(database_url, op.id) if name != "operation.delivery_suppressed"
     ]
-    assert transitions in (
-        ["operation.prepared", "operation.attempted", "operation.committed"],
-        [
-            "operation.prepared",
-            "operation.attempted",
-            "operation.outcome_unknown",
-            "operation.reconciled",
-        ],
-    )
+    assert transitions == ["operation.prepared", "operation.attempted", "operation.committed"]
+
+
+async def test_a_record_whose_answer_is_lost_is_cut_and_the_refund_settles_once(
+    settings: Settings,
+    registry: Registry,
+    ledger: Ledger,
+    engine: Any,
+    database_url: str,
+    database_proxy: TcpProxy,
+) -> None:
+    """The record of a confirmed effect is one statement in autocommit: the server
+    commits it, and the link goes silent before the answer comes back."""
+    consumer_settings = bounded(settings, database_proxy, lease_margin=2.0)
+    database_proxy.go_silent_on(RECORDING_A_CONFIRMED_EFFECT)
+    op = decide_refund(engine, registry)
+
+    async with (
+        running_dispatcher(settings),
+        running_consumer(consumer_settings, registry) as consumer,
+    ):
+        await asyncio.wait_for(database_proxy.went_silent.wait(), timeout=30)
+        await eventually(
+            in_state(database_url, op.id, S.COMMITTED),
+            within=60,
+            what="the refund's record to land although its answer was lost",
+        )
+
+        async def cut_as_silent() -> bool:
+            silent = "outbox_database_slow_transactions_total"
+            return counter_value(consumer, silent, verdict="silent") >= 1
+
+        await eventually(cut_as_silent, within=30, what="the record cut at its deadline")
+
+        async def held_and_retried() -> bool:
+            return counter_value(consumer, "outbox_consumer_deliveries_held_total") >= 1
+
+        # The delivery is kept in hand and its record tried again: it finds the refund
+        # recorded, so nothing is sent back to the queue and nothing is called twice.
+        await eventually(held_and_retried, within=30, what="the record tried again in hand")
+        assert (
+            counter_value(consumer, "outbox_consumer_deliveries_total", result="retry_later") == 0
+        )
+
+    assert ledger.calls == [str(op.id)]
+    final = operation(database_url, op.id)
+    assert final.provider_reference == f"re_{str(op.id)[:8]}"
+    transitions = [
+        name for name in event_names(database_url, op.id) if name != "operation.delivery_suppressed"
+    ]
+    assert transitions == ["operation.prepared", "operation.attempted", "operation.committed"]
 
 
 async def test_a_claim_whose_link_goes_silent_is_cut_and_its_rows_are_published(

@@ -184,3 +184,43 @@ async def test_an_engine_that_follows_failovers_drops_a_read_only_session(
     assert is_read_only(refused.value)
     assert tracker.address is not None
     assert moves == []  # a new session on the same server is no failover
+
+
+async def test_a_statement_runs_in_autocommit_and_its_connection_returns_to_transactions(
+    database_url: str,
+) -> None:
+    pool, opened = pool_on(database_url)
+    try:
+        async with pool.statement() as connection:
+            await connection.execute("CREATE TABLE alone_probe (id int)")
+            # No BEGIN was sent: nothing is open once the statement has ended.
+            after_statement = connection.info.transaction_status
+        async with pool.transaction() as connection:
+            await connection.execute("INSERT INTO alone_probe VALUES (1)")
+            inside_transaction = connection.info.transaction_status
+            autocommit_in_transaction = connection.autocommit
+    finally:
+        await pool.close()
+    assert after_statement is psycopg.pq.TransactionStatus.IDLE
+    assert inside_transaction is psycopg.pq.TransactionStatus.INTRANS
+    assert autocommit_in_transaction is False
+    assert len(opened) == 1, "the statement's connection is the one the transaction reused"
+
+
+async def test_a_failed_statement_leaves_a_connection_that_still_opens_transactions(
+    database_url: str,
+) -> None:
+    pool, opened = pool_on(database_url)
+    try:
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            async with pool.statement() as connection:
+                await connection.execute("INSERT INTO no_such_table VALUES (1)")
+        async with pool.transaction() as connection:
+            await connection.execute("CREATE TABLE after_failure (id int)")
+            autocommit = connection.autocommit
+            raise_after = connection.info.transaction_status
+    finally:
+        await pool.close()
+    assert autocommit is False
+    assert raise_after is psycopg.pq.TransactionStatus.INTRANS
+    assert len(opened) == 1
