@@ -33,8 +33,8 @@ broker names of its own (``bench.e2e.<run>.*``, deleted at the end), on the serv
 ``OUTBOX_BENCH_AMQP_URL``). A table on stdout; every figure, settings and the environment
 in ``bench/results/e2e.json``. Exits 1 when a check failed (an operation lost, effected
 twice, or a phase aborted); a broker restarted by someone else aborts that phase only.
-``--py-spy DIR`` also records the effect-outbox daemons with py-spy during their first
-drain (needs ptrace rights, e.g. root).
+``--py-spy DIR`` also records the effect-outbox daemons (both systems, files named after
+each) with py-spy during their first drain (needs ptrace rights, e.g. root).
 
 CPU budget: over each measured window (a drain: from the backlog's commit, every process
 ready and idle, to the poll that sees the last effect; latency: from the writers' start
@@ -987,7 +987,7 @@ def compare(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     for system in bench.systems.values():
         entry: dict[str, Any] = {"throughput": [], "latency": []}
         results[system.name] = entry
-        spy = args.py_spy if system.name == "outbox" else None
+        spy = args.py_spy if system.name.startswith("outbox") else None
         entry["throughput"] = throughput_runs(bench, system, args, spy)
         if args.skip_latency:
             continue
