@@ -162,10 +162,12 @@ def bounded_result(result: Mapping[str, Any]) -> dict[str, Any]:
 
 def bounded_reference(reference: str | None) -> str | None:
     """A provider's reference as it will be stored: at most MAX_PROVIDER_REFERENCE
-    characters, with no NUL (Postgres text cannot hold one)."""
+    characters, with no NUL and no half of a surrogate pair (Postgres text holds
+    neither: either would fail the write that records a confirmed effect, every time
+    it is tried). A lone surrogate becomes ``?``."""
     if reference is None:
         return None
-    cleaned = reference.replace("\x00", "")
+    cleaned = reference.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
     if len(cleaned) > MAX_PROVIDER_REFERENCE:
         return cleaned[: MAX_PROVIDER_REFERENCE - 1] + "…"
     return cleaned

@@ -134,6 +134,9 @@ def test_a_reference_is_cut_to_the_bound_and_keeps_no_nul() -> None:
     assert len(long) == MAX_PROVIDER_REFERENCE
     assert long.endswith("…")
     assert bounded_reference("re_\x001") == "re_1"
+    # Two halves of a pair, as Python holds them apart: each is alone.
+    assert bounded_reference("re_\udc80\ud83d\ude00") == "re_???"
+    assert bounded_reference("re_\U0001f600") == "re_\U0001f600"
     assert bounded_reference(None) is None
     assert bounded_reference("re_1") == "re_1"
 

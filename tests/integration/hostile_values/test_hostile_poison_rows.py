@@ -326,6 +326,30 @@ def test_verify_finds_a_state_no_event_supports_and_an_operation_with_no_birth(
 # --- provider values -------------------------------------------------------------------
 
 
+def test_a_reference_postgres_cannot_hold_is_recorded_cleaned(ops: Ops) -> None:
+    """A provider's reference with a NUL or a lone surrogate in it: the effect happened,
+    so its record must land (cleaned), or every retry of the record would fail too."""
+    in_flight = ops.at(S.IN_FLIGHT)
+    committed = ops.run(
+        outbox_store.commit_many(
+            [
+                outbox_store.ConfirmedEffect(
+                    operation=in_flight,
+                    provider_reference="re_\udc80\x001",
+                    result={"receipt": "ok"},
+                    attributes={"attempt": 1},
+                )
+            ]
+        )
+    )[in_flight.id]
+
+    assert committed.state is S.COMMITTED
+    assert committed.provider_reference == "re_?1"
+    stored = ops.run(outbox_store.get_operation(in_flight.id))
+    assert stored.provider_reference == "re_?1"
+    assert ops.events(in_flight.id)[-1].attributes["provider_reference"] == "re_?1"
+
+
 def test_a_bulky_result_is_recorded_as_a_marker_and_a_long_reference_is_cut(
     login: Login, database_url: str, ops: Ops
 ) -> None:
