@@ -14,7 +14,7 @@ import pytest
 from outbox import OperationState, Settings, grant_approval
 from outbox.sandbox.provider import Faults
 
-from support.broker_helpers import read_raw
+from support.broker_helpers import read_raw, wait_for_dead_letter_queue
 from support.consume_helpers import publish_raw
 from support.system import SETTLED, System, running_system
 from support.waiting import eventually_sync
@@ -199,24 +199,6 @@ def wait_for_consumer(amqp_url: str, queue: str) -> None:
             return (declared.declaration_result.consumer_count or 0) > 0
 
     eventually_sync(lambda: asyncio.run(consumed()), within=20, what=f"a consumer on queue {queue}")
-
-
-async def wait_for_dead_letter_queue(amqp_url: str, queue: str) -> None:
-    """A probe published straight to the dead-letter queue, confirmed and read back.
-
-    The broker retries an unconfirmed dead-lettering only after three minutes
-    (``dead_letter_worker_publisher_confirm_timeout``), so a poison message rejected
-    while the just-declared quorum queue is still electing its leader can miss the
-    test's deadline. A confirmed probe shows the queue is taking messages.
-    """
-    import aio_pika
-
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel(on_return_raises=True)
-        await channel.default_exchange.publish(aio_pika.Message(b"probe"), routing_key=queue)
-    probe = await read_raw(amqp_url, queue, expect=1, within=30)
-    assert [m.body for m in probe] == [b"probe"]
 
 
 def test_approval_gates_the_refund_and_binds_to_the_amount(settings: Settings) -> None:

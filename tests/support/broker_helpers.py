@@ -54,3 +54,43 @@ async def read_raw(
             if len(received) >= expect or loop.time() >= deadline:
                 return received
             await asyncio.sleep(POLL_SECONDS)
+
+
+async def wait_for_dead_letter_queue(amqp_url: str, queue: str) -> None:
+    """A probe published straight to the dead-letter queue, confirmed and read back.
+
+    The broker retries an unconfirmed dead-lettering only after three minutes
+    (``dead_letter_worker_publisher_confirm_timeout``), so a message rejected while the
+    just-declared quorum queue is still electing its leader can miss a test's deadline.
+    A confirmed probe shows the queue is taking messages. For an empty queue only: the
+    probe is read back with whatever else the queue holds.
+    """
+    assert await message_count(amqp_url, queue) == 0, f"{queue} is not empty"
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(on_return_raises=True)
+        await channel.default_exchange.publish(aio_pika.Message(b"probe"), routing_key=queue)
+    probe = await read_raw(amqp_url, queue, expect=1, within=30)
+    assert [m.body for m in probe] == [b"probe"]
+
+
+async def message_count(amqp_url: str, queue: str) -> int:
+    """How many messages ``queue`` holds, none of them taken."""
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+        return declared.declaration_result.message_count or 0
+
+
+async def wait_for_messages(amqp_url: str, queue: str, *, count: int, within: float = 30) -> None:
+    """Until ``queue`` holds at least ``count`` messages, none of them taken."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        held = await message_count(amqp_url, queue)
+        if held >= count:
+            return
+        if loop.time() >= deadline:
+            raise AssertionError(f"{queue} held {held} of {count} messages after {within} s")
+        await asyncio.sleep(POLL_SECONDS)

@@ -22,6 +22,7 @@ from outbox.broker import OperationChunk, OperationMessage, Topology, declare_to
 from outbox.console.app import Console, create_app
 from outbox.console.config import AuthConfig, Credential, ProxyIdentity, parse_proxies
 
+from support.broker_helpers import message_count, wait_for_dead_letter_queue, wait_for_messages
 from support.waiting import POLL_SECONDS
 
 OPERATOR = "ada@example.com"
@@ -120,12 +121,17 @@ async def dead_letter_one(
 ) -> None:
     """A genuine dead letter, x-death and all: taken from the operations queue (this
     test's topology, declared here) and rejected without requeue, as the consumer
-    rejects poison."""
+    rejects poison. Returns once the letter is in the dead-letter queue: the broker
+    dead-letters after the reject is acknowledged, not before."""
     first = envelope.operations[0] if isinstance(envelope, OperationChunk) else envelope
-    connection = await aio_pika.connect(settings.amqp_url.get_secret_value())
+    amqp_url = settings.amqp_url.get_secret_value()
+    connection = await aio_pika.connect(amqp_url)
     async with connection:
         channel = await connection.channel()
         await declare_topology(channel, Topology.from_settings(settings))
+        dead_before = await message_count(amqp_url, settings.dead_letter_queue)
+        if not dead_before:  # a queue that holds a letter has shown it takes them
+            await wait_for_dead_letter_queue(amqp_url, settings.dead_letter_queue)
         exchange = await channel.get_exchange(settings.exchange)
         await exchange.publish(
             aio_pika.Message(envelope.model_dump_json().encode(), message_id=message_id),
@@ -142,3 +148,4 @@ async def dead_letter_one(
                 await asyncio.sleep(POLL_SECONDS)
         assert taken is not None
         await taken.reject(requeue=False)
+    await wait_for_messages(amqp_url, settings.dead_letter_queue, count=dead_before + 1)
