@@ -173,3 +173,34 @@ def test_the_broker_faults_wait_their_turn_behind_the_cpu_hogs() -> None:
     assert not chaos._waits_its_turn(ScheduledFault(0.0, "consumer_kill", 1))
     chaos.hogs = []
     assert not chaos._waits_its_turn(ScheduledFault(0.0, "broker_restart", 0))
+
+
+def test_a_broker_connection_close_waits_for_a_broker_restart_without_using_its_tries() -> None:
+    chaos = chaos_with(HeldBroker())
+    close = ScheduledFault(0.0, "broker_connection_close", 1)
+
+    assert not chaos._waits_its_turn(close)
+    chaos._lasting("broker_restart", 60.0, lambda: None)
+    assert chaos._waits_its_turn(close)
+    chaos.stop()
+
+
+def test_past_the_stream_only_a_fault_that_needs_no_work_keeps_trying() -> None:
+    """A daemon's broker connection comes back whatever the decisions do; a refund held
+    by the provider needs decisions still in flight."""
+    chaos = chaos_with(HeldBroker())
+    chaos.retry_until = 0.0  # the stream's last decision is long past
+    close = ScheduledFault(0.0, "broker_connection_close", 1)
+    kill_in_effect = ScheduledFault(0.0, "consumer_kill_in_effect", 0)
+    chaos.retries[close] = chaos.retries[kill_in_effect] = 0
+
+    chaos._injected(close, 0.0, acted=False)
+    chaos._injected(kill_in_effect, 0.0, acted=False)
+
+    assert [f.kind for f in chaos.pending] == ["broker_connection_close"]
+    assert chaos.retries[chaos.pending[0]] == 1
+    assert chaos.tally.faults_that_found_nothing == 1
+    assert {kind for kind, fault in FAULTS.items() if fault.needs_no_work} == {
+        "broker_connection_close"
+    }
+    chaos.stop()
