@@ -12,11 +12,14 @@ idle_in_transaction_session_timeout; the operation settles, with one effect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 from pydantic import SecretStr
 
+from consumer.worker import Consumer
 from harness.proxy import TcpProxy, url_through
 from outbox import Operation, OperationState, Registry, Settings, record_decision
 from outbox.connections import DatabaseBounds
@@ -62,6 +65,37 @@ def decide_refund(engine: Any, registry: Registry) -> Operation:
         ).operation
 
 
+@contextlib.asynccontextmanager
+async def settled_through_silence(
+    settings: Settings,
+    consumer_settings: Settings,
+    registry: Registry,
+    database_proxy: TcpProxy,
+    op: Operation,
+    *,
+    what: str,
+) -> AsyncIterator[Consumer]:
+    """The dispatcher and a consumer behind the proxy, once the consumer's link went
+    silent and the refund settled anyway; yields the consumer for its counters."""
+    async with (
+        running_dispatcher(settings),
+        running_consumer(consumer_settings, registry) as consumer,
+    ):
+        await asyncio.wait_for(database_proxy.went_silent.wait(), timeout=30)
+        database_url = settings.database_url.get_secret_value()
+        await eventually(in_state(database_url, op.id, S.COMMITTED), within=60, what=what)
+        yield consumer
+
+
+def assert_one_refund(database_url: str, ledger: Ledger, op: Operation) -> None:
+    """One call, and one attempt that committed (suppressed duplicates aside)."""
+    assert ledger.calls == [str(op.id)]
+    transitions = [
+        name for name in event_names(database_url, op.id) if name != "operation.delivery_suppressed"
+    ]
+    assert transitions == ["operation.prepared", "operation.attempted", "operation.committed"]
+
+
 def stalled_sessions(database_url: str, application: str, statement: bytes) -> list[int]:
     """Backends of ``application`` in this database still inside a transaction whose
     last statement contains ``statement``."""
@@ -102,18 +136,16 @@ async def test_a_consumer_claim_whose_link_goes_silent_is_cut_and_the_refund_set
     database_proxy.go_silent_on(CLAIMING_DELIVERIES)
     op = decide_refund(engine, registry)
 
-    async with (
-        running_dispatcher(settings),
-        running_consumer(consumer_settings, registry) as consumer,
-    ):
-        await asyncio.wait_for(database_proxy.went_silent.wait(), timeout=30)
-        # The claim's UPDATE ran and the row is locked by a session the consumer can no
-        # longer reach, its COMMIT never sent; the refund must still settle, once.
-        await eventually(
-            in_state(database_url, op.id, S.COMMITTED),
-            within=60,
-            what="the refund to settle although its claiming session went silent",
-        )
+    # The claim's UPDATE runs and the row stays locked by a session the consumer can no
+    # longer reach, its COMMIT never sent; the refund must still settle, once.
+    async with settled_through_silence(
+        settings,
+        consumer_settings,
+        registry,
+        database_proxy,
+        op,
+        what="the refund to settle although its claiming session went silent",
+    ) as consumer:
 
         async def stalled_session_gone() -> bool:
             return not await asyncio.to_thread(
@@ -142,11 +174,7 @@ async def test_a_consumer_claim_whose_link_goes_silent_is_cut_and_the_refund_set
     await eventually(ended_by_timeout, within=10, what="a session ended by a server timeout")
     # The stalled claim was rolled back with its session: the call came after the claim
     # that committed, once.
-    assert ledger.calls == [str(op.id)]
-    transitions = [
-        name for name in event_names(database_url, op.id) if name != "operation.delivery_suppressed"
-    ]
-    assert transitions == ["operation.prepared", "operation.attempted", "operation.committed"]
+    assert_one_refund(database_url, ledger, op)
 
 
 async def test_a_record_whose_answer_is_lost_is_cut_and_the_refund_settles_once(
@@ -163,16 +191,14 @@ async def test_a_record_whose_answer_is_lost_is_cut_and_the_refund_settles_once(
     database_proxy.go_silent_on(RECORDING_A_CONFIRMED_EFFECT)
     op = decide_refund(engine, registry)
 
-    async with (
-        running_dispatcher(settings),
-        running_consumer(consumer_settings, registry) as consumer,
-    ):
-        await asyncio.wait_for(database_proxy.went_silent.wait(), timeout=30)
-        await eventually(
-            in_state(database_url, op.id, S.COMMITTED),
-            within=60,
-            what="the refund's record to land although its answer was lost",
-        )
+    async with settled_through_silence(
+        settings,
+        consumer_settings,
+        registry,
+        database_proxy,
+        op,
+        what="the refund's record to land although its answer was lost",
+    ) as consumer:
 
         async def cut_as_silent() -> bool:
             silent = "outbox_database_slow_transactions_total"
@@ -190,13 +216,9 @@ async def test_a_record_whose_answer_is_lost_is_cut_and_the_refund_settles_once(
             counter_value(consumer, "outbox_consumer_deliveries_total", result="retry_later") == 0
         )
 
-    assert ledger.calls == [str(op.id)]
+    assert_one_refund(database_url, ledger, op)
     final = operation(database_url, op.id)
     assert final.provider_reference == f"re_{str(op.id)[:8]}"
-    transitions = [
-        name for name in event_names(database_url, op.id) if name != "operation.delivery_suppressed"
-    ]
-    assert transitions == ["operation.prepared", "operation.attempted", "operation.committed"]
 
 
 async def test_a_claim_whose_link_goes_silent_is_cut_and_its_rows_are_published(
