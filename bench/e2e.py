@@ -6,7 +6,7 @@
         [--scale-dispatchers 1 2] [--operations 5000] [--runs 3]
 
 Run from the repository root. The systems (bench/systems.py, one class each on the
-``System`` protocol) do the same job on the same Postgres and RabbitMQ, one after another:
+``System`` protocol) do the same job on the same Postgres and RabbitMQ, one at a time:
 ``minimal`` (a hand-written pipeline with no guarantees, the physical limit), ``outbox``
 (effect-outbox's daemons as deployed, one broker message per operation),
 ``outbox-chunked`` (the same with ``--outbox-chunk`` operations per message,
@@ -17,9 +17,16 @@ uvloop. Per system:
    runs (not timed), the system's processes started (consumers first, ready, then the
    relay), then the transaction committed and the backlog drained; operations/s =
    (N - 1) / (last effect - first effect), from the effect timestamps the database
-   recorded. ``--runs`` times each: median and spread.
-2. latency, at 50% and 80% of that system's median drain rate (or at ``--rate`` when
-   given): the processes running and idle, ``--writers`` writer processes commit one
+   recorded. ``--runs`` rounds, each one drain of every system in turn (so that a
+   machine whose speed drifts over the run moves every system alike): median and spread.
+2. sustained: the processes running, ``--writers`` writer processes commit decisions as
+   fast as they can for ``--sustained-seconds`` s; the effects per second recorded while
+   they wrote (after a one-second warm-up). A drain's backlog was written before its
+   window; here the decisions and their effects share the machine, as in any phase
+   below, so this is the rate the system can be offered for good.
+3. latency, at 50% and 80% of that system's median drain rate and at 50% and 80% of its
+   sustained rate (or at ``--rate`` alone when given): the processes running and idle,
+   ``--writers`` writer processes commit one
    decision per transaction each on one open-loop schedule (decision n due n / rate s
    after a common start) for ``--seconds`` s; decision-to-effect = effect timestamp
    (database clock) - the writer's wall clock just after its commit returned. Every
@@ -37,8 +44,8 @@ twice, or a phase aborted); a broker restarted by someone else aborts that phase
 each) with py-spy during their first drain (needs ptrace rights, e.g. root).
 
 CPU budget: over each measured window (a drain: from the backlog's commit, every process
-ready and idle, to the poll that sees the last effect; latency: from the writers' start
-to the last effect) the CPU milliseconds per operation of each process group, from
+ready and idle, to the poll that sees the last effect; sustained and latency: from the
+writers' start to the last effect) the CPU milliseconds per operation of each process group, from
 ``/proc`` (``bench/cpu.py``): the writers (latency only; they read their own), the
 dispatcher or relay, the consumers or workers, the Postgres server's processes, the
 RabbitMQ node's (the systems that use it).
@@ -100,6 +107,7 @@ from bench.latency import (
     due_at,
     rates_from_drain,
     scheduled,
+    sustained_rate,
 )
 from bench.reporting import json_safe, percentile
 from bench.systems import (
@@ -147,15 +155,23 @@ PACKAGES = ("aio-pika", "aiormq", "psycopg", "uvloop", "asyncpg", "pgqueuer", "p
 
 
 async def write_on_schedule(
-    system: System, url: str, rate: float, seconds: float, writer: int, writers: int
+    system: System,
+    url: str,
+    rate: float,
+    seconds: float,
+    writer: int,
+    writers: int,
+    *,
+    flat_out: bool = False,
 ) -> dict[str, Any]:
-    """This writer's share of one open-loop schedule, one decision per transaction.
+    """This writer's share of one open-loop schedule, one decision per transaction (or,
+    ``flat_out``, of as many decisions as the writers manage in ``seconds``).
 
     Connected, it says so (stderr) and reads the schedule's origin from stdin: the
     monotonic time the parent chose once every writer was ready (CLOCK_MONOTONIC is one
     clock for the whole machine, so the writers and the parent share it)."""
     commits: dict[str, float] = {}
-    mine = scheduled(rate, seconds, writer, writers)
+    mine = [] if flat_out else scheduled(rate, seconds, writer, writers)
     enqueue, close = await system.writer(url)
     lateness = Lateness()
     try:
@@ -164,15 +180,27 @@ async def write_on_schedule(
         # The writer's CPU over its schedule only (not its start-up): this process and
         # anything below it, read from /proc as the parent reads the daemons'.
         cpu_began = cpu_seconds([os.getpid()])
-        for n in mine:
-            due = due_at(origin, rate, n)
-            now = time.monotonic()
-            if due > now:
-                await asyncio.sleep(due - now)
+        if flat_out:
+            # As fast as this writer can, each decision as soon as the last committed, for
+            # ``seconds`` from the origin: no schedule to be late against.
+            wait = origin - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            n, stop = writer, origin + seconds
+            while time.monotonic() < stop:
+                key = await enqueue(n)
+                commits[key] = time.time()
+                n += writers
+        else:
+            for n in mine:
+                due = due_at(origin, rate, n)
                 now = time.monotonic()
-            lateness.record(due, now)
-            key = await enqueue(n)
-            commits[key] = time.time()
+                if due > now:
+                    await asyncio.sleep(due - now)
+                    now = time.monotonic()
+                lateness.record(due, now)
+                key = await enqueue(n)
+                commits[key] = time.time()
         finished = time.monotonic()
         cpu = cpu_seconds([os.getpid()]) - cpu_began
     finally:
@@ -186,9 +214,11 @@ async def write_on_schedule(
     }
 
 
-def run_writers(system: str, url: str, rate: float, seconds: float, writers: int) -> dict[str, Any]:
-    """``writers`` processes on one schedule, started once all are connected; what they
-    wrote, merged."""
+def run_writers(
+    system: str, url: str, rate: float, seconds: float, writers: int, *, flat_out: bool = False
+) -> dict[str, Any]:
+    """``writers`` processes on one schedule (or flat out), started once all are
+    connected; what they wrote, merged."""
     children = [
         subprocess.Popen(  # noqa: S603 - this interpreter, fixed arguments
             [
@@ -208,6 +238,7 @@ def run_writers(system: str, url: str, rate: float, seconds: float, writers: int
                 str(index),
                 "--writers",
                 str(writers),
+                *(["--flat-out"] if flat_out else []),
             ],
             cwd=REPOSITORY,
             stdin=subprocess.PIPE,
@@ -458,9 +489,22 @@ def start_py_spy(
     ]
 
 
-def latency(
-    bench: Bench, system: System, rate: float, seconds: float, writers: int
-) -> dict[str, Any]:
+@dataclass
+class Written:
+    """A phase of writers with the system running: what they committed and when, the
+    effects' times, the CPU window, and what went wrong."""
+
+    url: str
+    commits: dict[str, float]
+    pace: Pace
+    effects: dict[str, float]
+    cpu: dict[str, Any]
+    problems: list[str]
+
+
+def write_while_running(
+    bench: Bench, system: System, rate: float, seconds: float, writers: int, *, flat_out: bool
+) -> Written:
     url = system.set_up()
     with (
         bench.running(system, url) as running,
@@ -471,18 +515,48 @@ def latency(
         groups = bench.process_groups(system, running)
         start = groups.snapshot()
         before = system.count_effects(watch)
-        written = run_writers(system.name, url, rate, seconds, writers)
+        written = run_writers(system.name, url, rate, seconds, writers, flat_out=flat_out)
         commits: dict[str, float] = written["commits"]
         done = wait_for_effects(watch, system, len(commits), within=SETTLE_SECONDS)
         usage = groups.delta(start, groups.snapshot())
     # The writers exited inside the window (this process reaped them): each measured its
-    # own schedule's CPU.
+    # own writing's CPU.
     usage.cpu["writer"] = float(written["cpu_seconds"])
-    pace: Pace = written["pace"]
-    effects = system.effect_times(url)
-    latencies = sorted(effects[key] - at for key, at in commits.items() if key in effects)
     problems = [] if done >= len(commits) else [f"{len(commits) - done} effects missing"]
     problems += system.check(url, len(commits))
+    return Written(
+        url=url,
+        commits=commits,
+        pace=written["pace"],
+        effects=system.effect_times(url),
+        cpu=cpu_budget(usage, done - before),
+        problems=problems,
+    )
+
+
+def sustained(bench: Bench, system: System, seconds: float, writers: int) -> dict[str, Any]:
+    """The rate the system turns decisions into effects while it also takes them in:
+    ``writers`` writers flat out for ``seconds`` (bench.latency.sustained_rate)."""
+    written = write_while_running(bench, system, 1.0, seconds, writers, flat_out=True)
+    commits = written.commits
+    return {
+        "seconds": seconds,
+        "writers": writers,
+        "decisions": len(commits),
+        "written_per_s": written.pace.achieved_per_s,
+        "sustained_per_s": sustained_rate(commits.values(), written.effects.values()),
+        "cpu": written.cpu,
+        "failures": [f"{system.name} sustained: {p}" for p in written.problems],
+    }
+
+
+def latency(
+    bench: Bench, system: System, rate: float, seconds: float, writers: int
+) -> dict[str, Any]:
+    written = write_while_running(bench, system, rate, seconds, writers, flat_out=False)
+    commits, pace, effects = written.commits, written.pace, written.effects
+    latencies = sorted(effects[key] - at for key, at in commits.items() if key in effects)
+    problems = written.problems
 
     def ms(value: float) -> float:
         return round(value * 1000, 2)
@@ -504,8 +578,8 @@ def latency(
             "max": ms(latencies[-1]) if latencies else math.nan,
             "min": ms(latencies[0]) if latencies else math.nan,
         },
-        "stages_ms": system.stages(url),
-        "cpu": cpu_budget(usage, done - before),
+        "stages_ms": system.stages(written.url),
+        "cpu": written.cpu,
         "failures": [f"{system.name} latency @{rate:g}/s: {p}" for p in problems],
     }
 
@@ -575,17 +649,27 @@ def summarize_throughput(entry: dict[str, Any]) -> None:
 
 
 def phase_name(measured: dict[str, Any]) -> str:
-    """A latency point's name: its share of the drain rate, or the rate it was asked for."""
+    """A latency point's name: its share of the drain or sustained rate, or the rate it
+    was asked for."""
     share = measured.get("drain_share")
-    return f"@{share:.0%} drain" if share is not None else f"@{measured['offered_per_s']:g}/s"
+    if share is None:
+        return f"@{measured['offered_per_s']:g}/s"
+    return f"@{share:.0%} {measured.get('share_of', 'drain')}"
 
 
 def summarize(results: dict[str, Any]) -> None:
     for entry in results["systems"].values():
         summarize_throughput(entry)
+        if entry.get("sustained"):
+            entry["cpu_ms_per_op"]["sustained"] = entry["sustained"]["cpu"]["cpu_ms_per_op"]
         for measured in entry.get("latency", []):
             entry["cpu_ms_per_op"][phase_name(measured)] = measured["cpu"]["cpu_ms_per_op"]
     median = {s: e["per_s_median"] for s, e in results["systems"].items()}
+    held = {
+        s: e["sustained"]["sustained_per_s"]
+        for s, e in results["systems"].items()
+        if e.get("sustained")
+    }
     pairs = [(system, "minimal") for system in results["systems"] if system != "minimal"]
     pairs += [
         (outbox, peer)
@@ -594,6 +678,9 @@ def summarize(results: dict[str, Any]) -> None:
     ]
     pairs = [(a, b) for a, b in pairs if a in results["systems"] and b in results["systems"]]
     results["ratios"] = {f"{a}/{b}": median[a] / median[b] for a, b in pairs}
+    results["sustained_ratios"] = {
+        f"{a}/{b}": held[a] / held[b] for a, b in pairs if a in held and b in held and held[b]
+    }
     # CPU per operation, the same pairs and phases: how many times the CPU the other spends.
     cpu_ratios: dict[str, dict[str, float]] = {}
     for a, b in pairs:
@@ -613,6 +700,15 @@ def table(results: dict[str, Any], labels: dict[str, str]) -> str:
         rate = f"{entry['per_s_median']:,.0f} ({runs})" if entry["throughput"] else "-"
         lines.append((labels[system], rate))
     out = columns(lines, left={0, 1})
+    sustained_lines = [
+        f"  {labels[system]}: {held['sustained_per_s']:,.0f} effects/s while "
+        f"{held['written_per_s']:,.0f} decisions/s were written"
+        for system, entry in results["systems"].items()
+        if (held := entry.get("sustained"))
+    ]
+    if sustained_lines:
+        out += ["", "sustained (writers flat out, decisions and effects on one machine):"]
+        out += sustained_lines
     out += ["", "decision -> effect, p50 / p99 / max:"]
     for system, entry in results["systems"].items():
         for measured in entry.get("latency", []):
@@ -628,7 +724,9 @@ def table(results: dict[str, Any], labels: dict[str, str]) -> str:
     out.append("")
     for name, ratio in results["ratios"].items():
         left, right = name.split("/")
-        out.append(f"{labels[left]} / {labels[right]}: {ratio:.2f}x")
+        held = results.get("sustained_ratios", {}).get(name)
+        beside = "" if held is None else f" (sustained {held:.2f}x)"
+        out.append(f"{labels[left]} / {labels[right]}: {ratio:.2f}x{beside}")
     out += ["", *cpu_table(results, labels)]
     return "\n".join(out)
 
@@ -653,6 +751,8 @@ def windows(entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """A system's CPU windows by phase: the drain's median run, then each latency point."""
     median = entry.get("cpu_median_run")
     found = [] if median is None else [("drain", entry["throughput"][median]["cpu"])]
+    if entry.get("sustained"):
+        found.append(("sustained", entry["sustained"]["cpu"]))
     return found + [(phase_name(m), m["cpu"]) for m in entry.get("latency", [])]
 
 
@@ -676,7 +776,8 @@ def cpu_table(results: dict[str, Any], labels: dict[str, str]) -> list[str]:
             label = ""
     out = [
         "CPU ms per operation, /proc utime+stime (drain: the median run by total; "
-        "@N% drain: the latency window at that share of the drain rate)",
+        "sustained: writers flat out; @N% drain / sustained: the latency window at that "
+        "share of the rate)",
         *columns(lines, left={0, 1}),
     ]
     for name, phases in results.get("cpu_ratios", {}).items():
@@ -691,6 +792,7 @@ def cpu_table(results: dict[str, Any], labels: dict[str, str]) -> list[str]:
         for system, entry in results["systems"].items()
         for phase, budget in (
             *(("drain", run["cpu"]) for run in entry["throughput"]),
+            *(("sustained", held["cpu"]) for held in [entry.get("sustained")] if held),
             *((phase_name(m), m["cpu"]) for m in entry.get("latency", [])),
         )
         if (groups := budget["lost_processes"])
@@ -789,6 +891,7 @@ def child(args: argparse.Namespace) -> None:
                 args.seconds,
                 args.writer_index,
                 args.writers,
+                flat_out=args.flat_out,
             )
         )
         json.dump(written, sys.stdout)
@@ -837,6 +940,13 @@ def parse_arguments() -> argparse.Namespace:
         type=positive_int,
         default=2,
         help="latency: writer processes sharing one schedule (more if one falls behind)",
+    )
+    parser.add_argument(
+        "--sustained-seconds",
+        type=int,
+        default=10,
+        help="latency: seconds of writers flat out to measure the sustained rate, whose "
+        "shares get latency points beside the drain rate's (0: none; default 10)",
     )
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument(
@@ -891,6 +1001,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--child-url", help=argparse.SUPPRESS)
     parser.add_argument("--child-run", help=argparse.SUPPRESS)
     parser.add_argument("--writer-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--flat-out", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.json is None:
         args.json = DEFAULT_SCALE_OUT_JSON if args.scale_out else DEFAULT_JSON
@@ -956,50 +1067,40 @@ def main() -> None:
     sys.exit(1 if failures else 0)
 
 
-def throughput_runs(
-    bench: Bench, system: System, args: argparse.Namespace, py_spy: Path | None
-) -> list[dict[str, Any]]:
-    """``--runs`` drains of ``--operations``; py-spy (if asked) on the first only."""
-    measured_runs: list[dict[str, Any]] = []
-    for run in range(args.runs):
-        print(f"{system.name}: drain run {run + 1}/{args.runs}", flush=True)
-        spy = py_spy if run == 0 else None
-        measured = run_phase(
-            f"{system.name} throughput",
-            bench.failures,
-            functools.partial(throughput, bench, system, args.operations, spy),
-        )
-        if measured is not None:
-            measured_runs.append(measured)
-            bench.failures.extend(measured["failures"])
-            budget = measured["cpu"]["cpu_ms_per_op"]
-            print(
-                f"  {measured['per_s']:,.0f} ops/s, {ms(budget[TOTAL])} CPU ms/op",
-                flush=True,
-            )
-    return measured_runs
-
-
 def compare(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
-    """The systems, one after another: drain runs, then latency at shares of the drain
-    rate just measured (or at --rate)."""
-    results: dict[str, Any] = {}
+    """The drains in rounds, one run of every system per round, so that a machine that
+    speeds up or slows down over the run moves every system's figures alike; then, system
+    by system, the sustained rate and latency at shares of the rates just measured (or
+    at --rate)."""
+    results: dict[str, Any] = {
+        system: {"throughput": [], "latency": []} for system in bench.systems
+    }
+    for run in range(args.runs):
+        for system in bench.systems.values():
+            spy = args.py_spy if system.name.startswith("outbox") and run == 0 else None
+            results[system.name]["throughput"] += drain_run(bench, system, args, run, spy)
+    if args.skip_latency:
+        return results
     for system in bench.systems.values():
-        entry: dict[str, Any] = {"throughput": [], "latency": []}
-        results[system.name] = entry
-        spy = args.py_spy if system.name.startswith("outbox") else None
-        entry["throughput"] = throughput_runs(bench, system, args, spy)
-        if args.skip_latency:
-            continue
+        entry = results[system.name]
         summarize_throughput(entry)
-        points: list[tuple[float | None, float]] = (
-            [(None, float(args.rate))]
-            if args.rate
-            else list(zip(DRAIN_SHARES, rates_from_drain(entry["per_s_median"]), strict=False))
-        )
-        if not points:
-            bench.failures.append(f"{system.name} latency: no drain rate to take its rates from")
-        for share, rate in points:
+        points: list[tuple[str | None, float | None, float]] = []
+        if args.rate:
+            points.append((None, None, float(args.rate)))
+        else:
+            drained = rates_from_drain(entry["per_s_median"])
+            if not drained:
+                bench.failures.append(f"{system.name} latency: no drain rate to take rates from")
+            points += [("drain", s, r) for s, r in zip(DRAIN_SHARES, drained, strict=False)]
+            if args.sustained_seconds:
+                held = sustained_phase(bench, system, args)
+                entry["sustained"] = held
+                rate = math.nan if held is None else held["sustained_per_s"]
+                points += [
+                    ("sustained", s, r)
+                    for s, r in zip(DRAIN_SHARES, rates_from_drain(rate), strict=False)
+                ]
+        for basis, share, rate in points:
             print(f"{system.name}: latency, {rate:g}/s for {args.seconds:g} s", flush=True)
             measured = run_phase(
                 f"{system.name} latency @{rate:g}/s",
@@ -1008,6 +1109,7 @@ def compare(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             )
             if measured is None:
                 continue
+            measured["share_of"] = basis
             measured["drain_share"] = share
             entry["latency"].append(measured)
             bench.failures.extend(measured["failures"])
@@ -1017,6 +1119,48 @@ def compare(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
     return results
+
+
+def drain_run(
+    bench: Bench, system: System, args: argparse.Namespace, run: int, py_spy: Path | None
+) -> list[dict[str, Any]]:
+    """One drain of ``--operations`` (py-spy on it if asked); empty if it died."""
+    print(f"{system.name}: drain run {run + 1}/{args.runs}", flush=True)
+    measured = run_phase(
+        f"{system.name} throughput",
+        bench.failures,
+        functools.partial(throughput, bench, system, args.operations, py_spy),
+    )
+    if measured is None:
+        return []
+    bench.failures.extend(measured["failures"])
+    budget = measured["cpu"]["cpu_ms_per_op"]
+    print(f"  {measured['per_s']:,.0f} ops/s, {ms(budget[TOTAL])} CPU ms/op", flush=True)
+    return [measured]
+
+
+def sustained_phase(
+    bench: Bench, system: System, args: argparse.Namespace
+) -> dict[str, Any] | None:
+    print(
+        f"{system.name}: sustained, {args.writers} writers flat out for "
+        f"{args.sustained_seconds:g} s",
+        flush=True,
+    )
+    held = run_phase(
+        f"{system.name} sustained",
+        bench.failures,
+        functools.partial(sustained, bench, system, args.sustained_seconds, args.writers),
+    )
+    if held is not None:
+        bench.failures.extend(held["failures"])
+        print(
+            f"  {held['sustained_per_s']:,.0f} effects/s sustained while "
+            f"{held['written_per_s']:,.0f} decisions/s were written, "
+            f"{ms(held['cpu']['cpu_ms_per_op'][TOTAL])} CPU ms/op",
+            flush=True,
+        )
+    return held
 
 
 def scale_out(
@@ -1030,7 +1174,11 @@ def scale_out(
             outbox.consumers, outbox.dispatchers = consumers, dispatchers
             print(f"{consumers} consumer(s), {dispatchers} dispatcher(s)", flush=True)
             point: dict[str, Any] = {"consumers": consumers, "dispatchers": dispatchers}
-            point["throughput"] = throughput_runs(bench, bench.systems["outbox"], args, None)
+            point["throughput"] = [
+                measured
+                for run in range(args.runs)
+                for measured in drain_run(bench, bench.systems["outbox"], args, run, None)
+            ]
             summarize_throughput(point)
             points.append(point)
     return points

@@ -9,7 +9,7 @@ Pure functions, unit-tested in tests/unit/test_bench_latency.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +18,12 @@ LATE_TOLERANCE_S = 0.010
 # Below this share of the offered rate, a run did not keep its schedule: its figures are
 # labelled with the rate achieved and "fell behind", never "@offered/s".
 KEPT_RATE_SHARE = 0.95
-# The latency phases run at these shares of the drain rate the same system was measured at.
+# The latency phases run at these shares of the drain rate the same system was measured at,
+# and at the same shares of its sustained rate.
 DRAIN_SHARES = (0.5, 0.8)
+# The sustained rate leaves out the first second of writing: the consumers' first bursts
+# and the writers' first round trips are not the steady state.
+SUSTAINED_WARM_UP_S = 1.0
 
 
 def scheduled(rate: float, seconds: float, writer: int = 0, writers: int = 1) -> list[int]:
@@ -121,8 +125,27 @@ class Pace:
 
 
 def rates_from_drain(drain_per_s: float, shares: Sequence[float] = DRAIN_SHARES) -> list[float]:
-    """The offered rates of the latency phases: each share of the measured drain rate,
-    whole decisions per second, at least 1. None without a drain rate to take them from."""
+    """The offered rates of the latency phases: each share of a measured rate (the drain's
+    or the sustained one), whole decisions per second, at least 1. None without a rate to
+    take them from."""
     if math.isnan(drain_per_s) or drain_per_s <= 0:
         return []
     return [float(max(1, math.floor(drain_per_s * share))) for share in shares]
+
+
+def sustained_rate(
+    commits: Iterable[float], effects: Iterable[float], warm_up_s: float = SUSTAINED_WARM_UP_S
+) -> float:
+    """Effects per second while decisions were still being written as fast as the writers
+    could: effects timed from ``warm_up_s`` after the first commit to the last commit,
+    over that span (epoch seconds, both). The decisions and their effects share one
+    machine here, as they do in any latency phase, which a drain of a written backlog
+    does not; NaN when the writing did not last past the warm-up."""
+    written = list(commits)
+    if not written:
+        return math.nan
+    start, end = min(written) + warm_up_s, max(written)
+    if end <= start:
+        return math.nan
+    inside = sum(1 for at in effects if start <= at <= end)
+    return inside / (end - start)

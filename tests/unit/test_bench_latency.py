@@ -17,6 +17,7 @@ from bench.latency import (
     due_at,
     rates_from_drain,
     scheduled,
+    sustained_rate,
 )
 
 
@@ -114,3 +115,24 @@ def test_latency_rates_are_half_and_four_fifths_of_the_drain_rate() -> None:
 @pytest.mark.parametrize("drain", [math.nan, 0.0, -5.0])
 def test_no_drain_rate_no_latency_rates(drain: float) -> None:
     assert rates_from_drain(drain) == []
+
+
+def test_the_sustained_rate_counts_effects_while_decisions_were_written() -> None:
+    # Decisions written from t=100 to t=111; the first second is the warm-up, so the
+    # window is 101..111: 10 s.
+    commits = [100.0 + n * 0.01 for n in range(1101)]
+    effects = [99.0, 100.5] + [101.0 + n * 0.02 for n in range(501)] + [111.5, 120.0]
+    assert sustained_rate(commits, effects) == pytest.approx(501 / 10)
+
+
+def test_the_sustained_rate_is_not_the_drain_of_what_was_left_behind() -> None:
+    # Writers finished at t=20 with a backlog that drained by t=60: only what was done
+    # while they wrote counts.
+    commits = [10.0 + n * 0.001 for n in range(10_001)]
+    effects = [11.0 + n * 0.1 for n in range(91)] + [20.5 + n * 0.004 for n in range(9_910)]
+    assert sustained_rate(commits, effects) == pytest.approx(91 / 9)
+
+
+@pytest.mark.parametrize("commits", [[], [5.0], [5.0, 5.5]])
+def test_no_sustained_rate_without_writing_past_the_warm_up(commits: list[float]) -> None:
+    assert math.isnan(sustained_rate(commits, [5.2]))

@@ -78,6 +78,11 @@ def test_latency_points_are_named_by_their_share_of_the_drain() -> None:
     assert phase_name({"drain_share": None, "offered_per_s": 500.0}) == "@500/s"
 
 
+def test_latency_points_at_a_share_of_the_sustained_rate_say_so() -> None:
+    point = {"share_of": "sustained", "drain_share": 0.5, "offered_per_s": 600.0}
+    assert phase_name(point) == "@50% sustained"
+
+
 def test_no_bench_module_but_the_replication_one_edits_sys_path() -> None:
     bench = Path(__file__).resolve().parents[2] / "bench"
     editing = sorted(path.name for path in bench.glob("*.py") if "sys.path" in path.read_text())
