@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from outbox import store, tracing
 from outbox.contracts import Registry
+from outbox.errors import ConfigurationError
 from outbox.intent import prepare_decision
 from outbox.models import Approval, ApprovalCheck, ApprovalDecision, RecordedDecision
 from outbox.store import AsyncConnection, AsyncStore, Store, SyncConnection
@@ -25,6 +26,15 @@ def _traceparent_or_current(traceparent: str | None) -> str | None:
     # An explicit traceparent wins; otherwise an agent running inside an OpenTelemetry
     # span propagates it without passing anything (None when OTel is absent).
     return traceparent if traceparent is not None else tracing.current_traceparent()
+
+
+def _check_own_transaction(own_transaction: bool, decision_key: str | None) -> None:
+    if own_transaction and decision_key is None:
+        raise ConfigurationError(
+            "own_transaction=True needs a decision_key: the statement commits as it runs, "
+            "so a call cut off mid-statement may have recorded the decision, and only the "
+            "key lets its retry find it instead of recording it twice"
+        )
 
 
 def record_decision(
@@ -37,6 +47,7 @@ def record_decision(
     decision_key: str | None = None,
     tool_version: int | None = None,
     traceparent: str | None = None,
+    own_transaction: bool = False,
 ) -> RecordedDecision:
     """Record an agent decision in the caller's transaction.
 
@@ -47,7 +58,17 @@ def record_decision(
     (``created=False``), a different intent raises :class:`DecisionConflict`.
     ``tool_version`` None means the latest registered version. ``traceparent`` None
     takes the active OpenTelemetry span's, if the ``otel`` extra is installed.
+
+    ``own_transaction=True`` records the decision as a transaction of its own, when
+    nothing else must commit with it: the connection must be in autocommit mode outside
+    a transaction block, and the statement commits as it runs, one round trip instead of
+    three (BEGIN, the statement, COMMIT). A ``decision_key`` is then required: a call
+    whose connection fails mid-statement may have committed (in a transaction only a
+    lost COMMIT leaves that open), and the key is how its retry finds the decision
+    instead of recording a second one. Without the flag an autocommit connection is
+    refused, since the caller's other writes would not commit with the decision.
     """
+    _check_own_transaction(own_transaction, decision_key)
     decision = prepare_decision(
         registry,
         tool,
@@ -57,7 +78,7 @@ def record_decision(
         tool_version=tool_version,
         traceparent=_traceparent_or_current(traceparent),
     )
-    return Store(connection).run(store.record_decision(decision))
+    return Store(connection, own_transaction=own_transaction).run(store.record_decision(decision))
 
 
 async def record_decision_async(
@@ -70,8 +91,10 @@ async def record_decision_async(
     decision_key: str | None = None,
     tool_version: int | None = None,
     traceparent: str | None = None,
+    own_transaction: bool = False,
 ) -> RecordedDecision:
     """The async twin of :func:`record_decision`."""
+    _check_own_transaction(own_transaction, decision_key)
     decision = prepare_decision(
         registry,
         tool,
@@ -81,7 +104,8 @@ async def record_decision_async(
         tool_version=tool_version,
         traceparent=_traceparent_or_current(traceparent),
     )
-    return await (await AsyncStore.on(connection)).run(store.record_decision(decision))
+    runner = await AsyncStore.on(connection, own_transaction=own_transaction)
+    return await runner.run(store.record_decision(decision))
 
 
 def grant_approval(

@@ -62,7 +62,10 @@ def fingerprint_key() -> Plan[str]:
 
 
 def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
-    """Insert operation + outbox row + prepared event, or return the one already there."""
+    """Insert operation + outbox row + prepared event, or return the one already there.
+
+    Each statement is whole on its own (the insert writes the three rows at once, the
+    rest read), so the plan may also run with each statement committing as it runs."""
     key = yield from fingerprint_key()
     # The log line's fields. The event's attributes are written by the database function
     # from its own arguments (tool, version, run); the short fingerprint, which needs the

@@ -17,6 +17,7 @@ makes an operation, its outbox row and its event exist, together or not at all.
 
 from __future__ import annotations
 
+import enum
 import logging
 import weakref
 from collections.abc import Generator, Mapping
@@ -64,9 +65,13 @@ AsyncConnection = SAAsyncConnection | SAAsyncSession | psycopg.AsyncConnection[A
 class _SyncExecutor(Protocol):
     def fetch(self, step: Step) -> list[Row]: ...
 
+    def committed_each_statement(self) -> bool: ...
+
 
 class _AsyncExecutor(Protocol):
     async def fetch(self, step: Step) -> list[Row]: ...
+
+    def committed_each_statement(self) -> bool: ...
 
 
 # Statements whose answer never changes for a database: asked once per process and
@@ -107,6 +112,12 @@ class _ConnectionFacts:
     def user(self) -> str:
         return self.driver.info.user
 
+    def committed_each_statement(self) -> bool:
+        """Whether the statements sent so far committed as they ran: autocommit, and no
+        transaction block open."""
+        driver = self.driver
+        return driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE
+
 
 def _has_rows(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
     """Whether the statement returned columns to fetch: what ``cursor.description`` says,
@@ -116,21 +127,42 @@ def _has_rows(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
     return result is not None and result.nfields > 0
 
 
-def _check_driver_connection(driver: object, require_transaction: bool) -> None:
+class _Needs(enum.Enum):
+    """What a runner asks of its connection's transaction state."""
+
+    TRANSACTION = "transaction"
+    """A transaction the caller commits: an autocommit connection outside a transaction
+    block is refused, since related writes would not commit together."""
+    ANYTHING = "anything"
+    """Statements that stand alone (LISTEN, reads): any state."""
+    AUTOCOMMIT = "autocommit"
+    """Each statement its own transaction: a connection in autocommit mode outside a
+    transaction block, where nothing waits for a commit that may never come."""
+
+
+def _check_driver_connection(driver: object, needs: _Needs) -> None:
     if not isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
         raise ConfigurationError(
             f"effect-outbox needs the psycopg 3 driver, got {type(driver).__module__}."
             f"{type(driver).__name__}; use a postgresql+psycopg:// URL"
         )
-    if (
-        require_transaction
-        and driver.autocommit
-        and driver.info.transaction_status == TransactionStatus.IDLE
-    ):
+    statements_commit = (
+        driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE
+    )
+    if needs is _Needs.TRANSACTION and statements_commit:
         raise ConfigurationError(
             "the connection is in autocommit mode outside a transaction: the operation, its "
-            "outbox row and its event would not commit together. Open a transaction first "
-            "(engine.begin(), session.begin(), or psycopg's conn.transaction())"
+            "outbox row and its event would not commit together with your other writes. "
+            "Open a transaction first (engine.begin(), session.begin(), or psycopg's "
+            "conn.transaction()), or record it as a transaction of its own "
+            "(own_transaction=True)"
+        )
+    if needs is _Needs.AUTOCOMMIT and not statements_commit:
+        raise ConfigurationError(
+            "own_transaction=True needs a connection in autocommit mode outside a "
+            "transaction block (psycopg: autocommit=True; SQLAlchemy: "
+            "execution_options(isolation_level='AUTOCOMMIT')); on this one the decision "
+            "would wait for a commit that may never come"
         )
 
 
@@ -143,8 +175,17 @@ _HELD_LINES = "outbox_lifecycle_lines"
 _ENGINES_OBSERVED: weakref.WeakSet[SAEngine] = weakref.WeakSet()
 
 
-def _hold_until_commit(connection: SAConnection, lines: list[lifecycle.Line]) -> None:
+def _hold_until_commit(
+    connection: SAConnection,
+    lines: list[lifecycle.Line],
+    executor: _SyncExecutor | _AsyncExecutor,
+) -> None:
     if not lines:
+        return
+    if executor.committed_each_statement():
+        # An AUTOCOMMIT connection outside a transaction: each statement has committed
+        # already, and the commit event may never come (nothing to commit).
+        lifecycle.write_all(lines)
         return
     engine = connection.engine
     if engine not in _ENGINES_OBSERVED:
@@ -163,8 +204,8 @@ def _drop_held_lines(connection: SAConnection) -> None:
 
 
 class _SQLAlchemyExecutor(_ConnectionFacts):
-    def __init__(self, connection: SAConnection, require_transaction: bool) -> None:
-        _check_driver_connection(connection.connection.driver_connection, require_transaction)
+    def __init__(self, connection: SAConnection, needs: _Needs) -> None:
+        _check_driver_connection(connection.connection.driver_connection, needs)
         self._connection = connection
 
     @property
@@ -183,8 +224,8 @@ class _SQLAlchemyExecutor(_ConnectionFacts):
 
 
 class _PsycopgExecutor(_ConnectionFacts):
-    def __init__(self, connection: psycopg.Connection[Any], require_transaction: bool) -> None:
-        _check_driver_connection(connection, require_transaction)
+    def __init__(self, connection: psycopg.Connection[Any], needs: _Needs) -> None:
+        _check_driver_connection(connection, needs)
         self._connection = connection
 
     @property
@@ -199,9 +240,9 @@ class _PsycopgExecutor(_ConnectionFacts):
 
 
 class _SQLAlchemyAsyncExecutor(_ConnectionFacts):
-    def __init__(self, connection: SAAsyncConnection, require_transaction: bool) -> None:
+    def __init__(self, connection: SAAsyncConnection, needs: _Needs) -> None:
         self._connection = connection
-        self._require_transaction = require_transaction
+        self._needs = needs
         self._checked = False
 
     @property
@@ -218,15 +259,15 @@ class _SQLAlchemyAsyncExecutor(_ConnectionFacts):
     async def fetch(self, step: Step) -> list[Row]:
         if not self._checked:
             raw = await self._connection.get_raw_connection()
-            _check_driver_connection(raw.driver_connection, self._require_transaction)
+            _check_driver_connection(raw.driver_connection, self._needs)
             self._checked = True
         result = await self._connection.exec_driver_sql(QUERIES[step.query].sql, dict(step.params))
         return [dict(row) for row in result.mappings()] if result.returns_rows else []
 
 
 class _PsycopgAsyncExecutor(_ConnectionFacts):
-    def __init__(self, connection: psycopg.AsyncConnection[Any], require_transaction: bool) -> None:
-        _check_driver_connection(connection, require_transaction)
+    def __init__(self, connection: psycopg.AsyncConnection[Any], needs: _Needs) -> None:
+        _check_driver_connection(connection, needs)
         self._connection = connection
 
     @property
@@ -240,23 +281,23 @@ class _PsycopgAsyncExecutor(_ConnectionFacts):
             return await cursor.fetchall() if _has_rows(cursor) else []
 
 
-def _sync_executor(connection: SyncConnection, require_transaction: bool) -> _SyncExecutor:
+def _sync_executor(connection: SyncConnection, needs: _Needs) -> _SyncExecutor:
     if isinstance(connection, SASession):
-        return _SQLAlchemyExecutor(connection.connection(), require_transaction)
+        return _SQLAlchemyExecutor(connection.connection(), needs)
     if isinstance(connection, SAConnection):
-        return _SQLAlchemyExecutor(connection, require_transaction)
+        return _SQLAlchemyExecutor(connection, needs)
     if isinstance(connection, psycopg.Connection):
-        return _PsycopgExecutor(connection, require_transaction)
+        return _PsycopgExecutor(connection, needs)
     raise ConfigurationError(_unsupported(connection, "a sync"))
 
 
-async def _async_executor(connection: AsyncConnection, require_transaction: bool) -> _AsyncExecutor:
+async def _async_executor(connection: AsyncConnection, needs: _Needs) -> _AsyncExecutor:
     if isinstance(connection, SAAsyncSession):
-        return _SQLAlchemyAsyncExecutor(await connection.connection(), require_transaction)
+        return _SQLAlchemyAsyncExecutor(await connection.connection(), needs)
     if isinstance(connection, SAAsyncConnection):
-        return _SQLAlchemyAsyncExecutor(connection, require_transaction)
+        return _SQLAlchemyAsyncExecutor(connection, needs)
     if isinstance(connection, psycopg.AsyncConnection):
-        return _PsycopgAsyncExecutor(connection, require_transaction)
+        return _PsycopgAsyncExecutor(connection, needs)
     raise ConfigurationError(_unsupported(connection, "an async"))
 
 
@@ -268,15 +309,29 @@ def _unsupported(connection: object, flavour: str) -> str:
     )
 
 
+def _needs(require_transaction: bool, own_transaction: bool) -> _Needs:
+    if own_transaction:
+        return _Needs.AUTOCOMMIT
+    return _Needs.TRANSACTION if require_transaction else _Needs.ANYTHING
+
+
 class Store:
     """Runs plans on a sync connection, inside the caller's transaction.
 
     ``require_transaction=False`` admits an autocommit connection, for statements that
     stand alone (LISTEN, reads); anything that writes related rows keeps the default.
+    ``own_transaction=True`` requires an autocommit connection outside a transaction
+    block, for a plan whose every statement is whole on its own (a decision).
     """
 
-    def __init__(self, connection: SyncConnection, *, require_transaction: bool = True) -> None:
-        self._executor = _sync_executor(connection, require_transaction)
+    def __init__(
+        self,
+        connection: SyncConnection,
+        *,
+        require_transaction: bool = True,
+        own_transaction: bool = False,
+    ) -> None:
+        self._executor = _sync_executor(connection, _needs(require_transaction, own_transaction))
 
     def run(self, plan: Plan[T]) -> T:
         observer = getattr(self._executor, "commit_observer", None)
@@ -284,7 +339,7 @@ class Store:
             return self._run(plan)
         with lifecycle.held() as lines:
             result = self._run(plan)
-        _hold_until_commit(observer, lines)
+        _hold_until_commit(observer, lines, self._executor)
         return result
 
     def _run(self, plan: Plan[T]) -> T:
@@ -318,15 +373,22 @@ class AsyncStore:
 
     @classmethod
     async def on(
-        cls, connection: AsyncConnection, *, require_transaction: bool = True
+        cls,
+        connection: AsyncConnection,
+        *,
+        require_transaction: bool = True,
+        own_transaction: bool = False,
     ) -> AsyncStore:
-        return cls(await _async_executor(connection, require_transaction))
+        """A runner on ``connection``; ``require_transaction`` and ``own_transaction`` as
+        :class:`Store`'s."""
+        needs = _needs(require_transaction, own_transaction)
+        return cls(await _async_executor(connection, needs))
 
     @classmethod
     async def alone(cls, connection: psycopg.AsyncConnection[Any]) -> AsyncStore:
         """A runner for plans that send one statement, on an autocommit connection: a
         second statement would commit apart from the first, so it is refused unsent."""
-        return cls(await _async_executor(connection, False), one_statement=True)
+        return cls(await _async_executor(connection, _Needs.ANYTHING), one_statement=True)
 
     async def run(self, plan: Plan[T]) -> T:
         observer = getattr(self._executor, "commit_observer", None)
@@ -334,7 +396,7 @@ class AsyncStore:
             return await self._run(plan)
         with lifecycle.held() as lines:
             result = await self._run(plan)
-        _hold_until_commit(observer, lines)
+        _hold_until_commit(observer, lines, self._executor)
         return result
 
     async def _run(self, plan: Plan[T]) -> T:
