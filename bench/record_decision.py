@@ -1,12 +1,13 @@
 """Throughput of record_decision: operation + outbox row + event, one commit each.
 
     .venv/bin/python -m bench.record_decision [--seconds 10] [--runs 3] [--connections 8]
-        [--modes bare,sync,async]
+        [--modes bare,sync,async,own]
 
 Uses (and recreates) the database named by --database-url (default: outbox_bench on
 localhost). Prints tx/s per run and the median: for the bare statement record_decision
 runs (``insert_decision`` of outbox/sql/queries.sql, its parameters built in advance, sync
-threads), then for record_decision from sync threads and from asyncio tasks, each with
+threads), then for record_decision from sync threads and from asyncio tasks (``own``:
+each decision a transaction of its own, ``own_transaction=True``), each with
 its ratio to the bare statement's median when that was measured in the same invocation.
 The bare figure is the ceiling on this machine at this moment; the ratio, not the
 absolute figure, is what issue #14's target (docs/benchmarks.md) is about, since a
@@ -125,22 +126,33 @@ def sync_run(url: str, registry: Registry, seconds: float, connections: int) -> 
     )
 
 
-async def async_run(url: str, registry: Registry, seconds: float, connections: int) -> float:
+async def async_run(
+    url: str, registry: Registry, seconds: float, connections: int, *, own: bool = False
+) -> float:
+    """``own``: each decision a transaction of its own on an autocommit connection
+    (``own_transaction=True``, one round trip), else in a transaction block."""
     deadline = time.monotonic() + seconds
+
+    async def decide(connection: psycopg.AsyncConnection[Any], index: int, n: int) -> None:
+        await record_decision_async(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": f"pay_{index}_{n}", "amount_cents": 1250},
+            run_id=f"abench_{index}",
+            decision_key=f"k{n}",
+            own_transaction=own,
+        )
 
     async def worker(index: int) -> int:
         n = 0
-        async with await psycopg.AsyncConnection.connect(url) as connection:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=own) as connection:
             while time.monotonic() < deadline:
-                async with connection.transaction():
-                    await record_decision_async(
-                        connection,
-                        registry,
-                        "send_refund",
-                        {"payment_id": f"pay_{index}_{n}", "amount_cents": 1250},
-                        run_id=f"abench_{index}",
-                        decision_key=f"k{n}",
-                    )
+                if own:
+                    await decide(connection, index, n)
+                else:
+                    async with connection.transaction():
+                        await decide(connection, index, n)
                 n += 1
         return n
 
@@ -158,7 +170,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="bare,sync,async",
-        help="comma-separated, in order: bare (the statement alone), sync, async",
+        help="comma-separated, in order: bare (the statement alone), sync, async, own "
+        "(async, each decision its own transaction in autocommit)",
     )
     args = parser.parse_args()
     url = libpq_url(args.database_url)
@@ -175,6 +188,10 @@ def main() -> None:
         "async": (
             "record_decision, asyncio tasks",
             lambda: asyncio.run(async_run(url, registry, args.seconds, args.connections)),
+        ),
+        "own": (
+            "record_decision, asyncio tasks, own_transaction",
+            lambda: asyncio.run(async_run(url, registry, args.seconds, args.connections, own=True)),
         ),
     }
     wanted = [mode.strip() for mode in args.modes.split(",") if mode.strip()]

@@ -104,7 +104,8 @@ class System(Protocol):
         yields whether it is still pending (False: the system commits on its own)."""
 
     async def writer(self, url: str) -> tuple[Enqueue, Close]:
-        """One decision per call, in a transaction of its own; returns its effect key."""
+        """One decision per call, committed as a transaction of its own (one statement
+        in autocommit where the system allows); returns its effect key."""
 
     def daemons(self, url: str) -> list[list[Daemon]]:
         """The processes that drain it, stage by stage: each stage ready before the next."""
@@ -272,12 +273,12 @@ class Minimal(InboxSystem):
             yield True
 
     async def writer(self, url: str) -> tuple[Enqueue, Close]:
-        connection = await psycopg.AsyncConnection.connect(url)
+        # Every writer commits each decision as one statement in autocommit.
+        connection = await psycopg.AsyncConnection.connect(url, autocommit=True)
 
         async def enqueue(n: int) -> str:
             key = uuid4()
-            async with connection.transaction():
-                await connection.execute("INSERT INTO mini_outbox (key) VALUES (%s)", (key,))
+            await connection.execute("INSERT INTO mini_outbox (key) VALUES (%s)", (key,))
             return str(key)
 
         return enqueue, connection.close
@@ -434,8 +435,8 @@ class Pgqueuer(InboxSystem):
 
         async def enqueue(n: int) -> str:
             key = uuid4()
-            async with pg.transaction():
-                await queries.enqueue("noop", key.bytes)
+            # One statement, outside a transaction block: its own transaction.
+            await queries.enqueue("noop", key.bytes)
             return str(key)
 
         return enqueue, pg.close
@@ -656,15 +657,22 @@ class Outbox:
             yield True
 
     async def writer(self, url: str) -> tuple[Enqueue, Close]:
-        connection = await psycopg.AsyncConnection.connect(url)
+        # Each decision a transaction of its own, as an agent's tool call records it and
+        # as the peers enqueue: one statement in autocommit, one round trip.
+        connection = await psycopg.AsyncConnection.connect(url, autocommit=True)
         registry = build_registry()
         run_id = f"e2e_{uuid4().hex[:8]}"
 
         async def enqueue(n: int) -> str:
-            async with connection.transaction():
-                recorded = await record_decision_async(
-                    connection, registry, TOOL, {"n": n}, run_id=run_id, decision_key=f"k{n}"
-                )
+            recorded = await record_decision_async(
+                connection,
+                registry,
+                TOOL,
+                {"n": n},
+                run_id=run_id,
+                decision_key=f"k{n}",
+                own_transaction=True,
+            )
             return str(recorded.operation.id)
 
         return enqueue, connection.close
