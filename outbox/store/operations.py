@@ -95,7 +95,8 @@ def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
             },
         )
         if rows:
-            operation = Operation.model_validate(rows[0])
+            # The row comes without its input: the statement stored this call's.
+            operation = Operation.model_validate({**rows[0], "input": decision.input})
             lifecycle.emit(EventName.PREPARED, operation, attributes)
             return RecordedDecision(operation=operation, created=True)
         rows = yield Step(
