@@ -10,7 +10,9 @@ Run from the repository root. The systems (bench/systems.py, one class each on t
 ``minimal`` (a hand-written pipeline with no guarantees, the physical limit), ``outbox``
 (effect-outbox's daemons as deployed, one broker message per operation),
 ``outbox-chunked`` (the same with ``--outbox-chunk`` operations per message,
-OUTBOX_MESSAGE_OPERATIONS), ``pgqueuer`` and ``procrastinate``. Every process runs on
+OUTBOX_MESSAGE_OPERATIONS), ``outbox-in-transaction`` (one message per operation, each
+decision recorded in a transaction block where ``outbox`` records it as a transaction of
+its own), ``pgqueuer`` and ``procrastinate``. Every process runs on
 uvloop. Per system:
 
 1. drain: ``--operations`` decisions/jobs written in one transaction before anything
@@ -673,9 +675,10 @@ def summarize(results: dict[str, Any]) -> None:
     pairs = [(system, "minimal") for system in results["systems"] if system != "minimal"]
     pairs += [
         (outbox, peer)
-        for outbox in ("outbox", "outbox-chunked")
+        for outbox in ("outbox", "outbox-chunked", "outbox-in-transaction")
         for peer in ("pgqueuer", "procrastinate")
     ]
+    pairs += [("outbox-in-transaction", "outbox")]
     pairs = [(a, b) for a, b in pairs if a in results["systems"] and b in results["systems"]]
     results["ratios"] = {f"{a}/{b}": median[a] / median[b] for a, b in pairs}
     results["sustained_ratios"] = {

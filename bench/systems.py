@@ -784,7 +784,39 @@ class ChunkedOutbox(Outbox):
         return self.settings.chunk_operations
 
 
-SYSTEM_NAMES = ("minimal", "outbox", "outbox-chunked", "pgqueuer", "procrastinate")
+@dataclass
+class OutboxInTransaction(Outbox):
+    """effect-outbox with each decision recorded in a transaction block of its writer's
+    (BEGIN, ``record_decision_async``, COMMIT: three round trips), as when it commits with
+    the caller's own writes, where ``outbox`` records each as a transaction of its own
+    (``own_transaction=True``: one)."""
+
+    name: str = "outbox-in-transaction"
+    label: str = "effect-outbox, in a transaction"
+
+    async def writer(self, url: str) -> tuple[Enqueue, Close]:
+        connection = await psycopg.AsyncConnection.connect(url)
+        registry = build_registry()
+        run_id = f"e2e_{uuid4().hex[:8]}"
+
+        async def enqueue(n: int) -> str:
+            async with connection.transaction():
+                recorded = await record_decision_async(
+                    connection, registry, TOOL, {"n": n}, run_id=run_id, decision_key=f"k{n}"
+                )
+            return str(recorded.operation.id)
+
+        return enqueue, connection.close
+
+
+SYSTEM_NAMES = (
+    "minimal",
+    "outbox",
+    "outbox-chunked",
+    "outbox-in-transaction",
+    "pgqueuer",
+    "procrastinate",
+)
 
 
 def systems(context: Context, outbox: OutboxSettings | None = None) -> dict[str, System]:
@@ -793,6 +825,7 @@ def systems(context: Context, outbox: OutboxSettings | None = None) -> dict[str,
         "minimal": Minimal(context),
         "outbox": Outbox(context, outbox or OutboxSettings()),
         "outbox-chunked": ChunkedOutbox(context, outbox or OutboxSettings()),
+        "outbox-in-transaction": OutboxInTransaction(context, outbox or OutboxSettings()),
         "pgqueuer": Pgqueuer(context),
         "procrastinate": Procrastinate(context),
     }

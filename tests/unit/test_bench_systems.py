@@ -50,7 +50,7 @@ def test_children_run_as_the_bench_module_with_the_parents_names(name: str) -> N
 
 def test_only_the_broker_systems_count_rabbitmq() -> None:
     using = {name for name, system in systems(CONTEXT).items() if system.uses_broker}
-    assert using == {"minimal", "outbox", "outbox-chunked"}
+    assert using == {"minimal", "outbox", "outbox-chunked", "outbox-in-transaction"}
 
 
 def test_only_the_chunked_outbox_puts_several_operations_in_a_message() -> None:
@@ -62,6 +62,17 @@ def test_only_the_chunked_outbox_puts_several_operations_in_a_message() -> None:
     assert chunked["OUTBOX_MESSAGE_OPERATIONS"] == "12"
     # Names of its own: the two never share a database or a queue.
     assert chunked["OUTBOX_QUEUE"] == f"bench.e2e.{CONTEXT.run_name}.outbox-chunked.q"
+
+
+def test_the_in_transaction_outbox_runs_the_same_daemons_on_names_of_its_own() -> None:
+    found = systems(CONTEXT)
+    own, in_transaction = (
+        found[name].daemons(URL)[1][0].environment for name in ("outbox", "outbox-in-transaction")
+    )
+    assert in_transaction["OUTBOX_MESSAGE_OPERATIONS"] == own["OUTBOX_MESSAGE_OPERATIONS"] == "1"
+    assert in_transaction["OUTBOX_QUEUE"] == (
+        f"bench.e2e.{CONTEXT.run_name}.outbox-in-transaction.q"
+    )
 
 
 def test_outbox_daemons_follow_its_settings() -> None:
