@@ -91,13 +91,13 @@ PUBLIC = {
         "(connection: 'SyncConnection', registry: 'Registry', tool: 'str', "
         "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
         "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
-        "traceparent: 'str | None' = None) -> 'RecordedDecision'"
+        "traceparent: 'str | None' = None, own_transaction: 'bool' = False) -> 'RecordedDecision'"
     ),
     "record_decision_async": (
         "(connection: 'AsyncConnection', registry: 'Registry', tool: 'str', "
         "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
         "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
-        "traceparent: 'str | None' = None) -> 'RecordedDecision'"
+        "traceparent: 'str | None' = None, own_transaction: 'bool' = False) -> 'RecordedDecision'"
     ),
 }
 STORE = [
