@@ -23,7 +23,7 @@ import psycopg
 
 from bench.e2e_tools import TOOL, build_registry
 from bench.reporting import percentile
-from outbox import Settings, record_decision, record_decision_async
+from outbox import RecordedDecision, Settings, record_decision, record_decision_async
 from outbox.broker import Topology, declare_topology, delete_topology
 from outbox.cli import run_async
 from outbox.sandbox.processes import python_module
@@ -622,6 +622,9 @@ class Outbox:
     name: str = "outbox"
     label: str = "effect-outbox"
     uses_broker: bool = True
+    in_transaction_block: bool = False
+    """Whether the writer wraps each decision in BEGIN and COMMIT (three round trips)
+    instead of recording it as a transaction of its own (one)."""
 
     def database(self) -> ScratchDatabase:
         return self.context.database(self.name, outbox_schema=True)
@@ -657,23 +660,29 @@ class Outbox:
             yield True
 
     async def writer(self, url: str) -> tuple[Enqueue, Close]:
-        # Each decision a transaction of its own, as an agent's tool call records it and
-        # as the peers enqueue: one statement in autocommit, one round trip.
-        connection = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        # By default each decision a transaction of its own, as the peers enqueue: one
+        # statement in autocommit, one round trip.
+        own = not self.in_transaction_block
+        connection = await psycopg.AsyncConnection.connect(url, autocommit=own)
         registry = build_registry()
         run_id = f"e2e_{uuid4().hex[:8]}"
 
-        async def enqueue(n: int) -> str:
-            recorded = await record_decision_async(
+        async def record(n: int) -> RecordedDecision:
+            return await record_decision_async(
                 connection,
                 registry,
                 TOOL,
                 {"n": n},
                 run_id=run_id,
                 decision_key=f"k{n}",
-                own_transaction=True,
+                own_transaction=own,
             )
-            return str(recorded.operation.id)
+
+        async def enqueue(n: int) -> str:
+            if own:
+                return str((await record(n)).operation.id)
+            async with connection.transaction():
+                return str((await record(n)).operation.id)
 
         return enqueue, connection.close
 
@@ -793,20 +802,7 @@ class OutboxInTransaction(Outbox):
 
     name: str = "outbox-in-transaction"
     label: str = "effect-outbox, in a transaction"
-
-    async def writer(self, url: str) -> tuple[Enqueue, Close]:
-        connection = await psycopg.AsyncConnection.connect(url)
-        registry = build_registry()
-        run_id = f"e2e_{uuid4().hex[:8]}"
-
-        async def enqueue(n: int) -> str:
-            async with connection.transaction():
-                recorded = await record_decision_async(
-                    connection, registry, TOOL, {"n": n}, run_id=run_id, decision_key=f"k{n}"
-                )
-            return str(recorded.operation.id)
-
-        return enqueue, connection.close
+    in_transaction_block: bool = True
 
 
 SYSTEM_NAMES = (

@@ -113,10 +113,15 @@ class _ConnectionFacts:
         return self.driver.info.user
 
     def committed_each_statement(self) -> bool:
-        """Whether the statements sent so far committed as they ran: autocommit, and no
-        transaction block open."""
-        driver = self.driver
-        return driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE
+        """Whether the statements sent so far committed as they ran."""
+        return _commits_each_statement(self.driver)
+
+
+def _commits_each_statement(
+    driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> bool:
+    """Autocommit, and no transaction block open: each statement commits as it runs."""
+    return driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE
 
 
 def _has_rows(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
@@ -146,9 +151,7 @@ def _check_driver_connection(driver: object, needs: _Needs) -> None:
             f"effect-outbox needs the psycopg 3 driver, got {type(driver).__module__}."
             f"{type(driver).__name__}; use a postgresql+psycopg:// URL"
         )
-    statements_commit = (
-        driver.autocommit and driver.info.transaction_status == TransactionStatus.IDLE
-    )
+    statements_commit = _commits_each_statement(driver)
     if needs is _Needs.TRANSACTION and statements_commit:
         raise ConfigurationError(
             "the connection is in autocommit mode outside a transaction: the operation, its "
