@@ -140,8 +140,14 @@ RETURN jsonb_build_object(
 
 -- A timestamp a role may write: finite, and one Python can hold (year 1 to 9999) with
 -- room to spare; none of the runtime's waits is longer than 30 days.
+--
+-- VOLATILE, as clock_timestamp() is: Postgres inlines a SQL function into its caller's
+-- expression only when the function is declared no less volatile than its body, and
+-- declared STABLE this one ran the SQL-function executor on every call instead (the
+-- outbox and operations guards call it on each row they check; docs/benchmarks.md,
+-- "2026-12-03: the outbox row's guard", has what that cost a decision).
 CREATE OR REPLACE FUNCTION outbox_plausible_time(p_value timestamptz) RETURNS boolean
-LANGUAGE sql STABLE PARALLEL SAFE
+LANGUAGE sql VOLATILE PARALLEL SAFE
 RETURN p_value IS NULL OR (
     p_value >= '2000-01-01 00:00:00+00'::timestamptz
     AND p_value <= clock_timestamp() + interval '30 days'
@@ -683,6 +689,11 @@ CREATE TRIGGER approvals_event
 -- traceparent into the message, nothing else) and available within 30 days. Writers:
 -- outbox_record_decision (headers), the consumer's requeues and the operator's grants
 -- (column grants without headers, created_at or the publish columns).
+--
+-- The headers are checked with jsonb operators, not a query over jsonb_each: a condition
+-- without a subquery is one plpgsql evaluates directly, where a subquery started the
+-- executor for every row. The CASE keeps `-` away from a scalar, which it cannot delete
+-- from (in parentheses: plpgsql ends an IF's condition at the first THEN outside them).
 CREATE OR REPLACE FUNCTION outbox_guard_outbox_row() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -690,10 +701,12 @@ BEGIN
         NEW.created_at := clock_timestamp();
         IF NEW.published_at IS NOT NULL OR NEW.publish_attempts <> 0 OR NEW.last_error IS NOT NULL
            OR NEW.routing_key !~ '^[a-z][a-z0-9_.-]{0,63}\.v[0-9]{1,9}$'
-           OR jsonb_typeof(NEW.headers) IS DISTINCT FROM 'object'
-           OR EXISTS (SELECT 1 FROM jsonb_each(NEW.headers) AS h (key, value)
-                      WHERE h.key NOT IN ('traceparent', 'tracestate')
-                         OR jsonb_typeof(h.value) <> 'string')
+           OR (CASE WHEN jsonb_typeof(NEW.headers) = 'object'
+                    THEN NEW.headers - ARRAY['traceparent', 'tracestate'] <> '{}'::jsonb
+                         OR jsonb_typeof(NEW.headers -> 'traceparent') <> 'string'
+                         OR jsonb_typeof(NEW.headers -> 'tracestate') <> 'string'
+                    ELSE true
+               END)
            OR (NEW.headers->>'traceparent') !~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
            OR length(NEW.headers->>'tracestate') > 512
            OR (NEW.headers->>'tracestate') !~ '^[ -~]*$' THEN

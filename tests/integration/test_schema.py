@@ -152,6 +152,19 @@ def test_a_rolled_back_outbox_row_notifies_nobody(
     assert [n.payload for n in notifications] == ["marker"]
 
 
+def test_the_time_bound_is_inlined_into_its_callers(database_url: str) -> None:
+    # The outbox and operations guards call outbox_plausible_time on every row they
+    # check; a SQL function that is not inlined runs its own executor on each call.
+    with psycopg.connect(database_url) as connection:
+        plan = connection.execute(
+            "EXPLAIN VERBOSE SELECT outbox_plausible_time(available_at) FROM outbox"
+        ).fetchall()
+    output = "\n".join(line for (line,) in plan)
+
+    assert "outbox_plausible_time" not in output
+    assert "clock_timestamp()" in output
+
+
 def test_the_schema_text_is_the_repository_file() -> None:
     from pathlib import Path
 

@@ -46,9 +46,19 @@ from support.ops_helpers import Ops
         json.dumps({"traceparent": "0" * 300_000}),
         json.dumps({"traceparent": TRACEPARENT, "x-forwarded": "1"}),
         json.dumps({"traceparent": {"nested": TRACEPARENT}}),
+        json.dumps({"traceparent": TRACEPARENT, "tracestate": ["vendor=abc"]}),
         json.dumps(["not", "an", "object"]),
+        json.dumps("traceparent"),
     ],
-    ids=["deep", "huge-traceparent", "other-header", "not-a-string", "array"],
+    ids=[
+        "deep",
+        "huge-traceparent",
+        "other-header",
+        "not-a-string",
+        "tracestate-not-a-string",
+        "array",
+        "scalar",
+    ],
 )
 def test_the_agents_write_path_refuses_headers_other_than_a_trace_context(
     login: Login, database_url: str, headers: str
