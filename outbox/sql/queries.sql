@@ -1,5 +1,8 @@
 -- Every statement effect-outbox runs, by name. Parsed once by outbox.sql; only the
--- runner in outbox.store executes them. Parameters use psycopg's %(name)s style.
+-- runner in outbox.store executes them. Parameters use psycopg's %(name)s style; arrays
+-- go as %(name)b, in binary: a text array literal escapes every element (a jsonb[] of a
+-- burst of 16 cost 283 µs to dump as text, 72 in binary: docs/benchmarks.md, "array
+-- parameters in binary").
 -- Grouped by the module whose plans run them. Two kinds of SQL live elsewhere: the DDL
 -- (schema.sql and roles.sql at the repository root) and CREATE/DROP DATABASE, which
 -- outbox.schema composes because a database name is an identifier, not a parameter.
@@ -36,7 +39,7 @@ WHERE run_id = %(run_id)s AND decision_key = %(decision_key)s
 
 -- name: get_operations
 -- Many operations by id, for a consumer checking a burst of deliveries at once.
-SELECT * FROM operations WHERE id = ANY(%(ids)s::uuid[])
+SELECT * FROM operations WHERE id = ANY(%(ids)b::uuid[])
 
 -- name: claim_operations
 -- prepared -> in_flight for one worker, for one or many operations in one statement: each one that is due gets its own lease, bumped attempts and a new fencing token, and its operation.attempted event. The token is the clock in microseconds when that is higher than the last one plus one: a standby promoted after an asynchronous failover may not have the newest token a worker holds, and must not hand out the same value again.
@@ -48,7 +51,7 @@ WITH claimed AS (
         lease_owner = %(owner)s,
         lease_expires_at = now() + c.lease,
         first_attempt_at = COALESCE(first_attempt_at, now())
-    FROM unnest(%(ids)s::uuid[], %(leases)s::interval[]) AS c (id, lease)
+    FROM unnest(%(ids)b::uuid[], %(leases)b::interval[]) AS c (id, lease)
     WHERE operations.id = c.id AND state = 'prepared' AND next_attempt_at <= clock_timestamp()
     RETURNING operations.*
 ), event AS (
@@ -63,8 +66,8 @@ SELECT * FROM claimed
 -- claim_operations for a consumer's burst without reading the operations first: claims each delivered operation that is prepared, due, matches its message (tool, version, fingerprint) and needs no approval, with its operation.attempted event, and returns what the consumer's checks read (the row as claimed, and first_attempt_at as it was before); the rest are left untouched for the checks that read them.
 WITH delivered AS (
     SELECT *
-    FROM unnest(%(ids)s::uuid[], %(leases)s::interval[], %(tool_names)s::text[],
-                %(tool_versions)s::integer[], %(input_fingerprints)s::text[])
+    FROM unnest(%(ids)b::uuid[], %(leases)b::interval[], %(tool_names)b::text[],
+                %(tool_versions)b::integer[], %(input_fingerprints)b::text[])
         AS d (id, lease, tool_name, tool_version, input_fingerprint)
 ), claimed AS (
     UPDATE operations o
@@ -104,8 +107,8 @@ SELECT * FROM claimed
 -- in_flight -> committed for many operations in one statement, each only under its own fencing token; appends each one's operation.committed event. Returns only the columns it writes: under the token the rest are as the claim returned them.
 WITH outcome AS (
     SELECT *
-    FROM unnest(%(ids)s::uuid[], %(lease_tokens)s::bigint[], %(provider_references)s::text[],
-                %(results)s::jsonb[], %(event_attributes)s::jsonb[])
+    FROM unnest(%(ids)b::uuid[], %(lease_tokens)b::bigint[], %(provider_references)b::text[],
+                %(results)b::jsonb[], %(event_attributes)b::jsonb[])
         AS i (id, lease_token, provider_reference, result, event_attributes)
 ), moved AS (
     UPDATE operations o
@@ -229,7 +232,7 @@ LEFT JOIN LATERAL (
     ORDER BY created_at DESC
     LIMIT 1
 ) a ON o.requires_approval AND o.state = 'prepared'
-WHERE o.id = ANY(%(ids)s::uuid[])
+WHERE o.id = ANY(%(ids)b::uuid[])
 
 -- name: operation_outcomes_changed
 -- operation_outcomes for a watcher, without what it has already read: only operations whose row version (xmin, new with every update) differs from the one it holds, or that it has not read yet, or that wait for an approval (a grant changes no operation row).
@@ -239,7 +242,7 @@ SELECT o.row_version,
        o.last_error_class, o.updated_at, now() AS checked_at,
        a.decision AS approval_decision, a.intent_hash AS approval_intent_hash,
        a.expires_at AS approval_expires_at
-FROM unnest(%(ids)s::uuid[], %(row_versions)s::bigint[]) AS known (id, row_version)
+FROM unnest(%(ids)b::uuid[], %(row_versions)b::bigint[]) AS known (id, row_version)
 JOIN operation_status o ON o.id = known.id
 LEFT JOIN LATERAL (
     SELECT decision, intent_hash, expires_at FROM approvals
@@ -292,7 +295,7 @@ ORDER BY c.id
 -- Mark confirmed rows published, in the transaction that claimed them.
 UPDATE outbox
 SET published_at = clock_timestamp(), publish_attempts = publish_attempts + 1
-WHERE id = ANY(%(ids)s::bigint[])
+WHERE id = ANY(%(ids)b::bigint[])
 
 -- name: mark_outbox_failed
 -- Count a failed publish on each row, keep its last error and push it back by its own delay.
@@ -300,7 +303,7 @@ UPDATE outbox AS o
 SET publish_attempts = o.publish_attempts + 1,
     last_error = f.error,
     available_at = clock_timestamp() + f.delay
-FROM unnest(%(ids)s::bigint[], %(errors)s::text[], %(delays)s::interval[]) AS f (id, error, delay)
+FROM unnest(%(ids)b::bigint[], %(errors)b::text[], %(delays)b::interval[]) AS f (id, error, delay)
 WHERE o.id = f.id
 
 -- name: outbox_backlog
@@ -529,7 +532,7 @@ FROM callbacks c
 JOIN operations o ON o.id = c.operation_id
 WHERE c.applied_at IS NULL
   AND o.state <> 'in_flight'
-  AND o.tool_name || '.v' || o.tool_version = ANY(%(tools)s::text[])
+  AND o.tool_name || '.v' || o.tool_version = ANY(%(tools)b::text[])
 ORDER BY c.id
 LIMIT %(limit)s
 FOR UPDATE OF c, o SKIP LOCKED
@@ -539,7 +542,7 @@ FOR UPDATE OF c, o SKIP LOCKED
 SELECT id, provider, event_id, status, named_operation_id, operation_id, provider_reference,
        payload_digest, received_at, outcome, applied_at
 FROM callbacks
-WHERE operation_id = ANY(%(ids)s::uuid[])
+WHERE operation_id = ANY(%(ids)b::uuid[])
 ORDER BY operation_id, id
 
 -- name: apply_callback
@@ -611,7 +614,7 @@ SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requ
        state, attempts, reconcile_attempts, provider_reference, last_error_class,
        created_at, updated_at
 FROM operations
-WHERE (%(states)s::text[] IS NULL OR state = ANY(%(states)s::text[]))
+WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
   AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
   AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
   AND (%(ago)s::interval IS NULL OR updated_at >= now() - %(ago)s::interval)
@@ -659,7 +662,7 @@ SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requ
        state, attempts, reconcile_attempts, provider_reference, last_error_class,
        created_at, updated_at
 FROM operations
-WHERE (%(states)s::text[] IS NULL OR state = ANY(%(states)s::text[]))
+WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
   AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
   AND (%(run_id)s::text IS NULL OR run_id = %(run_id)s::text)
   AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
@@ -810,7 +813,7 @@ SELECT 1 FROM pg_database WHERE datname = %(name)s
 -- End every session of these applications in this database except the caller's own; how many ended.
 SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS ended
 FROM pg_stat_activity
-WHERE datname = current_database() AND application_name = ANY(%(application_names)s)
+WHERE datname = current_database() AND application_name = ANY(%(application_names)b::text[])
   AND pid <> pg_backend_pid()
 
 -- name: session_snapshot

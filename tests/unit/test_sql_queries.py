@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,21 @@ def test_every_query_the_code_runs_is_named_in_queries_sql() -> None:
 
 def test_every_query_named_in_queries_sql_is_run() -> None:
     assert set(QUERIES) - queries_run() == set(), "dead queries in queries.sql"
+
+
+def test_every_array_parameter_is_sent_in_binary() -> None:
+    # A text array literal escapes each element: a burst's jsonb[] cost three to four
+    # times the client CPU as text that it costs in binary (docs/benchmarks.md).
+    array_parameter = re.compile(r"%\((\w+)\)([sbt])::\w+\[\]")
+    sent_as_text = [
+        f"{name}: {parameter}"
+        for name, query in QUERIES.items()
+        for parameter, placeholder in array_parameter.findall(query.sql)
+        if placeholder != "b"
+    ]
+    arrays = [
+        parameter for query in QUERIES.values() for parameter in array_parameter.findall(query.sql)
+    ]
+
+    assert arrays, "queries.sql has no array parameters: the pattern no longer matches"
+    assert sent_as_text == []
