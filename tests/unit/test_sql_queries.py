@@ -159,14 +159,13 @@ def test_every_array_parameter_is_sent_in_binary() -> None:
     # A text array literal escapes each element: a burst's jsonb[] cost three to four
     # times the client CPU as text that it costs in binary (docs/benchmarks.md).
     array_parameter = re.compile(r"%\((\w+)\)([sbt])::\w+\[\]")
-    sent_as_text = [
-        f"{name}: {parameter}"
+    arrays = [
+        (name, parameter, placeholder)
         for name, query in QUERIES.items()
         for parameter, placeholder in array_parameter.findall(query.sql)
-        if placeholder != "b"
     ]
-    arrays = [
-        parameter for query in QUERIES.values() for parameter in array_parameter.findall(query.sql)
+    sent_as_text = [
+        f"{name}: {parameter}" for name, parameter, placeholder in arrays if placeholder != "b"
     ]
 
     assert arrays, "queries.sql has no array parameters: the pattern no longer matches"
