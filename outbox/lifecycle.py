@@ -14,12 +14,13 @@ secrets and user text never reach them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 
-from outbox.logs import log_fields
+from outbox.logs import log_fields, log_mapping
 from outbox.models import Operation, display_operation_id
 from outbox.text import Scalar as Scalar  # re-exported: event attributes are typed by it
 from outbox.text import logfmt_value
@@ -76,10 +77,17 @@ def write(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> 
         "id": display_operation_id(operation.id),
         "tool": operation.tool_name,
     }
-    fields.update((k, v) for k, v in attributes.items() if k not in ("tool", "from", "to"))
-    log_fields(logger, logging.INFO, name, _sentence(name), **fields)
+    for key, value in attributes.items():
+        if key not in _NOT_LOGGED:
+            fields[key] = value
+    log_mapping(logger, logging.INFO, name, _sentence(name), fields)
 
 
+# The tool is already a field; the states moved between are in the event's name.
+_NOT_LOGGED = frozenset({"tool", "from", "to"})
+
+
+@functools.lru_cache(maxsize=128)
 def _sentence(name: str) -> str:
     """``operation.outcome_unknown`` -> ``operation outcome unknown``: the line's text."""
     return name.replace(".", " ").replace("_", " ")

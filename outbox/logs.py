@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
-from datetime import UTC, datetime
+import time
+from collections.abc import Mapping
 from typing import Literal
 
 from outbox.text import Scalar, logfmt_value
@@ -26,13 +26,22 @@ def log_fields(
     """Log one line: ``text`` for a person, ``action`` and ``fields`` as data. A field
     named like a LogRecord attribute (``name``, ``module``...) gets a trailing ``_``:
     logging refuses to overwrite those."""
+    log_mapping(logger, level, action, text, fields)
+
+
+def log_mapping(
+    logger: logging.Logger, level: int, action: str, text: str, fields: Mapping[str, object]
+) -> None:
+    """:func:`log_fields` with the fields already in a mapping, for a caller that built
+    them anyway (a lifecycle line) and so need not build them twice."""
     extra: dict[str, object] = {"action": action}
-    extra.update((f"{key}_" if key in _STANDARD else key, value) for key, value in fields.items())
-    logger.log(level, text, extra=extra, stacklevel=2)
+    for key, value in fields.items():
+        extra[f"{key}_" if key in _STANDARD else key] = value
+    logger.log(level, text, extra=extra, stacklevel=3)
 
 
-def _fields(record: logging.LogRecord) -> Iterator[tuple[str, object]]:
-    return ((key, value) for key, value in record.__dict__.items() if key not in _STANDARD)
+def _fields(record: logging.LogRecord) -> list[tuple[str, object]]:
+    return [(key, value) for key, value in record.__dict__.items() if key not in _STANDARD]
 
 
 def _scalar(value: object) -> Scalar:
@@ -41,28 +50,78 @@ def _scalar(value: object) -> Scalar:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
-def _timestamp(record: logging.LogRecord) -> str:
-    return datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+def _logfmt_field(value: object) -> str:
+    # An int is always bare (digits and a minus sign): most fields are counters, and
+    # skipping the pattern for them is a measurable share of a lifecycle line's cost.
+    if type(value) is int:
+        return str(value)
+    return logfmt_value(_scalar(value))
+
+
+class _Clock:
+    """Timestamps as ``2026-12-04T02:06:08.123+00:00``: the part down to the second
+    is the same for every line written in that second, so it is built once per second
+    instead of through a datetime for every line."""
+
+    def __init__(self) -> None:
+        # One tuple, replaced whole: a reader never pairs one second with another's text.
+        self._last: tuple[int, str] = (-1, "")
+
+    def stamp(self, created: float) -> str:
+        # Rounded to the microsecond first, then cut to the millisecond, as
+        # datetime.fromtimestamp(...).isoformat(timespec="milliseconds") does.
+        second = int(created)
+        micro = round((created - second) * 1_000_000)
+        if micro >= 1_000_000:
+            second, micro = second + 1, micro - 1_000_000
+        last = self._last
+        if last[0] != second:
+            last = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+            self._last = last
+        return f"{last[1]}.{micro // 1000:03d}+00:00"
 
 
 class LogfmtFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._clock = _Clock()
+        # ``level=info logger=outbox.lifecycle``: the same few pairs on every line.
+        self._heads: dict[tuple[str, str], str] = {}
+        self._messages: dict[str, str] = {}
+
     def format(self, record: logging.LogRecord) -> str:
-        parts = [
-            f"ts={_timestamp(record)}",
-            f"level={record.levelname.lower()}",
-            f"logger={record.name}",
-            f"msg={logfmt_value(record.getMessage())}",
-            *(f"{key}={logfmt_value(_scalar(value))}" for key, value in _fields(record)),
-        ]
+        head = self._heads.get((record.levelname, record.name))
+        if head is None:
+            head = f"level={record.levelname.lower()} logger={logfmt_value(record.name)}"
+            self._heads[(record.levelname, record.name)] = head
+        parts = [f"ts={self._clock.stamp(record.created)}", head, self._message(record)]
+        parts.extend(f"{key}={_logfmt_field(value)}" for key, value in _fields(record))
         if record.exc_info:
             parts.append(f"exc={logfmt_value(self.formatException(record.exc_info))}")
         return " ".join(parts)
 
+    def _message(self, record: logging.LogRecord) -> str:
+        # A message without arguments is one of the few texts the code logs again and
+        # again (``operation attempted``): its escaped form is kept, up to a bound so
+        # that no stream of distinct texts can grow the cache.
+        if record.args or not isinstance(record.msg, str):
+            return f"msg={logfmt_value(record.getMessage())}"
+        message = self._messages.get(record.msg)
+        if message is None:
+            message = f"msg={logfmt_value(record.msg)}"
+            if len(self._messages) < 512:
+                self._messages[record.msg] = message
+        return message
+
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._clock = _Clock()
+
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, object] = {
-            "ts": _timestamp(record),
+            "ts": self._clock.stamp(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -5,13 +5,17 @@ import logging
 import os
 import re
 import sys
+from datetime import UTC, datetime
+from uuid import UUID
 
 import psycopg
 import pytest
 
+from outbox import lifecycle
 from outbox.errors import ConfigurationError, connect_failure
 from outbox.lifecycle import format_event
 from outbox.logs import JsonFormatter, LogfmtFormatter, log_fields
+from outbox.models import Operation
 from outbox.settings import Settings, libpq_url, load_settings, redact_url, sqlalchemy_url
 from outbox.text import logfmt_value, printable
 
@@ -455,3 +459,65 @@ def test_a_connection_failure_is_named_in_our_words_never_libpqs(
     assert cause in named
     assert PASSWORD_CANARY not in named
     assert '"' not in named
+
+
+@pytest.mark.parametrize("formatter", [LogfmtFormatter, JsonFormatter])
+def test_each_line_is_stamped_as_datetime_would_stamp_it_to_the_millisecond(
+    formatter: type[logging.Formatter],
+) -> None:
+    # The formatter builds the text up to the second once per second; the stamp must
+    # still be what datetime writes, across second boundaries and microsecond rounding.
+    stamped = formatter()
+    instants = [0.0, 1.9999996, 1.9994996, 1764806768.0009995, 1764806768.9999999]
+    instants += [1764806768 + step / 997 for step in range(2500)]
+    for created in instants:
+        record = make_record("tick")
+        record.created = created
+        line = stamped.format(record)
+        expected = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+        ts = json.loads(line)["ts"] if formatter is JsonFormatter else line.split()[0]
+        assert ts in (expected, f"ts={expected}"), created
+
+
+def test_a_message_is_escaped_alike_the_first_time_and_every_time_after() -> None:
+    formatter = LogfmtFormatter()
+
+    lines = [formatter.format(make_record('two\nlines "quoted"')) for _ in range(3)]
+    with_arguments = [formatter.format(make_record("claimed %s", batch)) for batch in ("a", "b")]
+
+    assert len(set(lines)) == 1
+    assert lines[0].endswith('msg="two\\nlines \\"quoted\\""')
+    assert with_arguments[0].endswith('msg="claimed a"')
+    assert with_arguments[1].endswith('msg="claimed b"')
+
+
+def test_distinct_messages_never_grow_the_formatters_memory_past_its_bound() -> None:
+    formatter = LogfmtFormatter()
+
+    lines = [formatter.format(make_record(f"message {n}")) for n in range(2000)]
+
+    assert lines[-1].endswith('msg="message 1999"')
+    assert len(formatter._messages) <= 512
+
+
+def test_a_lifecycle_line_names_the_operation_and_leaves_out_the_states_moved_between(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    operation = Operation.model_construct(id=UUID(int=7), tool_name="send_refund")
+
+    with caplog.at_level("INFO", logger="outbox.lifecycle"):
+        lifecycle.write(
+            "operation.attempted",
+            operation,
+            {"from": "prepared", "to": "in_flight", "tool": "other", "attempt": 2, "name": "n"},
+        )
+
+    [record] = caplog.records
+    assert (
+        LogfmtFormatter()
+        .format(record)
+        .endswith(
+            'msg="operation attempted" action=operation.attempted'
+            " id=op_00000000-0000-0000-0000-000000000007 tool=send_refund attempt=2 name_=n"
+        )
+    )
