@@ -354,7 +354,9 @@ def _may_run(delivery: store.ClaimedDelivery, contract: ToolContract[Any]) -> _R
     intent = derive_intent(contract, operation)
     if intent.disagreement is not None or intent.requires_approval:
         return None
-    if policy.replay_window_passed(delivery.before, contract, now=datetime.now(UTC)):
+    if policy.can_outlive_dedupe_window(contract) and policy.replay_window_passed(
+        delivery.before, contract, now=datetime.now(UTC)
+    ):
         return None
     return _Runnable(contract, intent.tool_input)
 

@@ -269,7 +269,16 @@ def replay_window_passed(
     when the lookup proved the effect absent (or a person said so while the window
     still held: the operator's retry asks the same question). The window and its
     margins are :func:`outbox.replay.replay_window_passed`'s."""
-    return contract.reconcile is None and replay.replay_window_passed(operation, contract, now=now)
+    return can_outlive_dedupe_window(contract) and replay.replay_window_passed(
+        operation, contract, now=now
+    )
+
+
+def can_outlive_dedupe_window(contract: ToolContract[Any]) -> bool:
+    """Whether a call of this tool can come too late for :func:`replay_window_passed`: a
+    deduplicated write retried blind, with no lookup. For any other tool the question
+    never arises, and the claim need not build the row as it was to ask it."""
+    return contract.reconcile is None and contract.side_effect is SideEffect.DEDUPLICATED_WRITE
 
 
 def escalation_before_replay(operation: Operation) -> Escalation:

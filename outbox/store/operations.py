@@ -15,10 +15,9 @@ from typing import Any
 from uuid import UUID, uuid4
 
 from psycopg.types.json import Jsonb
-from pydantic import BaseModel
 
 from outbox import lifecycle
-from outbox.bounds import bounded_reference, bounded_result
+from outbox.bounds import bounded_reference, bounded_result, object_or_unreadable
 from outbox.errors import (
     DecisionConflict,
     IllegalTransition,
@@ -28,7 +27,7 @@ from outbox.errors import (
     TransientDatabaseError,
 )
 from outbox.fingerprint_key import key_from_environment, keyed_fingerprint
-from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision, StoredObject
+from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision
 from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
 from outbox.store.runner import Plan, Step
 
@@ -319,24 +318,23 @@ def commit_many(effects: Sequence[ConfirmedEffect]) -> Plan[dict[UUID, Operation
     events = {effect.operation.id: event for effect, event in zip(effects, attributes, strict=True)}
     committed: dict[UUID, Operation] = {}
     for row in rows:
-        written = _Committed.model_validate(row)
-        operation = claimed[written.id].model_copy(update=written.model_dump(exclude={"id"}))
+        # The columns commit_operations wrote, read back as the row has them (the
+        # trigger stamps updated_at and may replace the result with the unreadable
+        # marker). The driver typed them already, and this worker wrote them under its
+        # own fencing token: only the state and the result's shape are checked again.
+        operation = claimed[row["id"]].model_copy(
+            update={
+                "state": OperationState(row["state"]),
+                "lease_owner": row["lease_owner"],
+                "lease_expires_at": row["lease_expires_at"],
+                "provider_reference": row["provider_reference"],
+                "result": object_or_unreadable(row["result"]),
+                "updated_at": row["updated_at"],
+            }
+        )
         lifecycle.emit(EventName.COMMITTED, operation, events[operation.id])
         committed[operation.id] = operation
     return committed
-
-
-class _Committed(BaseModel):
-    """The columns commit_operations writes (the trigger stamps updated_at and may
-    replace the result with the unreadable marker), read back as the row has them."""
-
-    id: UUID
-    state: OperationState
-    lease_owner: str | None
-    lease_expires_at: datetime | None
-    provider_reference: str | None
-    result: StoredObject | None
-    updated_at: datetime
 
 
 _DEFAULT_EVENTS = {

@@ -20,6 +20,7 @@ from consumer.policy import (
     after_attempt,
     after_lease_expired,
     after_lookup,
+    can_outlive_dedupe_window,
     escalation_before_replay,
     for_unknown_outcome,
     replay_window_passed,
@@ -161,6 +162,30 @@ def test_only_a_blind_replay_of_a_deduplicated_write_is_bound_by_the_window(
         prepared_again(created_at=long_ago, first_attempt_at=long_ago, attempts=attempts),
         contract(side_effect, lookup=lookup),
         now=NOW,
+    )
+
+
+@given(
+    side_effect=st.sampled_from(EVERY_CLASS),
+    lookup=st.booleans(),
+    attempts=st.integers(0, 3),
+    first_attempt_ago=st.timedeltas(min_value=timedelta(0), max_value=20 * WINDOW),
+)
+def test_the_claim_may_skip_the_window_only_for_a_tool_it_can_never_bind(
+    side_effect: SideEffect, lookup: bool, attempts: int, first_attempt_ago: timedelta
+) -> None:
+    """The claim asks :func:`replay_window_passed` only when
+    :func:`can_outlive_dedupe_window` says the tool can outlive the window: so no
+    answer of the first may be True where the second says False."""
+    tool = contract(side_effect, lookup=lookup)
+    row = prepared_again(
+        attempts=attempts, first_attempt_at=NOW - first_attempt_ago, created_at=NOW - 20 * WINDOW
+    )
+
+    if replay_window_passed(row, tool, now=NOW):
+        assert can_outlive_dedupe_window(tool)
+    assert can_outlive_dedupe_window(tool) is (
+        side_effect is SideEffect.DEDUPLICATED_WRITE and not lookup
     )
 
 
