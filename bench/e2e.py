@@ -961,7 +961,7 @@ def parse_arguments() -> argparse.Namespace:
         default=1,
         help="effect-outbox dispatcher processes (they share the outbox table, SKIP LOCKED)",
     )
-    parser.add_argument("--outbox-prefetch", type=positive_int, default=64)
+    parser.add_argument("--outbox-prefetch", type=positive_int, default=256)
     parser.add_argument("--outbox-batch-size", type=positive_int, default=200)
     parser.add_argument("--outbox-lanes", type=positive_int, default=2)
     parser.add_argument(

@@ -554,7 +554,7 @@ class OutboxSettings:
     """effect-outbox's knobs, as OUTBOX_* variables of the two daemons."""
 
     consumers: int = 1
-    prefetch: int = 64
+    prefetch: int = 256
     batch_size: int = 200
     lanes: int = 2
     log_level: str = "INFO"
