@@ -93,7 +93,9 @@ class LogfmtFormatter(logging.Formatter):
         head = self._heads.get((record.levelname, record.name))
         if head is None:
             head = f"level={record.levelname.lower()} logger={logfmt_value(record.name)}"
-            self._heads[(record.levelname, record.name)] = head
+            # Bounded like the messages: a program may name loggers after what it serves.
+            if len(self._heads) < 512:
+                self._heads[(record.levelname, record.name)] = head
         parts = [f"ts={self._clock.stamp(record.created)}", head, self._message(record)]
         parts.extend(f"{key}={_logfmt_field(value)}" for key, value in _fields(record))
         if record.exc_info:

@@ -491,13 +491,20 @@ def test_a_message_is_escaped_alike_the_first_time_and_every_time_after() -> Non
     assert with_arguments[1].endswith('msg="claimed b"')
 
 
-def test_distinct_messages_never_grow_the_formatters_memory_past_its_bound() -> None:
+def test_distinct_messages_and_loggers_never_grow_the_formatters_memory_past_its_bound() -> None:
     formatter = LogfmtFormatter()
 
     lines = [formatter.format(make_record(f"message {n}")) for n in range(2000)]
+    named = []
+    for n in range(2000):
+        record = make_record("x")
+        record.name = f"tenant {n}"
+        named.append(formatter.format(record))
 
     assert lines[-1].endswith('msg="message 1999"')
+    assert ' logger="tenant 1999" msg=x' in named[-1]
     assert len(formatter._messages) <= 512
+    assert len(formatter._heads) <= 512
 
 
 def test_a_lifecycle_line_names_the_operation_and_leaves_out_the_states_moved_between(
