@@ -15,10 +15,10 @@ from outbox import lifecycle
 from outbox.errors import ConfigurationError, connect_failure
 from outbox.lifecycle import format_event
 from outbox.logs import JsonFormatter, LogfmtFormatter, log_fields
-from outbox.models import Operation
 from outbox.settings import Settings, libpq_url, load_settings, redact_url, sqlalchemy_url
 from outbox.text import logfmt_value, printable
 
+from support import policy_cases
 from support.logs import fields_of
 
 PASSWORD_CANARY = "pw-CANARY-93f1"
@@ -510,7 +510,7 @@ def test_distinct_messages_and_loggers_never_grow_the_formatters_memory_past_its
 def test_a_lifecycle_line_names_the_operation_and_leaves_out_the_states_moved_between(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    operation = Operation.model_construct(id=UUID(int=7), tool_name="send_refund")
+    operation = policy_cases.operation(id=UUID(int=7), tool_name="send_refund")
 
     with caplog.at_level("INFO", logger="outbox.lifecycle"):
         lifecycle.write(
