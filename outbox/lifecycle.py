@@ -68,6 +68,10 @@ def write_all(lines: list[Line]) -> None:
         write(name, operation, attributes)
 
 
+# The tool is already a field; the states moved between are in the event's name.
+_NOT_LOGGED = frozenset({"tool", "from", "to"})
+
+
 def write(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> None:
     if not logger.isEnabledFor(logging.INFO):
         # logging would drop the line anyway: not building its fields saves most of
@@ -81,10 +85,6 @@ def write(name: str, operation: Operation, attributes: Mapping[str, Scalar]) -> 
         if key not in _NOT_LOGGED:
             fields[key] = value
     log_mapping(logger, logging.INFO, name, _sentence(name), fields)
-
-
-# The tool is already a field; the states moved between are in the event's name.
-_NOT_LOGGED = frozenset({"tool", "from", "to"})
 
 
 @functools.lru_cache(maxsize=128)

@@ -81,6 +81,11 @@ class _Clock:
         return f"{last[1]}.{micro // 1000:03d}+00:00"
 
 
+# How many rendered heads and messages a formatter keeps: texts the code logs again and
+# again are few, and no stream of distinct ones may grow a process's memory.
+_CACHED_AT_MOST = 512
+
+
 class LogfmtFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__()
@@ -94,7 +99,7 @@ class LogfmtFormatter(logging.Formatter):
         if head is None:
             head = f"level={record.levelname.lower()} logger={logfmt_value(record.name)}"
             # Bounded like the messages: a program may name loggers after what it serves.
-            if len(self._heads) < 512:
+            if len(self._heads) < _CACHED_AT_MOST:
                 self._heads[(record.levelname, record.name)] = head
         parts = [f"ts={self._clock.stamp(record.created)}", head, self._message(record)]
         parts.extend(f"{key}={_logfmt_field(value)}" for key, value in _fields(record))
@@ -111,7 +116,7 @@ class LogfmtFormatter(logging.Formatter):
         message = self._messages.get(record.msg)
         if message is None:
             message = f"msg={logfmt_value(record.msg)}"
-            if len(self._messages) < 512:
+            if len(self._messages) < _CACHED_AT_MOST:
                 self._messages[record.msg] = message
         return message
 
