@@ -20,7 +20,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from aio_pika.abc import AbstractIncomingMessage
+from consumer.deliveries import Settleable
 
 
 class Settlement(enum.Enum):
@@ -31,7 +31,7 @@ class Settlement(enum.Enum):
 
 @dataclass
 class _Waiting:
-    message: AbstractIncomingMessage
+    message: Settleable
     how: Settlement
     settled: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -59,7 +59,7 @@ class Settlements:
         self.frames_sent = 0
         """How many settling frames went out: the saving is visible in tests."""
 
-    async def settle(self, message: AbstractIncomingMessage, how: Settlement) -> None:
+    async def settle(self, message: Settleable, how: Settlement) -> None:
         waiting = _Waiting(message, how)
         self._waiting.append(waiting)
         if not self._flush_scheduled:
@@ -92,7 +92,7 @@ class Settlements:
                 item.settled.set_result(None)
 
     async def _send(self, waiting: list[_Waiting]) -> None:
-        acks: dict[int, AbstractIncomingMessage] = {}
+        acks: dict[int, Settleable] = {}
         for item in waiting:
             tag = item.message.delivery_tag
             if tag is None:  # not from a consumer with acks: nothing to settle

@@ -33,13 +33,14 @@ import pydantic
 from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
-    AbstractIncomingMessage,
     ConsumerTag,
 )
+from aiormq.abc import DeliveredMessage
 
 from consumer.acks import Settlement, Settlements
 from consumer.claims import Claimed, Claims, Skip
 from consumer.database import APPLICATION_NAME, Database
+from consumer.deliveries import Delivery, Received
 from consumer.effects import Effects
 from consumer.gauges import ExecutionGauges
 from consumer.policy import Attempt
@@ -260,10 +261,19 @@ class Consumer(Daemon):
         underlay.on_consumer_cancel_callbacks.add(cancelled_by_broker)
         settlements = Settlements()  # delivery tags are the channel's own
 
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            await self._on_message(message, settlements)
+        # Straight on aiormq, not through ``Queue.consume``: its wrapper builds an
+        # ``IncomingMessage`` (see consumer.deliveries) and runs the callback in a task
+        # of its own, a second task per message on top of the channel's, where this
+        # consumer's handling needs only one that it owns (see ``_start_handling``).
+        async def on_delivery(delivered: DeliveredMessage) -> None:
+            self._start_handling(Delivery(delivered), settlements)
 
-        return declared, await declared.queue.consume(on_message)
+        consuming = await underlay.basic_consume(
+            queue=declared.queue.name, consumer_callback=on_delivery
+        )
+        if consuming.consumer_tag is None:  # pamqp types it optional; RabbitMQ always names it
+            raise aiormq.exceptions.AMQPConnectionError("the broker named no consumer tag")
+        return declared, ConsumerTag(consuming.consumer_tag)
 
     async def _apply_prefetch(self, channel: AbstractChannel) -> None:
         """Apply each new backpressure limit as the channel's prefetch (``basic.qos``):
@@ -292,18 +302,18 @@ class Consumer(Daemon):
             applied = limit
             log(logging.INFO, "consumer.prefetch", "prefetch changed", prefetch=limit)
 
-    async def _on_message(self, message: AbstractIncomingMessage, settlements: Settlements) -> None:
-        # aiormq runs this as a task of the channel and cancels it when the channel
-        # closes. The effect in hand must not be cut off with it: its operation would
-        # sit in flight until its lease ran out and then be looked up and called again.
-        # The handling runs in a task this consumer owns, so a lost connection costs
-        # only the ack (the redelivery is a duplicate the claim suppresses).
+    def _start_handling(self, message: Received, settlements: Settlements) -> None:
+        # aiormq runs the delivery callback as a task of the channel and cancels it when
+        # the channel closes. The effect in hand must not be cut off with it: its
+        # operation would sit in flight until its lease ran out and then be looked up
+        # and called again. The handling runs in a task this consumer owns, so a lost
+        # connection costs only the ack (the redelivery is a duplicate the claim
+        # suppresses); the channel's task ends as soon as this one has started.
         handling = asyncio.create_task(self._deliver(message, settlements))
         self._handlers.add(handling)
         handling.add_done_callback(self._handlers.discard)
-        await asyncio.shield(handling)
 
-    async def _deliver(self, message: AbstractIncomingMessage, settlements: Settlements) -> None:
+    async def _deliver(self, message: Received, settlements: Settlements) -> None:
         try:
             await self.handle(message, settlements)
         except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError) as error:
@@ -328,7 +338,7 @@ class Consumer(Daemon):
             with contextlib.suppress(Exception):
                 await settlements.settle(message, Settlement.REQUEUE)
 
-    async def handle(self, message: AbstractIncomingMessage, settlements: Settlements) -> str:
+    async def handle(self, message: Received, settlements: Settlements) -> str:
         """Handle one delivery and settle it; returns its result label (for metrics and
         tests), ``"chunk"`` for a message of several operations."""
         if oversized(message.body):
@@ -353,7 +363,7 @@ class Consumer(Daemon):
         return handled.result
 
     async def _handle_chunk(
-        self, message: AbstractIncomingMessage, settlements: Settlements, chunk: OperationChunk
+        self, message: Received, settlements: Settlements, chunk: OperationChunk
     ) -> str:
         """Every operation of a chunk, each as a delivery of its own (their claims and
         outcomes share transactions), then one settlement for the message.
@@ -462,9 +472,7 @@ class Consumer(Daemon):
         """Record the outcome (see :meth:`consumer.effects.Effects.record`)."""
         await self.effects.record(claimed, attempt)
 
-    async def _dead_letter(
-        self, message: AbstractIncomingMessage, settlements: Settlements, *reasons: str
-    ) -> str:
+    async def _dead_letter(self, message: Received, settlements: Settlements, *reasons: str) -> str:
         """Reject ``message`` to the dead-letter queue, counting one reason per operation
         it carries (one for a body that is no envelope)."""
         for reason in reasons:
@@ -481,7 +489,7 @@ class Consumer(Daemon):
         return "invalid"
 
     async def _later(
-        self, message: AbstractIncomingMessage, settlements: Settlements, error: BaseException
+        self, message: Received, settlements: Settlements, error: BaseException
     ) -> str:
         self.metrics.deliveries.labels("retry_later").inc()
         self._log_returned(error)
