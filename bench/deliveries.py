@@ -34,6 +34,7 @@ from pamqp import commands as spec
 from pamqp.header import ContentHeader
 
 from consumer.deliveries import Delivery
+from outbox.cli import positive_int
 
 
 def synthetic(
@@ -106,9 +107,9 @@ async def dispatch(path: str, deliveries: list[DeliveredMessage], burst: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--deliveries", type=int, default=20_000)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--burst", type=int, default=30)
+    parser.add_argument("--deliveries", type=positive_int, default=20_000)
+    parser.add_argument("--rounds", type=positive_int, default=7)
+    parser.add_argument("--burst", type=positive_int, default=30)
     args = parser.parse_args()
     deliveries = [synthetic(tag) for tag in range(1, args.deliveries + 1)]
     paths = ("queue.consume", "raw")

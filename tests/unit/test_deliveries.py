@@ -10,6 +10,7 @@ import pytest
 from aiormq.abc import AbstractChannel, DeliveredMessage
 
 from bench.deliveries import dispatch, synthetic
+from bench.deliveries import main as bench_main
 from consumer.deliveries import AlreadySettled, Delivery
 
 
@@ -124,3 +125,14 @@ async def test_the_bench_hands_every_delivery_to_a_handler_on_both_paths(
     # bench.deliveries raises when a path loses a delivery; a figure must count them all.
     spent = await dispatch(path, [synthetic(tag) for tag in range(1, 51)], burst)
     assert spent > 0
+
+
+@pytest.mark.parametrize("option", ["--deliveries", "--rounds", "--burst"])
+def test_the_bench_refuses_a_count_below_one(
+    option: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.argv", ["deliveries.py", option, "0"])
+    with pytest.raises(SystemExit) as exited:
+        bench_main()
+    assert exited.value.code == 2
+    assert f"argument {option}: must be 1 or more" in capsys.readouterr().err
