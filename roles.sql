@@ -94,7 +94,8 @@ $$;
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
-    outbox_deployment, operation_event_heads, operation_status, callbacks
+    outbox_deployment, operation_event_heads, operation_status, callbacks, provider_health,
+    provider_events
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
@@ -191,12 +192,18 @@ GRANT UPDATE (published_at, publish_attempts, last_error, available_at) ON outbo
 GRANT SELECT ON operations TO outbox_consumer;
 GRANT UPDATE (state, attempts, reconcile_attempts, lease_token, lease_owner, lease_expires_at,
               next_attempt_at, first_attempt_at, provider_reference, result, last_error_class,
-              effect_possible) ON operations TO outbox_consumer;
+              effect_possible, waiting_since) ON operations TO outbox_consumer;
 GRANT SELECT ON outbox TO outbox_consumer;
 GRANT INSERT (operation_id, routing_key, available_at) ON outbox TO outbox_consumer;
 GRANT SELECT ON operation_events TO outbox_consumer;
 GRANT INSERT (operation_id, name, attributes) ON operation_events TO outbox_consumer;
 GRANT SELECT ON approvals TO outbox_consumer;
+-- The provider breaker (outbox/breaker.py): the consumer keeps its row (creating it at
+-- a provider's first failure, locking it to decide) and appends its outages; it never
+-- rewrites or deletes an outage's event. Operators read both (`outbox providers`).
+GRANT SELECT, INSERT (provider), UPDATE ON provider_health TO outbox_consumer;
+GRANT INSERT (provider, name, attributes) ON provider_events TO outbox_consumer;
+GRANT SELECT ON provider_health, provider_events TO outbox_operator;
 
 -- A person at the `outbox ops` / `outbox approvals` commands: reads everything,
 -- resolves (UPDATE operations, its event, a retry's outbox row) and records grants
@@ -206,7 +213,7 @@ GRANT SELECT ON approvals TO outbox_consumer;
 GRANT SELECT ON operations TO outbox_operator;
 GRANT UPDATE (state, attempts, reconcile_attempts, lease_token, lease_owner, lease_expires_at,
               next_attempt_at, first_attempt_at, provider_reference, result, last_error_class,
-              effect_possible) ON operations TO outbox_operator;
+              effect_possible, waiting_since) ON operations TO outbox_operator;
 GRANT SELECT ON outbox TO outbox_operator;
 GRANT INSERT (operation_id, routing_key, available_at) ON outbox TO outbox_operator;
 GRANT SELECT ON operation_events TO outbox_operator;

@@ -54,6 +54,14 @@ CREATE TABLE IF NOT EXISTS operations (
 -- the column is trusted to the consumer's code, not to a grant.
 ALTER TABLE operations ADD COLUMN IF NOT EXISTS effect_possible boolean NOT NULL DEFAULT false;
 
+-- Version 9: since when the operation has been waiting for its provider (a call or a
+-- lookup that could not reach it, or a breaker that holds its calls back). Waiting
+-- spends no attempt and no lookup; the contract's outage_tolerance, counted from here,
+-- is what hands it to a person. Cleared by any answer the provider gives.
+ALTER TABLE operations ADD COLUMN IF NOT EXISTS waiting_since timestamptz;
+CREATE INDEX IF NOT EXISTS operations_waiting
+    ON operations (tool_name) WHERE waiting_since IS NOT NULL;
+
 CREATE INDEX IF NOT EXISTS operations_state_next_attempt
     ON operations (state, next_attempt_at)
     WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated');
@@ -234,7 +242,9 @@ BEGIN
        OR (NEW.next_attempt_at IS DISTINCT FROM OLD.next_attempt_at
            AND NOT outbox_plausible_time(NEW.next_attempt_at))
        OR (NEW.first_attempt_at IS DISTINCT FROM OLD.first_attempt_at
-           AND NOT outbox_plausible_time(NEW.first_attempt_at)) THEN
+           AND NOT outbox_plausible_time(NEW.first_attempt_at))
+       OR (NEW.waiting_since IS DISTINCT FROM OLD.waiting_since
+           AND NOT outbox_plausible_time(NEW.waiting_since)) THEN
         RAISE EXCEPTION 'operation %: a reference, lease owner, error class or time outside its bounds', OLD.id
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_values_bounded';
     END IF;
@@ -257,7 +267,8 @@ BEGIN
        OR NEW.lease_token <> 0 OR NEW.lease_owner IS NOT NULL
        OR NEW.lease_expires_at IS NOT NULL OR NEW.first_attempt_at IS NOT NULL
        OR NEW.provider_reference IS NOT NULL OR NEW.result IS NOT NULL
-       OR NEW.last_error_class IS NOT NULL OR NEW.effect_possible THEN
+       OR NEW.last_error_class IS NOT NULL OR NEW.effect_possible
+       OR NEW.waiting_since IS NOT NULL THEN
         RAISE EXCEPTION 'a new operation must be prepared, with no attempt, lease or outcome'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_born_prepared';
     END IF;
@@ -933,6 +944,56 @@ BEGIN
 END;
 $$;
 
+-- Version 9: one verdict per provider on whether it can be reached (docs/design.md
+-- section 9), shared through this row by every consumer and the reconciler. Closed:
+-- calls go through. Open: nobody calls the provider; its operations wait and spend
+-- nothing. Half-open: one probe (an attempt or a lookup) is out, under probe_owner
+-- until probe_expires_at. A streak of calls that could not reach it, from several
+-- operations and with no answer between them, opens it; any answer closes it. Only the
+-- consumer writes it (roles.sql); what it decides is outbox/breaker.py's.
+CREATE TABLE IF NOT EXISTS provider_health (
+    provider            text PRIMARY KEY CHECK (provider ~ '^[a-z][a-z0-9_.-]{0,63}$'),
+    state               text NOT NULL DEFAULT 'closed'
+                            CHECK (state IN ('closed', 'open', 'half_open')),
+    failing_operations  uuid[] NOT NULL DEFAULT '{}'
+                            CHECK (cardinality(failing_operations) <= 100),
+    failing_since       timestamptz CHECK (outbox_plausible_time(failing_since)),
+    last_failure        text CHECK (last_failure ~ '^[a-z0-9][a-z0-9_.-]{0,63}$'),
+    outage_started_at   timestamptz CHECK (outbox_plausible_time(outage_started_at)),
+    opened_at           timestamptz CHECK (outbox_plausible_time(opened_at)),
+    probes              integer NOT NULL DEFAULT 0 CHECK (probes >= 0),
+    next_probe_at       timestamptz CHECK (outbox_plausible_time(next_probe_at)),
+    probe_owner         text CHECK (length(probe_owner) <= 200),
+    probe_expires_at    timestamptz CHECK (outbox_plausible_time(probe_expires_at)),
+    -- The provider's Retry-After: no call to it before this, from any process.
+    not_before          timestamptz CHECK (outbox_plausible_time(not_before)),
+    -- A declared rate (ProviderLimits), as GCRA keeps it: the theoretical arrival time
+    -- of the next call. Each call books one interval past it; one whose turn is in the
+    -- future waits in hand for it.
+    rate_tat            timestamptz CHECK (outbox_plausible_time(rate_tat)),
+    updated_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT provider_health_probe_consistent CHECK (
+        (probe_owner IS NULL) = (probe_expires_at IS NULL)
+        AND (state = 'half_open') = (probe_owner IS NOT NULL)
+        AND (state = 'closed') = (outage_started_at IS NULL)
+    )
+);
+
+-- What an outage was, for the operator: one provider.unavailable when the breaker
+-- opens and one provider.available when it closes (with how long, how many probes and
+-- how many operations waited). Appended by the consumer, never changed (no UPDATE or
+-- DELETE is granted to anyone).
+CREATE TABLE IF NOT EXISTS provider_events (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    provider    text NOT NULL CHECK (provider ~ '^[a-z][a-z0-9_.-]{0,63}$'),
+    name        text NOT NULL CHECK (name IN ('provider.unavailable', 'provider.available')),
+    attributes  jsonb NOT NULL DEFAULT '{}'::jsonb
+                    CHECK (jsonb_typeof(attributes) = 'object'
+                           AND octet_length(attributes::text) <= 4096),
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS provider_events_provider ON provider_events (provider, id);
+
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;
@@ -941,3 +1002,4 @@ INSERT INTO outbox_schema_version (version) VALUES (5) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (6) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (7) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (9) ON CONFLICT (version) DO NOTHING;

@@ -28,6 +28,7 @@ from outbox.callback_policy import (
 from outbox.contracts import (
     ApprovalPolicy,
     OnUnknown,
+    ProviderLimits,
     Registry,
     RetryPolicy,
     SideEffect,
@@ -70,10 +71,14 @@ from outbox.outcomes import (
     EffectResult,
     ExecutionContext,
     Found,
+    InProgress,
     NotFound,
     NotSent,
     OutcomeUnknown,
+    ProviderUnavailable,
+    RateLimited,
     StillUnknown,
+    Unreachable,
 )
 from outbox.settings import Settings
 from outbox.states import EventName, OperationState
@@ -97,6 +102,7 @@ __all__ = [
     "ExecutionContext",
     "Found",
     "IllegalTransition",
+    "InProgress",
     "InputRejected",
     "LeaseLost",
     "NotFound",
@@ -111,6 +117,9 @@ __all__ = [
     "OutcomeStatus",
     "OutcomeUnknown",
     "OutcomeWatcher",
+    "ProviderLimits",
+    "ProviderUnavailable",
+    "RateLimited",
     "RecordedDecision",
     "Registry",
     "RetryPolicy",
@@ -122,6 +131,7 @@ __all__ = [
     "ToolContract",
     "ToolNotRegistered",
     "TransientDatabaseError",
+    "Unreachable",
     "agent_completed",
     "await_outcome",
     "await_outcome_sync",

@@ -137,6 +137,35 @@ class ApprovalPolicy:
         return self.when is None or self.when(validated_input)
 
 
+@dataclass(frozen=True)
+class ProviderLimits:
+    """What a provider allows, shared by every consumer and the reconciler: calls (attempts
+    and lookups together) per second, with ``burst`` of them at once after a quiet spell.
+    A call waits its turn in hand, before its claim, so a burst of decisions slows the
+    effects instead of meeting the provider's 429s."""
+
+    calls_per_second: float
+    burst: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (
+            isinstance(self.calls_per_second, bool)
+            or not isinstance(self.calls_per_second, int | float)
+            or not 0 < self.calls_per_second <= 100_000
+        ):
+            problems.append("calls_per_second must be a number above 0 and at most 100000")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            problems.append("burst must be an integer of at least 1")
+        if problems:
+            raise ContractRefused("provider limits refused: " + "; ".join(problems))
+
+    @property
+    def interval(self) -> timedelta:
+        """The time one call takes of the provider's allowance."""
+        return timedelta(seconds=1 / self.calls_per_second)
+
+
 Execute = Callable[[InputT, ExecutionContext], Awaitable[EffectResult]]
 Reconcile = Callable[[InputT, ExecutionContext], Awaitable[Reconciliation]]
 
@@ -168,10 +197,25 @@ class ToolContract(Generic[InputT]):
     """The provider's signed callbacks about this tool's effects, and how much they may
     settle (docs/design.md section 5, "Callbacks"). None: no callback moves these
     operations."""
+    provider: str | None = None
+    """Who performs the effect, as the breaker knows it: tools that share a provider
+    share one verdict on whether it is reachable. None: the tool is its own provider."""
+    outage_tolerance: timedelta = timedelta(hours=1)
+    """How long an operation may wait for its provider to come back before a person is
+    asked (``provider_unavailable``). Waiting spends no attempt and no lookup: a payment
+    may say 15 minutes, an email a day."""
+    provider_limits: ProviderLimits | None = None
+    """The provider's declared rate, shared by every consumer; every tool that names the
+    provider declares the same limits. None: no limit but the provider's own 429s."""
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
+
+    @property
+    def provider_name(self) -> str:
+        """The provider whose health decides whether this tool is called now."""
+        return self.provider if self.provider is not None else self.name
 
     @property
     def label(self) -> str:
@@ -244,6 +288,8 @@ class Registry:
         if contract.key in self._contracts:
             problems.append(f"tool {contract.label} is already registered")
         problems.extend(self._provider_clashes(contract))
+        if not problems:
+            problems.extend(self._limit_clashes(contract))
         if problems:
             raise ContractRefused(
                 f"tool {contract.label} refused: " + "; ".join(problems), problems=problems
@@ -274,6 +320,17 @@ class Registry:
             for contract in self
             if contract.callbacks is not None
         }
+
+    def _limit_clashes(self, contract: ToolContract[Any]) -> list[str]:
+        """One provider, one allowance: every contract that names it declares the same
+        limits, or the consumers would share a rate none of them declared."""
+        return [
+            f"provider {contract.provider_name!r} is declared with other limits by tool "
+            f"{other.label}; declare one ProviderLimits for every tool of a provider"
+            for other in self
+            if other.provider_name == contract.provider_name
+            and other.provider_limits != contract.provider_limits
+        ]
 
     def _provider_clashes(self, contract: ToolContract[Any]) -> list[str]:
         """One route serves a provider, so its payloads can be verified and read one way
@@ -370,12 +427,30 @@ def contract_problems(contract: ToolContract[Any]) -> list[str]:
         problems.append("dedupe_window applies only to a deduplicated_write")
     if contract.deadline <= timedelta(0):
         problems.append("deadline must be positive")
+    if contract.provider is not None and (
+        not isinstance(contract.provider, str) or not TOOL_NAME.fullmatch(contract.provider)
+    ):
+        problems.append(
+            f"provider must match {TOOL_NAME.pattern} (it becomes a metric label and a key "
+            "in the provider health table)"
+        )
+    if not isinstance(contract.outage_tolerance, timedelta) or contract.outage_tolerance <= (
+        timedelta(0)
+    ):
+        problems.append(
+            "outage_tolerance must be a positive timedelta: how long an operation may wait "
+            "for its provider before a person is asked"
+        )
     if not isinstance(contract.additive_only, bool):
         problems.append("additive_only must be True or False")
     elif contract.additive_only and contract.side_effect is SideEffect.READ_ONLY:
         problems.append(
             "additive_only applies only to writes; a read_only tool changes nothing to add to"
         )
+    if contract.provider_limits is not None and not isinstance(
+        contract.provider_limits, ProviderLimits
+    ):
+        problems.append("provider_limits must be a ProviderLimits or None")
     if contract.callbacks is not None:
         problems.extend(
             policy_problems(

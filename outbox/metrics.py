@@ -1,8 +1,9 @@
 """Every Prometheus metric effect-outbox exports, in one place, behind one prefix.
 
-Labels are tool, state, outcome, result, reason, check, peer, queue, column, verdict,
-limit and version: bounded sets. Never ids, never inputs. Each daemon builds its metrics on its own
-``CollectorRegistry`` so tests can run several in one process; each registry also
+Labels are tool, provider, state, outcome, result, reason, check, peer, queue, column,
+verdict, limit and version: bounded sets (a provider is named by a contract). Never
+ids, never inputs. Each daemon builds its metrics on its own ``CollectorRegistry`` so
+tests can run several in one process; each registry also
 carries the process and platform collectors (CPU, memory, file descriptors, the Python
 version) and ``outbox_build_info``.
 
@@ -98,6 +99,9 @@ class MetricNames:
     CONSUMER_LIMIT = f"{PREFIX}_consumer_limit"
     CONSUMER_DELIVERIES_HELD = f"{PREFIX}_consumer_deliveries_held"
     DISPATCHER_LIMIT = f"{PREFIX}_dispatcher_limit"
+    PROVIDER_AVAILABLE = f"{PREFIX}_provider_available"
+    PROVIDER_WAITING_OPERATIONS = f"{PREFIX}_provider_waiting_operations"
+    PROVIDER_OUTAGES = f"{PREFIX}_provider_outages"
 
 
 def prime(metric: Counter | Histogram, *values: Iterable[str]) -> None:
@@ -289,6 +293,9 @@ class ConsumerMetrics:
     slow_transactions: Counter
     limit: Gauge
     deliveries_held: Counter
+    provider_available: Gauge
+    provider_waiting: Gauge
+    provider_outages: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ConsumerMetrics:
@@ -406,6 +413,27 @@ class ConsumerMetrics:
                 "for a rejected or prepared operation, another reference, a failure after "
                 "success): an effect nobody accounts for",
                 ["tool"],
+                registry=registry,
+            ),
+            # Every consumer reads the same breaker row: aggregate with min() and max().
+            provider_available=Gauge(
+                names.PROVIDER_AVAILABLE,
+                "1 while the provider's breaker is closed (its calls go through), 0 while it "
+                "is open or half-open: its operations wait and spend no budget",
+                ["provider"],
+                registry=registry,
+            ),
+            provider_waiting=Gauge(
+                names.PROVIDER_WAITING_OPERATIONS,
+                "Operations waiting for their provider (prepared or unknown, held back by "
+                "its breaker, its Retry-After or calls that got no answer)",
+                ["provider"],
+                registry=registry,
+            ),
+            provider_outages=Counter(
+                names.PROVIDER_OUTAGES,
+                "Times this consumer's failure opened a provider's breaker",
+                ["provider"],
                 registry=registry,
             ),
         )

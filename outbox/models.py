@@ -64,6 +64,9 @@ class Operation(_Record):
     the effect may have happened, so no later failure can end the operation rejected."""
     created_at: datetime
     updated_at: datetime
+    waiting_since: datetime | None = None
+    """Since when it has been waiting for its provider (calls and lookups that could not
+    reach it); None once the provider answered. Read where it is selected."""
 
     @property
     def display_id(self) -> str:

@@ -53,6 +53,8 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
     "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
     "OUTBOX_SANDBOX_CALLBACK_WAIT": "the payment sandbox's example tools: the email callback wait",
+    "OUTBOX_SANDBOX_OUTAGE_TOLERANCE": "the payment sandbox's example tools: how long a refund "
+    "waits for the sandbox before a person is asked",
     "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
     "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
     "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
@@ -81,6 +83,10 @@ DURATION_SETTINGS = (
     "requeue_stale_after",
     "approval_denial_grace",
     "callback_tolerance",
+    "provider_failure_window",
+    "provider_longest_probe",
+    "provider_release_spread",
+    "provider_health_refresh",
 )
 # The server-side bounds and the client's transaction deadline: each must end before the
 # lease does (docs/design.md section 9), or a session whose client went silent could
@@ -255,6 +261,32 @@ class Settings(BaseSettings):
     )
     reconcile_batch: int = Field(
         default=50, ge=1, le=1000, description="operations one reconciler scan takes"
+    )
+    # The provider breaker (outbox/breaker.py, docs/contracts.md "When the provider is
+    # down"): one verdict per provider, shared through Postgres by every consumer.
+    provider_failures_to_open: int = Field(
+        default=5,
+        ge=2,
+        le=100,
+        description="operations whose calls to one provider got no answer, in a row, "
+        "that open its breaker",
+    )
+    provider_failure_window: float = Field(
+        default=30.0, description="seconds within which those failures count as one streak"
+    )
+    provider_longest_probe: float = Field(
+        default=10.0,
+        description="the longest pause, in seconds, between probes of an unavailable "
+        "provider (they start at 1 s and double)",
+    )
+    provider_release_spread: float = Field(
+        default=5.0,
+        description="seconds over which the operations that waited are released, at "
+        "random, when their provider is back",
+    )
+    provider_health_refresh: float = Field(
+        default=1.0,
+        description="seconds a consumer trusts its copy of the providers' breakers",
     )
     # Prometheus scrapes from another host or container, so all interfaces by default;
     # the endpoints serve counters and health only, never ids or payloads.

@@ -91,3 +91,17 @@ class EventName(StrEnum):
     # A provider callback disagrees with how the operation stands (a success for a
     # rejected or prepared one, another reference, a failure after success): a person's.
     CONTRADICTED = "operation.contradicted"
+    # Its provider could not take its calls or lookups (an open breaker, a Retry-After, a
+    # call that got no answer): it waits, spending no attempt and no lookup. Written when
+    # the wait begins, not at every recheck.
+    WAITING = "operation.waiting"
+
+
+class Waiting(StrEnum):
+    """What a move does to the operation's wait for its provider (``waiting_since``)."""
+
+    START = "start"
+    """Begin the wait, or go on with the one already begun."""
+    END = "end"
+    """The provider answered: the wait is over."""
+    KEEP = "keep"

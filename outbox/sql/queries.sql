@@ -89,6 +89,7 @@ WITH delivered AS (
               o.reconcile_attempts, o.lease_token, o.lease_owner, o.lease_expires_at,
               o.next_attempt_at, o.first_attempt_at, o.provider_reference, o.result,
               o.last_error_class, o.effect_possible, o.created_at, o.updated_at,
+              o.waiting_since,
               -- As the statement's snapshot has it, before the claim: the replay check
               -- counts from the first attempt. The claims set first_attempt_at only from
               -- NULL, so a row claimed and released since the snapshot reads the same
@@ -115,6 +116,7 @@ WITH outcome AS (
     SET state = 'committed',
         lease_owner = NULL,
         lease_expires_at = NULL,
+        waiting_since = NULL,
         provider_reference = COALESCE(i.provider_reference, o.provider_reference),
         result = COALESCE(i.result, o.result)
     FROM outcome i
@@ -129,7 +131,7 @@ WITH outcome AS (
 SELECT * FROM moved
 
 -- name: transition_operation
--- Guarded move source -> target (state and, when given, fencing token must match); appends the event and, when asked, a fresh outbox row. A move to outcome_unknown marks the effect possible; only a lookup that proved it absent (effect_disproved) clears the mark.
+-- Guarded move source -> target (state and, when given, fencing token must match); appends the event and, when asked, a fresh outbox row. A move to outcome_unknown marks the effect possible; only a lookup that proved it absent (effect_disproved) clears the mark. waiting: 'start' begins (or continues) a wait for the provider, 'end' clears it (the provider answered), anything else keeps it; attempt_refund gives back the attempt of a call the provider could not take.
 WITH moved AS (
     UPDATE operations
     SET state = %(target)s,
@@ -144,7 +146,13 @@ WITH moved AS (
         result = COALESCE(%(result)s, result),
         last_error_class = COALESCE(%(error_class)s, last_error_class),
         next_attempt_at = COALESCE(now() + %(delay)s::interval, next_attempt_at),
-        reconcile_attempts = reconcile_attempts + %(reconcile_increment)s::integer
+        reconcile_attempts = reconcile_attempts + %(reconcile_increment)s::integer,
+        attempts = attempts - %(attempt_refund)s::integer,
+        waiting_since = CASE %(waiting)s::text
+            WHEN 'start' THEN COALESCE(waiting_since, clock_timestamp())
+            WHEN 'end' THEN NULL
+            ELSE waiting_since
+        END
     WHERE id = %(id)s
       AND state = %(source)s
       AND (%(lease_token)s::bigint IS NULL OR lease_token = %(lease_token)s::bigint)
@@ -370,7 +378,8 @@ WITH deferred AS (
         lease_owner = NULL,
         lease_expires_at = NULL,
         next_attempt_at = clock_timestamp() + %(delay)s::interval,
-        last_error_class = %(reason)s
+        last_error_class = %(reason)s,
+        waiting_since = NULL
     WHERE id = %(id)s AND state = 'outcome_unknown' AND lease_token = %(lease_token)s
     RETURNING *
 ), event AS (
@@ -515,6 +524,185 @@ WITH denied AS (
     FROM moved
 )
 SELECT id AS operation_id FROM moved
+
+-- ==== outbox.store.providers: the provider breaker's row, its events, and the operations that wait for a provider
+
+-- name: ensure_provider_health
+-- A closed breaker row for the provider if it has none, so that the row can be locked.
+INSERT INTO provider_health (provider) VALUES (%(provider)s) ON CONFLICT (provider) DO NOTHING
+
+-- name: lock_provider_health
+-- The provider's breaker row, locked until the transaction ends, with the database's clock: every decision on it is made under this lock.
+SELECT *, clock_timestamp() AS now FROM provider_health WHERE provider = %(provider)s FOR UPDATE
+
+-- name: write_provider_health
+-- The breaker row as outbox/breaker.py decided it under lock_provider_health.
+UPDATE provider_health
+SET state = %(state)s,
+    failing_operations = %(failing_operations)b::uuid[],
+    failing_since = %(failing_since)s,
+    last_failure = %(last_failure)s,
+    outage_started_at = %(outage_started_at)s,
+    opened_at = %(opened_at)s,
+    probes = %(probes)s,
+    next_probe_at = %(next_probe_at)s,
+    probe_owner = %(probe_owner)s,
+    probe_expires_at = %(probe_expires_at)s,
+    not_before = %(not_before)s,
+    updated_at = clock_timestamp()
+WHERE provider = %(provider)s
+
+-- name: book_provider_call
+-- A call's turn under the provider's declared rate (GCRA): books one interval past the later of the theoretical arrival time and now, and returns how long the call waits for its turn (0 within the burst), unless the turns booked already reach past the horizon (then nothing is booked and no row returns).
+UPDATE provider_health
+SET rate_tat = greatest(coalesce(rate_tat, clock_timestamp()), clock_timestamp())
+               + %(interval)s::interval
+WHERE provider = %(provider)s
+  AND greatest(coalesce(rate_tat, clock_timestamp()), clock_timestamp())
+      <= clock_timestamp() + %(horizon)s::interval
+RETURNING greatest(
+    extract(epoch FROM rate_tat - %(interval)s::interval - %(tolerance)s::interval
+                      - clock_timestamp()),
+    0
+)::float8 AS wait_seconds
+
+-- name: insert_provider_event
+-- Append provider.unavailable or provider.available.
+INSERT INTO provider_events (provider, name, attributes)
+VALUES (%(provider)s, %(name)s, %(attributes)s)
+
+-- name: share_provider_health
+-- The provider's breaker state, share-locked until the transaction ends: a wait written in this transaction and the answer that closes the breaker (which locks the row for update, then releases the waiting operations) cannot pass each other.
+SELECT state FROM provider_health WHERE provider = %(provider)s FOR SHARE
+
+-- name: provider_health_rows
+-- The breaker rows of these providers with the database's clock (a consumer's cached view); one row with a NULL provider when none has a row, for the clock.
+SELECT c.now, h.*
+FROM (SELECT clock_timestamp() AS now) c
+LEFT JOIN provider_health h ON h.provider = ANY(%(providers)b::text[])
+
+-- name: all_provider_health
+-- Every breaker row with the database's clock and how many operations of each wait, for `outbox providers` and the console.
+SELECT h.*, clock_timestamp() AS now,
+       (SELECT e.created_at FROM provider_events e
+        WHERE e.provider = h.provider ORDER BY e.id DESC LIMIT 1) AS last_event_at
+FROM provider_health h
+ORDER BY h.provider
+
+-- name: waiting_operations_by_tool
+-- How many operations of each tool wait for their provider (prepared or unknown, waiting_since set), from the partial index operations_waiting.
+SELECT tool_name, count(*) AS waiting
+FROM operations
+WHERE waiting_since IS NOT NULL AND state IN ('prepared', 'outcome_unknown')
+GROUP BY tool_name
+
+-- name: count_waited_operations
+-- How many operations of these tools waited for their provider since the outage began: for provider.available's evidence.
+SELECT count(*) AS waited
+FROM operations
+WHERE waiting_since IS NOT NULL AND tool_name = ANY(%(tools)b::text[])
+  AND state IN ('prepared', 'outcome_unknown', 'in_flight')
+
+-- name: release_waiting_operations
+-- The provider is back: every waiting operation of these tools is due again within the spread (drawn at random, so the provider is not met by all of them at once), the prepared ones with a fresh outbox row. Held leases are left alone; their holders are calling already.
+WITH released AS (
+    UPDATE operations
+    SET next_attempt_at = clock_timestamp() + random() * %(spread)s::interval
+    WHERE waiting_since IS NOT NULL
+      AND tool_name = ANY(%(tools)b::text[])
+      AND state IN ('prepared', 'outcome_unknown')
+      AND lease_owner IS NULL
+      AND next_attempt_at > clock_timestamp() + %(spread)s::interval
+    RETURNING id, state, tool_name, tool_version, next_attempt_at
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key, available_at)
+    SELECT id, tool_name || '.v' || tool_version, next_attempt_at
+    FROM released WHERE state = 'prepared'
+)
+SELECT count(*) AS released FROM released
+
+-- name: nominate_probe
+-- A provider's probe is due: the waiting operation of these tools due soonest becomes due now (a prepared one with a fresh outbox row), so that a call goes out to find the provider back, unless one of them is due within a second already. Returns the operation it nominated.
+WITH nominated AS (
+    UPDATE operations
+    SET next_attempt_at = clock_timestamp()
+    WHERE id = (
+        SELECT id FROM operations
+        WHERE waiting_since IS NOT NULL
+          AND tool_name = ANY(%(tools)b::text[])
+          AND state IN ('prepared', 'outcome_unknown')
+          AND lease_owner IS NULL
+        ORDER BY next_attempt_at
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED
+    )
+      AND next_attempt_at > clock_timestamp() + interval '1 second'
+    RETURNING id, state, tool_name, tool_version, next_attempt_at
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key, available_at)
+    SELECT id, tool_name || '.v' || tool_version, next_attempt_at
+    FROM nominated WHERE state = 'prepared'
+)
+SELECT id FROM nominated
+
+-- name: wait_prepared_for_provider
+-- Prepared, due operations whose provider holds calls back: due again after each one's delay, with a fresh outbox row then, and waiting since now unless they already were (an operation.waiting event when the wait begins). No attempt is counted. Returns the ids it moved.
+WITH wanted AS (
+    SELECT w.id, w.delay, p.waiting_since AS waiting_before
+    FROM unnest(%(ids)b::uuid[], %(delays)b::interval[]) AS w (id, delay)
+    JOIN operations p ON p.id = w.id
+), waiting AS (
+    UPDATE operations o
+    SET next_attempt_at = clock_timestamp() + w.delay,
+        waiting_since = COALESCE(o.waiting_since, clock_timestamp())
+    FROM wanted w
+    WHERE o.id = w.id AND o.state = 'prepared' AND o.next_attempt_at <= clock_timestamp()
+    RETURNING o.id, o.tool_name, o.tool_version, o.next_attempt_at, w.waiting_before
+), queued AS (
+    INSERT INTO outbox (operation_id, routing_key, available_at)
+    SELECT id, tool_name || '.v' || tool_version, next_attempt_at FROM waiting
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT id, 'operation.waiting',
+           jsonb_build_object('provider', %(provider)s::text, 'reason', %(reason)s::text,
+                              'state', 'prepared')
+    FROM waiting WHERE waiting_before IS NULL
+)
+SELECT id, waiting_before IS NULL AS began FROM waiting
+
+-- name: wait_unknown_for_provider
+-- An unknown outcome whose provider could not be asked now: its lease released, looked up again after the delay, no lookup counted; when the provider is why (waiting), waiting since now unless it already was (an operation.waiting event when the wait begins), otherwise (its turn under a declared rate) no wait begins.
+WITH before AS (
+    SELECT waiting_since FROM operations WHERE id = %(id)s
+), waiting AS (
+    UPDATE operations
+    SET next_attempt_at = clock_timestamp() + %(delay)s::interval,
+        waiting_since = CASE WHEN %(waiting)s::boolean
+                             THEN COALESCE(waiting_since, clock_timestamp())
+                             ELSE waiting_since END,
+        lease_owner = NULL,
+        lease_expires_at = NULL,
+        last_error_class = CASE WHEN %(waiting)s::boolean
+                                THEN COALESCE(%(reason)s::text, last_error_class)
+                                ELSE last_error_class END
+    WHERE id = %(id)s AND state = 'outcome_unknown' AND lease_token = %(lease_token)s
+    RETURNING *
+), event AS (
+    INSERT INTO operation_events (operation_id, name, attributes)
+    SELECT w.id, 'operation.waiting',
+           jsonb_build_object('provider', %(provider)s::text, 'reason', %(reason)s::text,
+                              'state', 'outcome_unknown')
+    FROM waiting w, before b WHERE b.waiting_since IS NULL AND %(waiting)s::boolean
+)
+SELECT * FROM waiting
+
+-- name: list_provider_events
+-- A provider's outages, newest first.
+SELECT id, provider, name, attributes, created_at
+FROM provider_events
+WHERE provider = %(provider)s
+ORDER BY id DESC
+LIMIT %(limit)s
 
 -- ==== outbox.store.callbacks: the provider callbacks inbox (written by outbox_callbacks, applied by the consumer, read by operators)
 

@@ -9,6 +9,8 @@
 - :mod:`~outbox.store.awaiting`: the agent's reads while it awaits outcomes;
 - :mod:`~outbox.store.dispatch`: the dispatcher's outbox rows and gauges;
 - :mod:`~outbox.store.reconcile`: the reconciler's leases, lookups and endings;
+- :mod:`~outbox.store.providers`: the provider breaker, its events, and the operations
+  that wait for a provider;
 - :mod:`~outbox.store.gauges`: what waits to be executed, for the consumer's gauges,
   and the backends' activity for the liveness probe;
 - :mod:`~outbox.store.evidence`: checking the lifecycle events' hash chain;
@@ -27,6 +29,7 @@ Callers use the package as one namespace (``from outbox import store``;
 
 from __future__ import annotations
 
+from outbox.states import Waiting
 from outbox.store.approvals import check_approval, decide_approval
 from outbox.store.awaiting import (
     listen_operation_changes,
@@ -97,6 +100,22 @@ from outbox.store.operator import (
     pending_approvals,
     resolve_operation,
 )
+from outbox.store.providers import (
+    HealthChange,
+    ProviderRow,
+    all_providers,
+    book_provider_call,
+    nominate_probe,
+    provider_events,
+    provider_health,
+    provider_still_unavailable,
+    record_provider_answer,
+    record_provider_failure,
+    take_provider_probe,
+    wait_prepared,
+    wait_unknown,
+    waiting_operations_by_tool,
+)
 from outbox.store.reconcile import (
     claim_reconciliation_batch,
     defer_reconciliation,
@@ -132,6 +151,7 @@ __all__ = [
     "DeliveryClaim",
     "ExecutionBacklog",
     "FailedPublish",
+    "HealthChange",
     "NewDecision",
     "OperationFilter",
     "OperationPage",
@@ -139,13 +159,17 @@ __all__ = [
     "OperationSummary",
     "PendingApproval",
     "Plan",
+    "ProviderRow",
     "Row",
     "Step",
     "Store",
     "SyncConnection",
+    "Waiting",
+    "all_providers",
     "append_event",
     "approver_of",
     "backend_activity",
+    "book_provider_call",
     "callbacks_of",
     "check_approval",
     "claim",
@@ -175,6 +199,7 @@ __all__ = [
     "mark_callback",
     "mark_outbox_failed",
     "mark_outbox_published",
+    "nominate_probe",
     "operation_approvals",
     "operation_outcomes",
     "operation_outcomes_changed",
@@ -185,11 +210,20 @@ __all__ = [
     "outbox_backlog",
     "outbox_rows",
     "pending_approvals",
+    "provider_events",
+    "provider_health",
+    "provider_still_unavailable",
     "record_callback",
     "record_decision",
+    "record_provider_answer",
+    "record_provider_failure",
     "reject_denied_operations",
     "requeue_stale_prepared",
     "resolve_operation",
+    "take_provider_probe",
     "transition",
     "verify_chain",
+    "wait_prepared",
+    "wait_unknown",
+    "waiting_operations_by_tool",
 ]

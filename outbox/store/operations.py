@@ -28,7 +28,14 @@ from outbox.errors import (
 )
 from outbox.fingerprint_key import key_from_environment, keyed_fingerprint
 from outbox.models import Operation, OperationEvent, OutboxRow, RecordedDecision
-from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
+from outbox.states import (
+    FENCED_SOURCES,
+    EventName,
+    OperationState,
+    Waiting,
+    is_legal,
+    legal_targets,
+)
 from outbox.store.runner import Plan, Step
 
 
@@ -361,6 +368,8 @@ def transition(
     reconcile_attempt: bool = False,
     requeue: bool | None = None,
     effect_disproved: bool = False,
+    waiting: Waiting | None = None,
+    attempt_refunded: bool = False,
 ) -> Plan[Operation]:
     """Move one operation ``source -> target`` if, and only if, it is still in ``source``
     and (for fenced sources) still under ``lease_token``.
@@ -374,6 +383,11 @@ def transition(
     A move to ``outcome_unknown`` marks the operation ``effect_possible``; only
     ``effect_disproved`` (a lookup proved the effect absent: ``outcome_unknown ->
     prepared``) clears the mark, so no other move can make a possible effect look absent.
+
+    ``waiting`` starts (or continues) the operation's wait for its provider, or ends it;
+    None ends it at a settled or escalated target and keeps it otherwise.
+    ``attempt_refunded`` gives back the attempt the claim counted, for a call the
+    provider could not take: waiting spends no attempt.
     """
     if target is OperationState.IN_FLIGHT:
         raise IllegalTransition("use claim() to move an operation in_flight")
@@ -416,6 +430,8 @@ def transition(
             "event_name": str(event_name),
             "event_attributes": Jsonb(event_attributes),
             "requeue": target is OperationState.PREPARED if requeue is None else requeue,
+            "waiting": str(waiting or _waiting_after(target)),
+            "attempt_refund": 1 if attempt_refunded else 0,
         },
     )
     if rows:
@@ -432,6 +448,12 @@ def transition(
         f"{current.display_id} is now under lease token {current.lease_token}, not "
         f"{lease_token}: another worker took it over; nothing was changed"
     )
+
+
+def _waiting_after(target: OperationState) -> Waiting:
+    if target in (OperationState.COMMITTED, OperationState.REJECTED, OperationState.ESCALATED):
+        return Waiting.END
+    return Waiting.KEEP
 
 
 def events(operation_id: UUID) -> Plan[list[OperationEvent]]:

@@ -13,7 +13,14 @@ from psycopg.types.json import Jsonb
 from outbox import lifecycle
 from outbox.errors import IllegalTransition
 from outbox.models import Approval, ApprovalCheck, Operation
-from outbox.states import FENCED_SOURCES, EventName, OperationState, is_legal, legal_targets
+from outbox.states import (
+    FENCED_SOURCES,
+    EventName,
+    OperationState,
+    Waiting,
+    is_legal,
+    legal_targets,
+)
 from outbox.store.approvals import approval_check
 from outbox.store.dispatch import Backlog, outbox_backlog
 from outbox.store.operations import fingerprint_key, get_operation
@@ -223,6 +230,10 @@ def resolve_operation(
             "event_name": str(EventName.RESOLVED),
             "event_attributes": Jsonb(stored),
             "requeue": retry,
+            # A person's word is not the provider's: a wait, if any, goes on from where
+            # it was (the operation was escalated, which ended any wait).
+            "waiting": str(Waiting.KEEP),
+            "attempt_refund": 0,
         },
     )
     if not rows:

@@ -37,6 +37,8 @@ TABLES = (
     "outbox_deployment",
     "operation_event_heads",
     "callbacks",
+    "provider_health",
+    "provider_events",
 )
 
 
@@ -100,6 +102,20 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "operation_callbacks",
         "apply_callback",
         "lock_operation",
+        # The provider breaker (consumer/providers.py) and the operations that wait.
+        "ensure_provider_health",
+        "lock_provider_health",
+        "write_provider_health",
+        "insert_provider_event",
+        "provider_health_rows",
+        "waiting_operations_by_tool",
+        "count_waited_operations",
+        "release_waiting_operations",
+        "wait_prepared_for_provider",
+        "wait_unknown_for_provider",
+        "book_provider_call",
+        "nominate_probe",
+        "share_provider_health",
     },
     OPERATOR: {
         "list_operation_summaries",
@@ -121,6 +137,10 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         # `ops show` lists an operation's callbacks; `outbox callbacks list` the inbox.
         "operation_callbacks",
         "list_callbacks",
+        # `outbox providers`: the breakers, their outages and who waits.
+        "all_provider_health",
+        "list_provider_events",
+        "waiting_operations_by_tool",
     },
     # `outbox callbacks` and record_callback(): one write path, and the catalog at start.
     CALLBACKS: {"record_callback", "schema_is_current"},

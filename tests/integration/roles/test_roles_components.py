@@ -29,6 +29,7 @@ from outbox import (
 )
 from outbox import schema as outbox_schema
 from outbox import store as outbox_store
+from outbox.breaker import BreakerRules, BreakerState, Failure
 from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.errors import DatabaseError, DecisionConflict
@@ -328,6 +329,55 @@ def test_the_consumer_executes_reconciles_and_escalates(
         assert runner.run(outbox_store.callbacks_of([burst.id])) == {burst.id: [callback]}
         runner.run(outbox_store.mark_callback(callback, CallbackOutcome.CONFIRMED))
     assert execute_admin(roles_database, "SELECT outcome FROM callbacks") == [("confirmed",)]
+    # Its provider breaker: failures of two operations open it; meanwhile a prepared and
+    # an unknown operation wait; the probe goes out; the answer closes the breaker and
+    # releases them.
+    rules = BreakerRules(failures_to_open=2)
+    for failing in (burst.id, delivered.id):
+        change = run(
+            consumer,
+            outbox_store.record_provider_failure(
+                "send_refund", Failure(failing, "http_503"), rules=rules
+            ),
+        )
+    assert change.opened
+    breakers, _ = run(consumer, outbox_store.provider_health(["send_refund"]))
+    assert run(consumer, outbox_store.provider_still_unavailable("send_refund"))
+    assert breakers["send_refund"].state is BreakerState.OPEN
+    held = new_operation(roles_database, registry)
+    assert run(
+        consumer,
+        outbox_store.wait_prepared(
+            [(held.id, LEASE)], provider="send_refund", reason="provider_unavailable"
+        ),
+    ) == {held.id: True}
+    lost = advance(roles_database, new_operation(roles_database, registry), S.IN_FLIGHT)
+    lost = advance(roles_database, lost, S.OUTCOME_UNKNOWN)
+    run(
+        consumer,
+        outbox_store.wait_unknown(lost, delay=LEASE, provider="send_refund", reason="http_503"),
+    )
+    assert run(consumer, outbox_store.waiting_operations_by_tool()) == {"send_refund": 2}
+    # A declared rate's turn, booked for every consumer alike.
+    turn = outbox_store.book_provider_call(
+        "send_refund", interval=timedelta(seconds=1), burst=1, horizon=LEASE
+    )
+    assert run(consumer, turn) == 0.0
+    execute_admin(roles_database, "UPDATE provider_health SET next_probe_at = now()")
+    nominated = run(consumer, outbox_store.nominate_probe(["send_refund"]))
+    assert nominated in {held.id, lost.id}
+    probe = outbox_store.take_provider_probe("send_refund", owner="probe", lease=LEASE)
+    assert run(consumer, probe) is not None
+    closing = outbox_store.record_provider_answer(
+        "send_refund", tools=["send_refund"], release_spread=timedelta(seconds=1)
+    )
+    closed = run(consumer, closing)
+    assert closed is not None
+    assert closed.closed
+    assert execute_admin(roles_database, "SELECT name FROM provider_events ORDER BY id") == [
+        ("provider.unavailable",),
+        ("provider.available",),
+    ]
 
     assert committed.state is S.COMMITTED
     assert requeued == [stale.id]
@@ -419,6 +469,10 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
         run_command(["callbacks", "list", "--unmatched"]),
     ]
     rows = run(operator, outbox_store.outbox_rows(waiting.id))
+    # `outbox providers`: the breakers, a provider's outages, who waits.
+    assert run(operator, outbox_store.all_providers()) == []
+    assert run(operator, outbox_store.provider_events("send_refund")) == []
+    assert run(operator, outbox_store.waiting_operations_by_tool()) == {}
 
     assert codes == [0] * len(codes), capsys.readouterr().err
     assert run(roles_database, outbox_store.get_operation(stuck.id)).state is S.COMMITTED

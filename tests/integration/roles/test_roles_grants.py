@@ -47,6 +47,8 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "approvals": {"SELECT"},
         "outbox_deployment": {"SELECT"},
         "callbacks": {"SELECT"},
+        # The breaker's row it keeps under a lock (FOR UPDATE needs UPDATE).
+        "provider_health": {"SELECT", "UPDATE"},
     },
     OPERATOR: {
         "operations": {"SELECT"},
@@ -58,6 +60,8 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         # `outbox ops verify` compares each chain with its head.
         "operation_event_heads": {"SELECT"},
         "callbacks": {"SELECT"},
+        "provider_health": {"SELECT"},
+        "provider_events": {"SELECT"},
     },
     # No table at all: it writes through outbox_record_callback only.
     CALLBACKS: {},
@@ -78,6 +82,7 @@ _MOVES = frozenset(
         "result",
         "last_error_class",
         "effect_possible",
+        "waiting_since",
     }
 )
 _APPEND = frozenset({"operation_id", "name", "attributes"})
@@ -104,6 +109,9 @@ COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
         ("operation_events", "INSERT"): _APPEND,
         # What it did with a callback; the trigger stamps when, and freezes the rest.
         ("callbacks", "UPDATE"): frozenset({"outcome"}),
+        # A breaker's row is created by name; its outages appended, never chosen when.
+        ("provider_health", "INSERT"): frozenset({"provider"}),
+        ("provider_events", "INSERT"): frozenset({"provider", "name", "attributes"}),
     },
     OPERATOR: {
         ("operations", "UPDATE"): _MOVES,
@@ -226,7 +234,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 8 is applied" in result.stdout
+        assert "schema version 9 is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator, "
             "outbox_callbacks are granted" in result.stdout
@@ -240,5 +248,5 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_schema.apply_schema(connection) == 8
+            assert outbox_schema.apply_schema(connection) == 9
             outbox_schema.apply_roles(connection)
