@@ -10,9 +10,10 @@ flight under a new lease and fencing token.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -20,9 +21,12 @@ from uuid import UUID
 from consumer import policy
 from consumer.batching import Batcher
 from consumer.database import Database, quarantine_unreadable, transition_plan
+from consumer.policy import ProviderWait
+from consumer.providers import BOOKING_RETRY, Providers
 from consumer.telemetry import log
 from outbox import store
 from outbox.bounds import is_unreadable
+from outbox.breaker import Go, Hold, Probe
 from outbox.broker import OperationMessage
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import IllegalTransition, ToolNotRegistered
@@ -34,6 +38,9 @@ from outbox.states import EventName, OperationState
 from outbox.store import AsyncStore
 
 S = OperationState
+# A delivery asks for a turn under its provider's rate this many times more, a
+# BOOKING_RETRY apart, before it books one however far off.
+BOOKING_RETRIES = 24
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,9 @@ class Claimed:
     lease_safe_until: float = float("inf")
     # The input as the claim's checks validated it; validated again only when absent.
     tool_input: Any = None
+    # The probe of the provider's open breaker this call is, if it is one: only the
+    # probe's failure opens the breaker again.
+    probe: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,19 +90,170 @@ class Claims:
         database: Database,
         *,
         worker_id: str,
+        providers: Providers | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
         self.metrics = metrics
         self.database = database
         self.worker_id = worker_id
+        self.providers = providers or Providers(
+            settings, registry, metrics, database, worker_id=worker_id
+        )
         self._batcher = Batcher(self._prepare_many, limit=lambda: database.pacing.limit)
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
-        """Load, check and claim one delivery, in the transaction of its burst."""
+        """Load, check and claim one delivery, in the transaction of its burst, once its
+        provider's declared rate gives it a turn."""
+        await self._await_turn(envelope)
         return await self._batcher.submit(envelope)
 
+    async def _await_turn(self, envelope: OperationMessage) -> None:
+        """Hold the delivery in hand until its turn under its provider's declared rate
+        (a prefetch slot taken meanwhile is the backpressure): booked once, before the
+        claim, so the wait never eats the lease. A delivery its provider's breaker or
+        Retry-After holds back books nothing; it waits in the database instead."""
+        try:
+            contract = self.registry.get(envelope.tool, envelope.tool_version)
+        except ToolNotRegistered:
+            return
+        if contract.provider_limits is None:
+            return
+        for retry in range(BOOKING_RETRIES + 1):
+            if isinstance(self.providers.verdict(contract.provider_name), Hold):
+                return
+            # Held too long already: book the turn however far off, so that the delivery
+            # is not held past what the broker tolerates.
+            wait = await self.providers.turn(contract, force=retry == BOOKING_RETRIES)
+            if wait is not None:
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                return
+            await asyncio.sleep(BOOKING_RETRY.total_seconds())
+
     async def _prepare_many(self, envelopes: list[OperationMessage]) -> list[Claimed | Skip]:
+        """Hold back the deliveries whose provider may not be called now, and claim the
+        rest (:meth:`_claim_burst`)."""
+        probes: dict[UUID, str] = {}
+        held = await self._held_back(envelopes, probes)
+        if not held:
+            return self._with_probes(await self._claim_burst(envelopes), probes)
+        rest = [envelope for index, envelope in enumerate(envelopes) if index not in held]
+        claimed = iter(self._with_probes(await self._claim_burst(rest), probes) if rest else [])
+        return [held[index] if index in held else next(claimed) for index in range(len(envelopes))]
+
+    async def _held_back(
+        self, envelopes: list[OperationMessage], probes: dict[UUID, str]
+    ) -> dict[int, Skip]:
+        """The deliveries (by position) whose provider holds its calls back (an open
+        breaker, a Retry-After): each operation waits, due again later, spending no
+        attempt, or goes to a person past its contract's outage tolerance. A delivery
+        whose operation is not a prepared one waiting its turn goes the usual way, and
+        the first delivery of a provider whose probe is due goes out as the probe.
+        Asks the database nothing while every provider is healthy: the breakers' copy
+        is refreshed on a loop of its own (:meth:`Providers.run`)."""
+        holding: dict[int, tuple[OperationMessage, ToolContract[Any], Hold | None]] = {}
+        for index, envelope in enumerate(envelopes):
+            try:
+                contract = self.registry.get(envelope.tool, envelope.tool_version)
+            except ToolNotRegistered:
+                continue
+            if isinstance(self.providers.verdict(contract.provider_name), Go):
+                continue
+            verdict = await self.providers.fresh_verdict(contract.provider_name)
+            if isinstance(verdict, Go):
+                continue
+            if isinstance(verdict, Probe):
+                if envelope.operation_id not in probes:
+                    probe = await self.providers.take_probe(
+                        contract.provider_name, envelope.operation_id, contract.deadline
+                    )
+                    if probe is not None:
+                        probes[envelope.operation_id] = probe
+                        continue
+                verdict = self.providers.verdict(contract.provider_name)
+                if isinstance(verdict, Go):
+                    continue
+            holding[index] = (envelope, contract, verdict if isinstance(verdict, Hold) else None)
+        if not holding:
+            return {}
+        async with self.database.transaction() as connection:
+            runner = await AsyncStore.on(connection)
+            return await self._wait(runner, holding)
+
+    async def _wait(
+        self,
+        runner: AsyncStore,
+        holding: dict[int, tuple[OperationMessage, ToolContract[Any], Hold | None]],
+    ) -> dict[int, Skip]:
+        operations = await runner.run(
+            store.find_operations(
+                list(dict.fromkeys(e.operation_id for e, _, _ in holding.values()))
+            )
+        )
+        results: dict[int, Skip] = {}
+        waits: dict[tuple[str, str], list[tuple[UUID, timedelta]]] = {}
+        positions: dict[UUID, int] = {}
+        for index, (envelope, contract, hold) in holding.items():
+            operation = operations.get(envelope.operation_id)
+            if (
+                operation is None
+                or operation.state is not S.PREPARED
+                or operation.requires_approval
+                or not _describes(envelope, operation)
+            ):
+                continue  # the usual checks say what it is
+            if operation.id in positions:
+                results[index] = Skip("duplicate")
+                continue
+            positions[operation.id] = index
+            wait = await runner.run(
+                self.providers.confirmed(self.providers.wait(contract, operation))
+            )
+            if wait.waited >= contract.outage_tolerance:
+                results[index] = await self._escalate_unavailable(runner, operation, contract, wait)
+                continue
+            reason = "provider_unavailable" if hold is None or hold.outage else "retry_after"
+            waits.setdefault((wait.provider, reason), []).append((operation.id, wait.delay))
+        for (provider, reason), delays in waits.items():
+            moved = await runner.run(store.wait_prepared(delays, provider=provider, reason=reason))
+            for operation_id, _ in delays:
+                if operation_id in moved:
+                    results[positions[operation_id]] = Skip("waiting")
+                else:
+                    # Claimed meanwhile, or not yet due: an early copy of its message.
+                    results[positions[operation_id]] = Skip("duplicate")
+        return results
+
+    async def _escalate_unavailable(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        wait: ProviderWait,
+    ) -> Skip:
+        decision = policy.provider_unavailable(operation, contract, wait, source=S.PREPARED)
+        try:
+            await runner.run(transition_plan(operation, decision.transition))
+        except IllegalTransition:
+            return Skip("duplicate")
+        self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
+        return Skip("escalated")
+
+    @staticmethod
+    def _with_probes(
+        results: list[Claimed | Skip], probes: dict[UUID, str]
+    ) -> list[Claimed | Skip]:
+        if not probes:
+            return results
+        return [
+            replace(result, probe=probes[result.operation.id])
+            if isinstance(result, Claimed) and result.operation.id in probes
+            else result
+            for result in results
+        ]
+
+    async def _claim_burst(self, envelopes: list[OperationMessage]) -> list[Claimed | Skip]:
         """Check and claim a burst of deliveries in one transaction, committed before any
         of their external calls, each with its own lease and a new fencing token.
 

@@ -165,6 +165,8 @@ def transition_plan(operation: Operation, move: Transition) -> Plan[Operation]:
         delay=move.delay,
         reconcile_attempt=move.reconcile_attempt,
         effect_disproved=move.effect_disproved,
+        waiting=move.waiting,
+        attempt_refunded=move.attempt_refunded,
     )
     if move.then is None:
         return moved

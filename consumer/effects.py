@@ -13,22 +13,75 @@ from consumer import policy
 from consumer.batching import Batcher
 from consumer.claims import Claimed
 from consumer.database import Database, transition_plan
-from consumer.policy import LEASE_LOST_BEFORE_CALL, Attempt, AttemptOutcome
-from consumer.telemetry import log, observe_outcome, span_attributes
+from consumer.policy import (
+    LEASE_LOST_BEFORE_CALL,
+    Attempt,
+    AttemptOutcome,
+    ProviderWait,
+    Transition,
+    Unavailability,
+)
+from consumer.providers import Providers
+from consumer.telemetry import log, log_fenced, observe_outcome, span_attributes
 from outbox import store, tracing
+from outbox.breaker import Failure, Hold, could_not_reach
+from outbox.contracts import SideEffect
 from outbox.errors import IllegalTransition
 from outbox.metrics import ConsumerMetrics
-from outbox.outcomes import DefinitiveRejection, ExecutionContext, NotSent, OutcomeUnknown
+from outbox.models import Operation
+from outbox.outcomes import (
+    DefinitiveRejection,
+    EffectSignal,
+    ExecutionContext,
+    InProgress,
+    NotSent,
+    OutcomeUnknown,
+    ProviderUnavailable,
+    RateLimited,
+)
 from outbox.settings import Settings
+from outbox.store import Plan
+
+# The code of an attempt held back before its call by the provider's breaker or its
+# Retry-After (an event attribute, like every code).
+HELD_BACK = "held_back"
+
+# A 409 "same key in flight" waits and sends the key again only where sending it again
+# is what the class allows without a lookup: a deduplicated write (the provider answers
+# a repeated key with the first request's outcome) and a read.
+_MAY_SEND_A_KEY_AGAIN = frozenset({SideEffect.DEDUPLICATED_WRITE, SideEffect.READ_ONLY})
+
+
+def _unavailable(signal: EffectSignal) -> Attempt:
+    unavailability = (
+        Unavailability.RATE_LIMITED
+        if isinstance(signal, RateLimited)
+        else Unavailability.IN_PROGRESS
+        if isinstance(signal, InProgress)
+        else Unavailability.UNREACHABLE
+    )
+    return Attempt(
+        AttemptOutcome.UNAVAILABLE,
+        signal.code,
+        retry_after=signal.retry_after,
+        unavailability=unavailability,
+    )
 
 
 class Effects:
     """The call and its record, for one consumer."""
 
-    def __init__(self, settings: Settings, metrics: ConsumerMetrics, database: Database) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: ConsumerMetrics,
+        database: Database,
+        providers: Providers | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.database = database
+        self.providers = providers
         self._commits = Batcher(self._record_many, limit=lambda: database.pacing.limit)
 
     async def attempt(self, claimed: Claimed, traceparent: str | None = None) -> Attempt:
@@ -71,6 +124,12 @@ class Effects:
                 id=operation.display_id,
             )
             return Attempt(AttemptOutcome.NOT_SENT, LEASE_LOST_BEFORE_CALL)
+        if await self._held_back(claimed):
+            # Claimed before the provider's breaker opened or its Retry-After arrived (in
+            # this process's burst, or another's): no call until it lets one through.
+            return Attempt(
+                AttemptOutcome.UNAVAILABLE, HELD_BACK, unavailability=Unavailability.HELD
+            )
         context = ExecutionContext(
             operation_id=operation.id,
             attempt=operation.attempts,
@@ -86,10 +145,27 @@ class Effects:
             attempt = Attempt(AttemptOutcome.COMMITTED, "ok", effect)
         except DefinitiveRejection as rejection:
             attempt = Attempt(AttemptOutcome.REJECTED, rejection.code)
+        except (ProviderUnavailable, RateLimited) as unavailable:
+            attempt = _unavailable(unavailable)
         except NotSent as not_sent:
-            attempt = Attempt(AttemptOutcome.NOT_SENT, not_sent.code)
+            # Refused or unreachable is the provider down, not this request's fault.
+            attempt = (
+                _unavailable(ProviderUnavailable(not_sent.code, retry_after=not_sent.retry_after))
+                if could_not_reach(not_sent.code)
+                else Attempt(AttemptOutcome.NOT_SENT, not_sent.code)
+            )
+        except InProgress as in_progress:
+            # Still working on this key: sending the same key again later is safe where
+            # the class lets a key repeat; elsewhere the effect is as unknown as any.
+            attempt = (
+                _unavailable(in_progress)
+                if contract.side_effect in _MAY_SEND_A_KEY_AGAIN
+                else Attempt(AttemptOutcome.OUTCOME_UNKNOWN, in_progress.code)
+            )
         except OutcomeUnknown as unknown:
-            attempt = Attempt(AttemptOutcome.OUTCOME_UNKNOWN, unknown.code)
+            attempt = Attempt(
+                AttemptOutcome.OUTCOME_UNKNOWN, unknown.code, retry_after=unknown.retry_after
+            )
         except TimeoutError:
             context.cancelled.set()
             attempt = Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "deadline_exceeded")
@@ -108,14 +184,57 @@ class Effects:
         self.metrics.effect_attempts.labels(contract.name, str(attempt.outcome)).inc()
         return attempt
 
+    async def _held_back(self, claimed: Claimed) -> bool:
+        """Whether the provider's breaker or Retry-After now holds this call back (the
+        probe itself goes out). Asks a fresh copy only when this process's says so."""
+        if self.providers is None or claimed.probe is not None:
+            return False
+        provider = claimed.contract.provider_name
+        if not isinstance(self.providers.verdict(provider), Hold):
+            return False
+        return isinstance(await self.providers.fresh_verdict(provider), Hold)
+
     async def record(self, claimed: Claimed, attempt: Attempt) -> None:
         """Record the outcome where :func:`consumer.policy.after_attempt` says it leads,
-        under the claim's fencing token. Confirmed effects share one transaction with
-        those that finish in the same burst."""
+        under the claim's fencing token, and what it says of the provider's health.
+        Confirmed effects share one transaction with those that finish in the same
+        burst."""
+        wait = await self._tell_provider(claimed, attempt)
         if attempt.outcome is AttemptOutcome.COMMITTED:
             await self._commits.submit((claimed, attempt))
         else:
-            await self._record_one(claimed, attempt)
+            await self._record_one(claimed, attempt, wait)
+
+    async def _tell_provider(self, claimed: Claimed, attempt: Attempt) -> ProviderWait | None:
+        """Tell the provider's breaker what this attempt says of it: no answer (which may
+        open it), or an answer (which closes it); returns how long the operation waits
+        when the provider could not take it."""
+        if self.providers is None:
+            return None
+        contract, operation = claimed.contract, claimed.operation
+        provider = contract.provider_name
+        unavailability = attempt.unavailability
+        if unavailability is Unavailability.HELD:
+            pass  # never called: nothing to say of the provider
+        elif unavailability is Unavailability.IN_PROGRESS or not (
+            unavailability is not None or could_not_reach(attempt.code)
+        ):
+            if attempt.outcome is not AttemptOutcome.NOT_SENT:
+                await self.providers.answered(provider)
+        else:
+            await self.providers.failed(
+                provider,
+                Failure(
+                    operation.id,
+                    attempt.code,
+                    retry_after=attempt.retry_after,
+                    prober=claimed.probe,
+                    counts=unavailability is not Unavailability.RATE_LIMITED,
+                ),
+            )
+        if attempt.outcome is not AttemptOutcome.UNAVAILABLE:
+            return None
+        return self.providers.wait(contract, operation, retry_after=attempt.retry_after)
 
     async def _record_many(self, done: list[tuple[Claimed, Attempt]]) -> list[None]:
         effects = []
@@ -140,24 +259,28 @@ class Effects:
                 observe_outcome(self.metrics, moved)
         return [None] * len(done)
 
-    async def _record_one(self, claimed: Claimed, attempt: Attempt) -> None:
+    def _move_plan(
+        self, claimed: Claimed, attempt: Attempt, wait: ProviderWait | None
+    ) -> Plan[tuple[Operation, Transition]]:
+        """Where the attempt leads, written in one transaction; a wait for the provider
+        is first checked against the breaker under its row's share lock
+        (:meth:`Providers.confirmed`)."""
+        if wait is not None and self.providers is not None:
+            wait = yield from self.providers.confirmed(wait)
+        move = policy.after_attempt(claimed.operation, claimed.contract, attempt, wait)
+        moved = yield from transition_plan(claimed.operation, move)
+        return moved, move
+
+    async def _record_one(
+        self, claimed: Claimed, attempt: Attempt, wait: ProviderWait | None = None
+    ) -> None:
         operation = claimed.operation
-        move = policy.after_attempt(operation, claimed.contract, attempt)
         try:
-            moved = await self.database.run(transition_plan(operation, move))
+            moved, move = await self.database.run(self._move_plan(claimed, attempt, wait))
             observe_outcome(self.metrics, moved)
             if move.then is not None:
-                # The effect may have happened and no lookup can tell: a person decides.
+                # The effect may have happened and no lookup can tell, or the provider
+                # stayed away past the contract's tolerance: a person decides.
                 self.metrics.escalations.labels(claimed.contract.name, str(move.then.reason)).inc()
         except IllegalTransition as fenced:
-            # Another process took the operation over (our lease expired): its record
-            # wins; ours would overwrite evidence. The reconciler has or will settle it.
-            log(
-                logging.WARNING,
-                "consumer.write_fenced",
-                "another process took the operation over; its record wins",
-                id=operation.display_id,
-                token=operation.lease_token,
-                outcome=str(attempt.outcome),
-                reason=type(fenced).__name__,
-            )
+            log_fenced(operation, fenced, token=operation.lease_token, outcome=str(attempt.outcome))

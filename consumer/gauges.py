@@ -5,6 +5,7 @@ their own beside the deliveries and the reconciler: a consumer cut off from the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 from consumer.database import Database
 from consumer.telemetry import log
@@ -18,20 +19,34 @@ REFRESH_SECONDS = 5.0
 
 
 class ExecutionGauges(Stoppable):
-    """The age of the oldest operation ready to execute, and the approvals waiting."""
+    """The age of the oldest operation ready to execute, the approvals waiting, and the
+    operations each provider holds back."""
 
     def __init__(
-        self, metrics: ConsumerMetrics, database: Database, *, every: float = REFRESH_SECONDS
+        self,
+        metrics: ConsumerMetrics,
+        database: Database,
+        *,
+        every: float = REFRESH_SECONDS,
+        providers: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         super().__init__()
         self.metrics = metrics
         self.database = database
         self.every = every
+        self.providers = dict(providers or {})
+        """Each provider's tools, whose waiting operations its gauge counts."""
 
     async def refresh(self) -> store.ExecutionBacklog:
         backlog = await self.database.run(store.execution_gauges())
         self.metrics.oldest_ready_age.set(backlog.oldest_ready_age_seconds)
         self.metrics.awaiting_approval.set(backlog.awaiting_approval)
+        if self.providers:
+            waiting = await self.database.run(store.waiting_operations_by_tool())
+            for provider, tools in self.providers.items():
+                self.metrics.provider_waiting.labels(provider).set(
+                    sum(waiting.get(tool, 0) for tool in tools)
+                )
         return backlog
 
     async def run(self) -> None:

@@ -17,11 +17,12 @@ from enum import StrEnum
 from typing import Any
 
 from outbox import replay
+from outbox.breaker import ProviderHealth, could_not_reach
 from outbox.callback_policy import CallbackStatus
 from outbox.contracts import OnUnknown, SideEffect, ToolContract
 from outbox.models import Callback, CallbackOutcome, Operation
 from outbox.outcomes import EffectResult, Found, NotFound, Reconciliation
-from outbox.states import EventName, OperationState
+from outbox.states import EventName, OperationState, Waiting
 from outbox.text import Scalar
 
 S = OperationState
@@ -41,6 +42,23 @@ class AttemptOutcome(StrEnum):
     """The request provably never reached the provider, or was never made."""
     OUTCOME_UNKNOWN = "outcome_unknown"
     """The effect may have happened."""
+    UNAVAILABLE = "unavailable"
+    """The provider could not take the request now (unreachable, rate limited, or still
+    working on the same key): nothing happened, and the operation waits for it without
+    spending the attempt."""
+
+
+class Unavailability(StrEnum):
+    """Why the provider could not take an attempt (an event attribute)."""
+
+    UNREACHABLE = "unreachable"
+    """It could not be reached or could not serve: counts toward its breaker."""
+    RATE_LIMITED = "rate_limited"
+    """It asked us to slow down: its Retry-After holds every consumer back."""
+    IN_PROGRESS = "in_progress"
+    """It is still working on this key: only this operation waits."""
+    HELD = "held"
+    """Never called: its breaker opened, or a Retry-After arrived, after the claim."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,23 @@ class Attempt:
     code: str
     effect: EffectResult | None = None
     """What the provider confirmed; set exactly when the outcome is committed."""
+    retry_after: timedelta | None = None
+    """The provider's Retry-After, when it gave one."""
+    unavailability: Unavailability | None = None
+    """Set exactly when the outcome is unavailable."""
+
+
+@dataclass(frozen=True)
+class ProviderWait:
+    """How an operation's provider holds it back."""
+
+    provider: str
+    delay: timedelta
+    """Until it is tried again (sooner if the provider comes back)."""
+    waited: timedelta
+    """How long it has waited so far, this wait included up to now."""
+    outage: ProviderHealth | None = None
+    """The provider's open breaker, when that is what holds it back."""
 
 
 class EscalationReason(StrEnum):
@@ -59,6 +94,9 @@ class EscalationReason(StrEnum):
     RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
     DEDUPE_WINDOW_PASSED = "dedupe_window_passed"
     NO_RECONCILE = "no_reconcile"
+    PROVIDER_UNAVAILABLE = "provider_unavailable"
+    """The operation waited for its provider longer than the contract's
+    ``outage_tolerance``: time ran out, not attempts or lookups."""
     EFFECT_POSSIBLE = "effect_possible"
     """An attempt failed for good (refused, or out of attempts that never left) after an
     earlier attempt's outcome was unknown, and no lookup can say whether that one landed."""
@@ -91,6 +129,11 @@ class Transition:
     then: Escalation | None = None
     """Written right after this move, in the same transaction: an escalation that can
     only start from where this move leaves the operation."""
+    waiting: Waiting | None = None
+    """What the move does to the operation's wait for its provider (the store's default
+    when None: ended by a settled or escalated target, kept otherwise)."""
+    attempt_refunded: bool = False
+    """Give back the attempt the claim counted: the provider could not take it."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +159,10 @@ class LookUp:
 
 
 def after_attempt(
-    operation: Operation, contract: ToolContract[Any], attempt: Attempt
+    operation: Operation,
+    contract: ToolContract[Any],
+    attempt: Attempt,
+    wait: ProviderWait | None = None,
 ) -> Transition:
     """Where an attempt leaves the in-flight ``operation`` it was made for.
 
@@ -140,6 +186,8 @@ def after_attempt(
     tell whether the effect happened.
     """
     attributes: dict[str, Scalar] = {"attempt": operation.attempts}
+    if attempt.outcome is AttemptOutcome.UNAVAILABLE:
+        return _wait_after_attempt(operation, contract, attempt, wait)
     if attempt.outcome is AttemptOutcome.COMMITTED:
         assert attempt.effect is not None
         return Transition(
@@ -188,7 +236,77 @@ def after_attempt(
         attributes,
         error_class=attempt.code,
         delay=delay,
+        # No answer came: the wait for the provider starts here, not at its first lookup.
+        waiting=Waiting.START if could_not_reach(attempt.code) else None,
     )
+
+
+def _wait_after_attempt(
+    operation: Operation, contract: ToolContract[Any], attempt: Attempt, wait: ProviderWait | None
+) -> Transition:
+    """An attempt the provider could not take: back to ``prepared`` with the attempt
+    given back, waiting for the provider, or to a person once the wait has outlasted
+    the contract's tolerance."""
+    if wait is None:
+        wait = ProviderWait(
+            contract.provider_name, contract.retry.backoff(max(1, operation.attempts)), timedelta(0)
+        )
+    back = Transition(
+        S.IN_FLIGHT,
+        S.PREPARED,
+        {
+            "attempt": operation.attempts,
+            "policy": "wait_for_provider",
+            "provider": wait.provider,
+            "unavailable": str(attempt.unavailability or Unavailability.UNREACHABLE),
+        },
+        error_class=attempt.code,
+        delay=wait.delay,
+        waiting=Waiting.START,
+        attempt_refunded=True,
+    )
+    if wait.waited < contract.outage_tolerance:
+        return back
+    waited = operation.model_copy(
+        update={"last_error_class": attempt.code, "attempts": operation.attempts - 1}
+    )
+    return replace(back, then=provider_unavailable(waited, contract, wait, source=S.PREPARED))
+
+
+def provider_unavailable(
+    operation: Operation,
+    contract: ToolContract[Any],
+    wait: ProviderWait,
+    *,
+    source: OperationState,
+) -> Escalation:
+    """An operation that waited for its provider past the contract's outage tolerance,
+    handed to a person with the outage as evidence: when the wait began, the outage's
+    start and the probes made, if a breaker was open."""
+    outage = wait.outage
+    return Escalation(
+        EscalationReason.PROVIDER_UNAVAILABLE,
+        Transition(
+            source,
+            S.ESCALATED,
+            {
+                "reason": str(EscalationReason.PROVIDER_UNAVAILABLE),
+                "provider": wait.provider,
+                "waited_seconds": round(wait.waited.total_seconds(), 3),
+                "outage_tolerance_seconds": contract.outage_tolerance.total_seconds(),
+                "outage_started_at": _iso(outage.outage_started_at if outage else None),
+                "probes": outage.probes if outage else 0,
+                "attempts": operation.attempts,
+                "reconcile_attempts": operation.reconcile_attempts,
+                "last_error": operation.last_error_class,
+            },
+            error_class=str(EscalationReason.PROVIDER_UNAVAILABLE),
+        ),
+    )
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat(timespec="milliseconds")
 
 
 def _refusal_may_hide_an_effect(operation: Operation, contract: ToolContract[Any]) -> bool:

@@ -28,10 +28,12 @@ from consumer import policy
 from consumer.callbacks import Applied, Callbacks, success_reported
 from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
-from consumer.telemetry import log, observe_outcome, span_attributes
+from consumer.providers import BOOKING_RETRY, Providers
+from consumer.telemetry import log, log_fenced, observe_outcome, span_attributes
 from outbox import store, tracing
 from outbox.backoff import Backoff, jittered
 from outbox.bounds import is_unreadable
+from outbox.breaker import Failure, Go, Hold, Probe, could_not_reach
 from outbox.contracts import Registry, ToolContract
 from outbox.daemon import is_transient_database_error
 from outbox.errors import IllegalTransition, OutboxError, ToolNotRegistered
@@ -43,6 +45,7 @@ from outbox.outcomes import (
     NotFound,
     Reconciliation,
     StillUnknown,
+    Unreachable,
 )
 from outbox.pacing import AIMDLimit
 from outbox.settings import Settings
@@ -68,6 +71,7 @@ class Reconciler(Stoppable):
         database: Database,
         *,
         worker_id: str,
+        providers: Providers | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
@@ -75,6 +79,9 @@ class Reconciler(Stoppable):
         self.metrics = metrics
         self.database = database
         self.worker_id = worker_id
+        self.providers = providers or Providers(
+            settings, registry, metrics, database, worker_id=worker_id
+        )
         self.callbacks = Callbacks(registry, metrics, database, batch=settings.reconcile_batch)
         self.pacing = AIMDLimit(
             most=settings.reconcile_batch,
@@ -171,7 +178,11 @@ class Reconciler(Stoppable):
         """One pass: the callbacks inbox, then unknown outcomes and expired leases;
         returns how many callbacks and operations it took up."""
         applied_first = await self.callbacks.apply_pending()
-        lookups: list[tuple[Operation, ToolContract[Any]]] = []
+        # At most once per provider_health_refresh: a reconciler run on its own (without
+        # the consumer's loop) still sees the breakers.
+        await self.providers.refresh()
+        await self.providers.nominate_probes()
+        lookups: list[tuple[Operation, ToolContract[Any], str | None]] = []
         applied = Applied()
         async with self.database.transaction() as connection:
             runner = await AsyncStore.on(connection)
@@ -189,7 +200,7 @@ class Reconciler(Stoppable):
                     runner, operation, contract, callbacks.get(operation.id, []), applied
                 )
                 if leased is not None:
-                    lookups.append((leased, contract))
+                    lookups.append((leased[0], contract, leased[1]))
         applied.count(self.metrics)
         if lookups:
             await asyncio.gather(*(self._look_up(*lookup) for lookup in lookups))
@@ -202,9 +213,12 @@ class Reconciler(Stoppable):
         contract: ToolContract[Any],
         callbacks: list[Callback],
         applied: Applied,
-    ) -> Operation | None:
+    ) -> tuple[Operation, str | None] | None:
         """Settle what the policy can without a lookup, the operation's callbacks first;
-        returns the operation leased for a lookup if it needs one."""
+        returns the operation leased for a lookup if it needs one (with the provider
+        probe the lookup is, if it is one). A lookup its provider holds back (an open
+        breaker, a Retry-After) waits instead, spending nothing, or goes to a person past
+        the contract's outage tolerance."""
         if operation.state is S.IN_FLIGHT:
             operation = await runner.run(
                 transition_plan(operation, policy.after_lease_expired(operation))
@@ -219,11 +233,82 @@ class Reconciler(Stoppable):
         decision = policy.for_unknown_outcome(operation, contract, now=datetime.now(UTC))
         if isinstance(decision, LookUp):
             lease = contract.deadline + timedelta(seconds=self.settings.lease_margin)
-            return await runner.run(
+            provider = contract.provider_name
+            verdict = self.providers.verdict(provider)
+            if not isinstance(verdict, Go):
+                verdict = await self.providers.fresh_verdict(provider)
+            probe = None
+            if isinstance(verdict, Probe):
+                probe = await self.providers.take_probe(provider, operation.id, contract.deadline)
+                if probe is None:
+                    verdict = self.providers.verdict(provider)
+            if probe is None and not isinstance(verdict, Go):
+                reason = (
+                    "provider_unavailable"
+                    if not isinstance(verdict, Hold) or (verdict.outage is not None)
+                    else "retry_after"
+                )
+                await self._hold(runner, operation, contract, reason)
+                return None
+            leased = await runner.run(
                 store.lease_for_reconciliation(operation, owner=self.worker_id, lease=lease)
             )
+            return None if leased is None else (leased, probe)
         await self._apply(runner, operation, contract, decision)
         return None
+
+    async def _await_turn(self, operation: Operation, contract: ToolContract[Any]) -> bool:
+        """Wait for the lookup's turn under its provider's declared rate, if the lease
+        leaves room for the wait; otherwise put the lookup off until about then (no
+        lookup counted, no wait for the provider begun) and return False."""
+        wait = await self.providers.turn(contract)
+        if wait is not None and wait <= self.settings.lease_margin / 2:
+            if wait > 0:
+                await asyncio.sleep(wait)
+            return True
+        delay = timedelta(seconds=wait) if wait is not None else BOOKING_RETRY
+        try:
+            async with self.database.transaction() as connection:
+                runner = await AsyncStore.on(connection)
+                await runner.run(
+                    store.wait_unknown(
+                        operation,
+                        delay=delay,
+                        provider=contract.provider_name,
+                        reason="paced",
+                        waiting=False,
+                    )
+                )
+        except IllegalTransition:
+            pass  # another process took it over; it will ask in its own turn
+        return False
+
+    async def _hold(
+        self,
+        runner: AsyncStore,
+        operation: Operation,
+        contract: ToolContract[Any],
+        reason: str,
+        retry_after: timedelta | None = None,
+    ) -> None:
+        """An unknown outcome whose provider cannot be asked now: looked up again later,
+        no lookup counted, or handed to a person once it has waited past the contract's
+        outage tolerance."""
+        wait = await runner.run(
+            self.providers.confirmed(
+                self.providers.wait(contract, operation, retry_after=retry_after)
+            )
+        )
+        if wait.waited >= contract.outage_tolerance:
+            decision = policy.provider_unavailable(
+                operation, contract, wait, source=S.OUTCOME_UNKNOWN
+            )
+            await runner.run(transition_plan(operation, decision.transition))
+            self.metrics.escalations.labels(contract.name, str(decision.reason)).inc()
+            return
+        await runner.run(
+            store.wait_unknown(operation, delay=wait.delay, provider=wait.provider, reason=reason)
+        )
 
     async def _apply(
         self,
@@ -249,10 +334,16 @@ class Reconciler(Stoppable):
             return await runner.run(transition_plan(operation, decision))
         return None
 
-    async def _look_up(self, operation: Operation, contract: ToolContract[Any]) -> None:
+    async def _look_up(
+        self, operation: Operation, contract: ToolContract[Any], probe: str | None = None
+    ) -> None:
         """Ask the provider under the reconciler's lease, then write what the answer
-        allows in a transaction of its own."""
+        allows in a transaction of its own. A lookup that could not ask (Unreachable,
+        or an inconclusive one whose code says no answer came) costs none of the
+        contract's lookups: the operation waits for its provider."""
         assert contract.reconcile is not None
+        if not await self._await_turn(operation, contract):
+            return
         seconds = contract.deadline.total_seconds()
         context = ExecutionContext(
             operation_id=operation.id,
@@ -284,16 +375,39 @@ class Reconciler(Stoppable):
                     error=type(error).__name__,
                 )
                 result = StillUnknown("lookup_error")
-            label = {Found: "committed", NotFound: "not_found", StillUnknown: "still_unknown"}[
-                type(result)
-            ]
+            label = {
+                Found: "committed",
+                NotFound: "not_found",
+                StillUnknown: "still_unknown",
+                Unreachable: "unreachable",
+            }[type(result)]
             traced.set_attributes({"outbox.result": label})
             if isinstance(result, Found):
                 traced.set_attributes({"outbox.provider_reference": result.provider_reference})
-            if isinstance(result, StillUnknown):
+            if isinstance(result, StillUnknown | Unreachable):
                 traced.set_attributes({"outbox.code": result.code})
-            traced.set_status(not isinstance(result, StillUnknown), label)
+            traced.set_status(not isinstance(result, StillUnknown | Unreachable), label)
+        unreached = isinstance(result, Unreachable) or (
+            isinstance(result, StillUnknown) and could_not_reach(result.code)
+        )
+        if unreached:
+            label = "unreachable"
         self.metrics.reconciliations.labels(contract.name, label).inc()
+        provider = contract.provider_name
+        if unreached:
+            assert isinstance(result, StillUnknown | Unreachable)
+            retry_after = result.retry_after if isinstance(result, Unreachable) else None
+            await self.providers.failed(
+                provider, Failure(operation.id, result.code, retry_after=retry_after, prober=probe)
+            )
+            try:
+                async with self.database.transaction() as connection:
+                    runner = await AsyncStore.on(connection)
+                    await self._hold(runner, operation, contract, result.code, retry_after)
+            except IllegalTransition as fenced:
+                log_fenced(operation, fenced)
+            return
+        await self.providers.answered(provider)
         decision: Transition | Escalation | Deferral | None = policy.after_lookup(
             operation, contract, result
         )
@@ -318,13 +432,7 @@ class Reconciler(Stoppable):
                 if decision is not None:
                     moved = await self._apply(runner, operation, contract, decision)
         except IllegalTransition as fenced:
-            log(
-                logging.WARNING,
-                "consumer.write_fenced",
-                "another process took the operation over; its record wins",
-                id=operation.display_id,
-                reason=type(fenced).__name__,
-            )
+            log_fenced(operation, fenced)
             return
         applied.count(self.metrics)
         if moved is not None:

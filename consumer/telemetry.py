@@ -28,6 +28,7 @@ DELIVERY_RESULTS = (
     "escalated",
     "unreadable",
     "retry_later",
+    "waiting",
 )
 DEAD_LETTER_REASONS = (
     "oversized",
@@ -36,7 +37,7 @@ DEAD_LETTER_REASONS = (
     "envelope_mismatch",
     "unknown_tool",
 )
-RECONCILIATION_RESULTS = ("committed", "not_found", "still_unknown")
+RECONCILIATION_RESULTS = ("committed", "not_found", "still_unknown", "unreachable")
 # The policy's reasons, and the two the checks and the stale sweep give themselves.
 ESCALATION_REASONS = (
     *(str(reason) for reason in EscalationReason),
@@ -62,6 +63,19 @@ logger = logging.getLogger("consumer.worker")
 def log(level: int, action: str, text: str, **fields: object) -> None:
     """One line as data (see :func:`outbox.logs.log_fields`)."""
     log_fields(logger, level, action, text, **fields)
+
+
+def log_fenced(operation: Operation, fenced: Exception, **fields: object) -> None:
+    """Another process took the operation over (our lease expired): its record wins,
+    ours would overwrite evidence; the reconciler has settled it or will."""
+    log(
+        logging.WARNING,
+        "consumer.write_fenced",
+        "another process took the operation over; its record wins",
+        id=operation.display_id,
+        **fields,
+        reason=type(fenced).__name__,
+    )
 
 
 def span_attributes(

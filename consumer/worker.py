@@ -44,6 +44,7 @@ from consumer.deliveries import Delivery, Received
 from consumer.effects import Effects
 from consumer.gauges import ExecutionGauges
 from consumer.policy import Attempt
+from consumer.providers import Providers
 from consumer.reconciler import Reconciler
 from consumer.telemetry import log, logger, prime_metrics
 from outbox import tracing
@@ -105,10 +106,19 @@ class Consumer(Daemon):
         self.database = Database(
             settings, self.metrics, self.server_tracker(self.metrics.database_failovers)
         )
-        self.reconciler = Reconciler(
+        # One copy of the providers' breakers for the deliveries and the reconciler.
+        self.providers = Providers(
             settings, registry, self.metrics, self.database, worker_id=self.worker_id
         )
-        self.gauges = ExecutionGauges(self.metrics, self.database)
+        self.reconciler = Reconciler(
+            settings,
+            registry,
+            self.metrics,
+            self.database,
+            worker_id=self.worker_id,
+            providers=self.providers,
+        )
+        self.gauges = ExecutionGauges(self.metrics, self.database, providers=self.providers.tools)
         self._topology = Topology.from_settings(settings)
         self._broker_ready = False
         self.metrics.broker_connected.set(0)
@@ -119,9 +129,14 @@ class Consumer(Daemon):
         # Group commit: the deliveries in hand share their claim transaction and their
         # outcome transaction, instead of two transactions each.
         self.claims = Claims(
-            settings, registry, self.metrics, self.database, worker_id=self.worker_id
+            settings,
+            registry,
+            self.metrics,
+            self.database,
+            worker_id=self.worker_id,
+            providers=self.providers,
         )
-        self.effects = Effects(settings, self.metrics, self.database)
+        self.effects = Effects(settings, self.metrics, self.database, self.providers)
 
     def healthy(self) -> bool:
         return self._broker_ready and not self.stopping
@@ -131,6 +146,7 @@ class Consumer(Daemon):
         super().stop()
         self.reconciler.stop()
         self.gauges.stop()
+        self.providers.stop()
 
     async def close(self) -> None:
         await self.database.close()
@@ -153,6 +169,7 @@ class Consumer(Daemon):
                 beside = [
                     asyncio.create_task(self.reconciler.run()),
                     asyncio.create_task(self.gauges.run()),
+                    asyncio.create_task(self.providers.run()),
                 ]
                 try:
                     await self.keep_sessions(self._consume_session, self._session_lost)

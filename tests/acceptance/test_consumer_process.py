@@ -77,18 +77,25 @@ def test_a_definitive_rejection_is_final(settings: Settings) -> None:
         assert system.events(op.id).count("operation.attempted") == 1
 
 
-def test_unavailable_lookups_escalate_without_a_second_post(settings: Settings) -> None:
+def test_lookups_that_stay_unavailable_wait_out_the_tolerance_then_escalate_without_a_second_post(
+    settings: Settings,
+) -> None:
     faults = Faults(drop_response_every=1, lookups_unavailable=True)
-    with running_system(settings, faults=faults) as system:
+    with running_system(settings, faults=faults, outage_tolerance=8.0) as system:
         system.start("dispatcher")
         system.start("consumer")
         op = system.decide()
         final = system.wait_for(op.id, *SETTLED, within=45)
 
         assert final.state is S.ESCALATED
-        assert final.reconcile_attempts == 5
+        # A lookup that could not ask costs none of the contract's five: time ran out.
+        assert final.reconcile_attempts == 0
+        assert final.last_error_class == "provider_unavailable"
         assert system.refunds_for(op.id) == 1
-        assert system.events(op.id).count("operation.attempted") == 1
+        events = system.events(op.id)
+        assert events.count("operation.attempted") == 1
+        assert events.count("operation.reconcile_deferred") == 0
+        assert events[-1] == "operation.escalated"
 
 
 def test_a_non_repeatable_write_without_lookup_escalates_at_once(settings: Settings) -> None:

@@ -34,6 +34,7 @@ from outbox.store import Store
 from support.broker_helpers import read_raw
 from support.consume_helpers import (
     event_names,
+    events,
     in_state,
     operation,
     publish_raw,
@@ -127,7 +128,7 @@ async def test_a_deadline_cuts_a_hanging_call_and_reconciliation_settles_it(
 async def test_a_failure_before_send_is_retried_once_more(
     fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
 ) -> None:
-    ledger.faults.append("not_sent")
+    ledger.faults.append("not_sent_here")
     op = decide(engine, registry)
 
     await settle(fast, registry, database_url, op.id, S.COMMITTED)
@@ -137,6 +138,26 @@ async def test_a_failure_before_send_is_retried_once_more(
     final = operation(database_url, op.id)
     assert final.attempts == 2
     assert "operation.retry_scheduled" in event_names(database_url, op.id)
+
+
+async def test_a_refused_connection_waits_for_the_provider_and_spends_no_attempt(
+    fast: Settings, registry: Registry, ledger: Ledger, engine: Any, database_url: str
+) -> None:
+    ledger.faults.extend(["not_sent", "not_sent"])
+    op = decide(engine, registry)
+
+    await settle(fast, registry, database_url, op.id, S.COMMITTED)
+
+    assert ledger.calls == [str(op.id)] * 3
+    assert len(ledger.refunds) == 1
+    final = operation(database_url, op.id)
+    assert (final.attempts, final.waiting_since) == (1, None)
+    waits = [
+        e.attributes for e in events(database_url, op.id) if e.name == "operation.retry_scheduled"
+    ]
+    assert [(w["policy"], w["unavailable"], w["reason"]) for w in waits] == [
+        ("wait_for_provider", "unreachable", "connect_failed")
+    ] * 2
 
 
 async def test_a_definitive_rejection_ends_it_without_retry(

@@ -277,7 +277,7 @@ async def test_a_possible_effect_then_only_attempts_that_never_left_goes_to_a_pe
             deadline=timedelta(seconds=2),
         )
     )
-    ledger.faults.extend(["drop_response", "not_sent", "not_sent"])
+    ledger.faults.extend(["drop_response", "not_sent_here", "not_sent_here"])
     op = decide(engine, registry)
     fast = settings.model_copy(update={"reconcile_interval": 0.05, "lease_margin": 0.5})
 
@@ -307,7 +307,7 @@ async def test_a_possible_effect_then_only_attempts_that_never_left_goes_to_a_pe
     ]
     escalated = events(database_url, op.id)[-1].attributes
     assert escalated["reason"] == "effect_possible"
-    assert escalated["last_error"] == "connect_failed"
+    assert escalated["last_error"] == "pool_timeout"
     assert (
         counter_value(
             consumer, "outbox_escalations_total", tool="send_refund", reason="effect_possible"

@@ -40,6 +40,7 @@ ALLOWED_LABELS = {
     "column",
     "verdict",
     "limit",
+    "provider",
     "le",
 }
 

@@ -49,7 +49,9 @@ class Ledger:
     """A provider's record of effects, keyed by idempotency key, with faults to inject.
 
     ``faults`` is consumed one per call of an effect, in order: ``"drop_response"``
-    commits and then loses the answer, ``"not_sent"`` fails before anything is sent,
+    commits and then loses the answer, ``"not_sent"`` fails before anything is sent (the
+    provider refused the connection: it waits for the provider, spending no attempt),
+    ``"not_sent_here"`` fails before anything left this process (an attempt spent),
     ``"reject"`` refuses for good, ``"hang"`` commits and never answers (the deadline
     cuts it). ``calls`` keeps every idempotency key an effect was attempted with.
     """
@@ -68,6 +70,10 @@ class Ledger:
         fault = self._fault()
         if fault == "not_sent":
             raise NotSent("connect_failed")
+        if fault == "not_sent_here":
+            # Never left this process, and says nothing of the provider (no connection
+            # was free): the attempt is spent like any other.
+            raise NotSent("pool_timeout")
         if fault == "reject":
             raise DefinitiveRejection("amount_exceeds_payment")
         self.refunds.setdefault(ctx.idempotency_key, refund)

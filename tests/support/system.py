@@ -19,6 +19,7 @@ from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.sandbox.tools import (
     CALLBACK_WAIT_ENV,
+    OUTAGE_TOLERANCE_ENV,
     REFUND_DEADLINE_ENV,
     SANDBOX_URL_ENV,
     build_registry,
@@ -118,6 +119,7 @@ def running_system(
     refund_deadline: float = 1.0,
     payment_amount_cents: int = 100_000,
     callback_wait: float = 0.0,
+    outage_tolerance: float | None = None,
 ) -> Iterator[System]:
     """The sandbox in process and what its daemons read. No callbacks receiver runs
     unless a test starts one, so an unknown email waits ``callback_wait`` (none, by
@@ -144,6 +146,8 @@ def running_system(
             REFUND_DEADLINE_ENV: str(refund_deadline),
             CALLBACK_WAIT_ENV: str(callback_wait),
         }
+        if outage_tolerance is not None:
+            environment[OUTAGE_TOLERANCE_ENV] = str(outage_tolerance)
         system = System(settings=settings, provider=provider, environment=environment)
         try:
             yield system

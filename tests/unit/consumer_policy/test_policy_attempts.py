@@ -13,13 +13,17 @@ from consumer.policy import (
     Escalation,
     EscalationReason,
     LookUp,
+    ProviderWait,
     Transition,
+    Unavailability,
     after_attempt,
     after_lease_expired,
     for_unknown_outcome,
 )
+from outbox.breaker import BreakerState, ProviderHealth
 from outbox.contracts import OnUnknown, RetryPolicy, SideEffect
 from outbox.outcomes import EffectResult
+from outbox.states import Waiting
 
 from support.policy_cases import (
     DEADLINE,
@@ -139,15 +143,32 @@ def test_an_unknown_outcome_is_recorded_and_waits_one_step_before_anything_else(
     move = after_attempt(
         operation(),
         contract(side_effect),
-        Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "deadline_exceeded"),
+        Attempt(AttemptOutcome.OUTCOME_UNKNOWN, "malformed_response"),
     )
 
     assert move == Transition(
         S.IN_FLIGHT,
         S.OUTCOME_UNKNOWN,
         {"attempt": 1},
-        error_class="deadline_exceeded",
+        error_class="malformed_response",
         delay=RETRY.initial_backoff,
+    )
+
+
+@pytest.mark.parametrize("code", ["deadline_exceeded", "connection_lost", "http_503"])
+def test_an_unknown_outcome_that_got_no_answer_starts_the_wait_for_the_provider(
+    code: str,
+) -> None:
+    move = after_attempt(
+        operation(),
+        contract(SideEffect.DEDUPLICATED_WRITE),
+        Attempt(AttemptOutcome.OUTCOME_UNKNOWN, code),
+    )
+
+    assert (move.target, move.waiting, move.attempt_refunded) == (
+        S.OUTCOME_UNKNOWN,
+        Waiting.START,
+        False,
     )
 
 
@@ -284,3 +305,85 @@ def test_a_non_repeatable_write_without_a_lookup_is_never_retried() -> None:
 
     assert isinstance(decision, Escalation)
     assert decision.reason is EscalationReason.NO_RECONCILE
+
+
+# --- a provider that could not take the attempt: waiting, never a person within tolerance
+
+
+@pytest.mark.parametrize("side_effect", EVERY_CLASS)
+@pytest.mark.parametrize("unavailability", list(Unavailability))
+def test_an_attempt_the_provider_could_not_take_waits_and_gives_its_attempt_back(
+    side_effect: SideEffect, unavailability: Unavailability
+) -> None:
+    wait = ProviderWait("payments", timedelta(seconds=12), timedelta(minutes=5))
+
+    move = after_attempt(
+        operation(attempts=5),
+        contract(side_effect),
+        Attempt(AttemptOutcome.UNAVAILABLE, "http_503", unavailability=unavailability),
+        wait,
+    )
+
+    assert move == Transition(
+        S.IN_FLIGHT,
+        S.PREPARED,
+        {
+            "attempt": 5,
+            "policy": "wait_for_provider",
+            "provider": "payments",
+            "unavailable": str(unavailability),
+        },
+        error_class="http_503",
+        delay=timedelta(seconds=12),
+        waiting=Waiting.START,
+        attempt_refunded=True,
+    )
+
+
+def test_an_attempt_past_the_outage_tolerance_goes_to_a_person_with_the_outage() -> None:
+    outage = ProviderHealth(
+        provider="payments",
+        state=BreakerState.OPEN,
+        outage_started_at=NOW - timedelta(hours=1, minutes=2),
+        probes=9,
+    )
+    wait = ProviderWait("payments", timedelta(seconds=12), timedelta(hours=1), outage)
+
+    move = after_attempt(
+        operation(attempts=2),
+        contract(SideEffect.DEDUPLICATED_WRITE),
+        Attempt(AttemptOutcome.UNAVAILABLE, "provider_unavailable"),
+        wait,
+    )
+
+    assert (move.target, move.attempt_refunded) == (S.PREPARED, True)
+    assert move.then is not None
+    assert move.then.reason is EscalationReason.PROVIDER_UNAVAILABLE
+    escalated = move.then.transition
+    assert (escalated.source, escalated.target) == (S.PREPARED, S.ESCALATED)
+    assert escalated.attributes == {
+        "reason": "provider_unavailable",
+        "provider": "payments",
+        "waited_seconds": 3600.0,
+        "outage_tolerance_seconds": 3600.0,
+        "outage_started_at": (NOW - timedelta(hours=1, minutes=2)).isoformat(
+            timespec="milliseconds"
+        ),
+        "probes": 9,
+        "attempts": 1,
+        "reconcile_attempts": 0,
+        "last_error": "provider_unavailable",
+    }
+
+
+def test_a_wait_just_inside_the_tolerance_is_still_a_wait() -> None:
+    wait = ProviderWait("payments", timedelta(seconds=1), timedelta(minutes=59, seconds=59))
+
+    move = after_attempt(
+        operation(),
+        contract(SideEffect.NON_REPEATABLE_WRITE, lookup=True),
+        Attempt(AttemptOutcome.UNAVAILABLE, "connect_failed"),
+        wait,
+    )
+
+    assert (move.target, move.then) == (S.PREPARED, None)
