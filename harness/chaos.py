@@ -10,21 +10,23 @@ pace while a fault schedule drawn from the seed kills daemons (one of them while
 provider holds the response of a refund it has just committed), pauses a consumer past
 its lease, restarts the broker, closes one daemon's broker connections, ends the
 daemons' database sessions, slows, silences and cuts the proxied links, turns provider
-faults on for a while (409 conflicts, lookups unavailable, idempotency keys forgotten),
-overloads the machine (CPU hogs at 2x and 4x the cores, a database link 50-500 ms slow
-a chunk, a burst of decisions at 3x the measured drain rate) and disturbs the webhooks
-(dropped, forged or stale, duplicated and reordered, delayed); throughout, the sandbox
-drops responses after committing and fails before committing. When every operation has
-settled, a checker reads the event log, the inbox and the provider's ledger and prints
-a verdict, with the escalations by reason and the recovery time after the overload.
+faults on for a while (409 conflicts, lookups unavailable, idempotency keys forgotten,
+429s with Retry-After), takes the provider down altogether (503 to every call and lookup
+for 5 s, a minute or 5 minutes), overloads the machine (CPU hogs at 2x and 4x the cores,
+a database link 50-500 ms slow a chunk, a burst of decisions at 3x the measured drain
+rate) and disturbs the webhooks (dropped, forged or stale, duplicated and reordered,
+delayed); throughout, the sandbox drops responses after committing and fails before
+committing. When every operation has settled, a checker reads the event log, the inbox
+and the provider's ledger and prints a verdict, with the escalations by reason and the
+recovery time after the overload.
 
 The same seed gives the same schedule (the daemons' own timing still varies). Exit
 status 0 only if nothing was lost, no decision had two effects, no operation was
 retried after an unknown outcome that was never proven absent, every operation's
 events follow the state machine, nothing stayed in flight past its lease, nothing was
-escalated as undeliverable, at most 1% escalated for a reason no fault forces, no
-callback contradicted a recorded ending, and goodput came back within 30 s of the last
-overload (harness/checker.py).
+escalated as undeliverable, at most 1% escalated for a reason no fault forces (an outage
+shorter than a tool's outage tolerance forces none), no callback contradicted a recorded
+ending, and goodput came back within 30 s of the last overload (harness/checker.py).
 Everything is removed at the end, and a broker the run stopped is started again.
 
 ``--broker private`` (the default) gives each run a RabbitMQ node of its own (free ports,
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -73,6 +76,7 @@ from harness.checker import (
     Sample,
     Verdict,
     check,
+    longest_outage,
     quiet_rate,
     recovery_seconds,
 )
@@ -91,7 +95,12 @@ from outbox.sandbox.processes import DaemonProcess, python_module, stop_all
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.sandbox.receiver import LocalReceiver
 from outbox.sandbox.scratch import ScratchEnvironment
-from outbox.sandbox.tools import CALLBACK_WAIT_ENV, REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.tools import (
+    CALLBACK_WAIT_ENV,
+    OUTAGE_TOLERANCE_ENV,
+    REFUND_DEADLINE_ENV,
+    SANDBOX_URL_ENV,
+)
 from outbox.sandbox.webhooks import WebhookTarget
 from outbox.settings import Settings, redact_url, split_amqp_urls
 from outbox.states import OperationState
@@ -143,6 +152,17 @@ LINK_DELAY_PER_CHUNK_SECONDS = 0.05
 AMQP_HEARTBEAT_SECONDS = 2
 PROVIDER_FAULT_SECONDS = 5.0
 PROVIDER_CONFLICT_PROBABILITY = 0.5
+# A provider outage (#44): 503 to every call and lookup for one of these, drawn from the
+# seed for each run (--provider-outage-seconds fixes it): over before a lease would be,
+# long enough for every consumer to meet it, and longer than the refund tool's tolerance.
+PROVIDER_OUTAGE_SECONDS = (5.0, 60.0, 300.0)
+# The refund tool's outage_tolerance in the run's daemons (OUTBOX_SANDBOX_OUTAGE_TOLERANCE):
+# between the minute and the five minutes, so that the one outage must be waited out and
+# the other ends with a person (the contract's 15 minutes would make every outage a wait).
+OUTAGE_TOLERANCE_SECONDS = 120.0
+# A rate limit: 429 to every 2nd call and lookup, each asking for this many seconds.
+RATE_LIMIT_EVERY = 2
+RATE_LIMIT_RETRY_AFTER_SECONDS = 2
 # Keys older than this are forgotten while the fault lasts: longer than any lease here,
 # so only a runtime that re-sends long after an effect (a blind retry) pays for it, with
 # a second refund at the ledger.
@@ -286,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
         "broker faults stop for everyone (private)",
     )
     parser.add_argument(
+        "--provider-outage-seconds",
+        type=_positive_seconds,
+        default=None,
+        help="how long the provider outage lasts (default: drawn per seed from "
+        + ", ".join(f"{seconds:g}" for seconds in PROVIDER_OUTAGE_SECONDS)
+        + f"; the refund tool waits {OUTAGE_TOLERANCE_SECONDS:g} s before a person is asked)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=None,
@@ -339,10 +367,22 @@ def liveness_bound() -> float:
     return 2 * (deadline + LEASE_MARGIN_SECONDS + lookups)
 
 
-def run_deadline(operations: int) -> float:
+def run_deadline(operations: int, outage_seconds: float = max(PROVIDER_OUTAGE_SECONDS)) -> float:
     """The longest one run of ``operations`` decisions may take, start to exit: what a
-    caller (a test, a CI job) waits before it stops the run with SIGTERM."""
-    return stream_seconds(operations) + liveness_bound() + RUN_OVERHEAD_SECONDS
+    caller (a test, a CI job) waits before it stops the run with SIGTERM. A provider
+    outage of ``outage_seconds`` (the longest the schedule draws) may begin as the
+    stream ends, and the liveness bound counts from its end."""
+    return stream_seconds(operations) + outage_seconds + liveness_bound() + RUN_OVERHEAD_SECONDS
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return seconds
 
 
 def _fault_categories(text: str) -> frozenset[str]:
@@ -366,22 +406,36 @@ class ScheduledFault:
     at: float  # seconds after the first decision
     kind: str
     slot: int  # which of the two daemons of the kind the fault targets
+    seconds: float | None = None  # how long it lasts, where the schedule draws that
 
     def describe(self) -> str:
         return f"t=+{self.at:5.1f}s {self.kind:<24} {self.target()}"
 
     def target(self) -> str:
-        return FAULTS[self.kind].target(self.slot)
+        what = FAULTS[self.kind].target(self.slot)
+        return what if self.seconds is None else f"{what} for {self.seconds:g} s"
 
 
 def stream_seconds(operations: int) -> float:
     return max(MIN_STREAM_SECONDS, operations * STREAM_SECONDS_PER_OPERATION)
 
 
-def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> list[ScheduledFault]:
+# Once a run, never among the extra faults: an outage's length is the point of it, and a
+# second one would only add minutes to the run.
+ONCE_A_RUN = frozenset({"provider_outage"})
+
+
+def fault_schedule(
+    seed: int,
+    operations: int,
+    categories: frozenset[str],
+    *,
+    outage_seconds: float | None = None,
+) -> list[ScheduledFault]:
     """The faults, in time order: at least one of every enabled kind whatever the seed,
     then more of random kinds as the stream gets longer. Only ``seed`` and the
-    arguments decide it, so a run can be repeated."""
+    arguments decide it, so a run can be repeated. A provider outage lasts one of
+    :data:`PROVIDER_OUTAGE_SECONDS`, drawn from the seed, or ``outage_seconds``."""
     # Not for security: a reproducible schedule is the point of the seed.
     rng = random.Random(seed)  # noqa: S311
     kinds = [kind for category in sorted(categories) for kind in FAULT_CATEGORIES[category]]
@@ -389,19 +443,38 @@ def fault_schedule(seed: int, operations: int, categories: frozenset[str]) -> li
         return []
     duration = stream_seconds(operations)
     extra = max(0, int(duration // FAULT_SPACING_SECONDS) - len(kinds))
-    chosen = kinds + [rng.choice(kinds) for _ in range(extra)]
+    repeatable = [kind for kind in kinds if kind not in ONCE_A_RUN]
+    chosen = kinds + [rng.choice(repeatable) for _ in range(extra) if repeatable]
     rng.shuffle(chosen)
+    _outage_after_the_kills_in_effect(chosen)
     # Recovery from overload is judged against the quiet rate: measured first.
     first = QUIET_SECONDS if "overload" in categories else 1.0
     times = sorted(rng.uniform(first, duration) for _ in chosen)
     schedule = []
     for at, kind in zip(times, chosen, strict=True):
-        # broker closes pick any of the four daemons; the others one of two of a kind
-        slot = (
-            rng.randrange(len(DAEMONS)) if kind == "broker_connection_close" else rng.randrange(2)
-        )
-        schedule.append(ScheduledFault(round(at, 1), kind, slot))
+        seconds = None
+        if kind == "broker_connection_close":
+            # any of the four daemons; the others one of two of a kind
+            slot = rng.randrange(len(DAEMONS))
+        elif kind == "provider_outage":
+            slot = rng.randrange(len(PROVIDER_OUTAGE_SECONDS))
+            seconds = PROVIDER_OUTAGE_SECONDS[slot] if outage_seconds is None else outage_seconds
+        else:
+            slot = rng.randrange(2)
+        schedule.append(ScheduledFault(round(at, 1), kind, slot, seconds))
     return schedule
+
+
+def _outage_after_the_kills_in_effect(chosen: list[str]) -> None:
+    """Move the outage behind every kill in effect (``chosen`` is in time order): no
+    refund is in the provider's hands while it is down, and after a long one nothing may
+    be left to hold, so a kill due during it would find nothing at all."""
+    if "provider_outage" not in chosen:
+        return
+    outage = chosen.index("provider_outage")
+    kills = [n for n, kind in enumerate(chosen) if kind == "consumer_kill_in_effect"]
+    if kills and kills[-1] > outage:
+        chosen[outage], chosen[kills[-1]] = chosen[kills[-1]], chosen[outage]
 
 
 def decision(n: int) -> tuple[str, dict[str, Any]]:
@@ -507,6 +580,8 @@ class Tally:
     provider_conflict_windows: int = 0
     lookup_outages: int = 0
     key_prunings: int = 0
+    provider_outages: int = 0
+    rate_limit_windows: int = 0
     cpu_starvations: int = 0
     slow_databases: int = 0
     decision_bursts: int = 0
@@ -544,7 +619,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     held = 0
     for seed in seeds:
         verdict, summary = run_once(
-            settings, seed, args.operations, categories, args.broker, rabbitmqctl, drain_timeout
+            settings,
+            seed,
+            args.operations,
+            categories,
+            args.broker,
+            rabbitmqctl,
+            drain_timeout,
+            outage_seconds=args.provider_outage_seconds,
         )
         held += verdict.held
         summaries.append(f"seed={seed} {summary}")
@@ -564,12 +646,14 @@ def run_once(
     broker: str,
     rabbitmqctl: str | None,
     drain_timeout: float,
+    *,
+    outage_seconds: float | None = None,
 ) -> tuple[Verdict, str]:
     """One run; its verdict and a one-line summary."""
     began = time.monotonic()
     # Nothing here runs `outbox migrate --broker`: the daemons declare their names.
     scratch = ScratchEnvironment.unique(settings, "chaos", declare_topology=False)
-    schedule = fault_schedule(seed, operations, categories)
+    schedule = fault_schedule(seed, operations, categories, outage_seconds=outage_seconds)
     say(
         f"outbox chaos: {operations} decisions, seed {seed}, faults {','.join(sorted(categories))}"
         f", broker {broker}, {settings.message_operations} operation(s) per message"
@@ -627,7 +711,8 @@ def run_once(
                 operations,
                 provider,
                 tools_without_lookup=tools_without_lookup(),
-                lookups_failed=chaos.tally.lookup_outages > 0,
+                provider_outage=longest_outage(chaos.outage_spans),
+                outage_tolerances=outage_tolerances(),
             )
             if verdict.last_settled_at is not None:
                 verdict.settle_s = max(
@@ -664,6 +749,7 @@ def run_once(
         f"illegal_sequences={verdict.illegal_sequences} contradictions={verdict.contradictions} "
         f"escalated_share={verdict.escalated_share:.1%} "
         f"recovery_s={_recovery(verdict)} settle_s={_seconds(verdict.settle_s)} "
+        f"longest_outage_s={verdict.provider_outage_s:.0f} "
         f"total_s={timings['total']:.0f} "
         f"escalated_by_reason={_reasons(verdict) or '-'} "
         + ("guarantee held." if verdict.held else "GUARANTEE BROKEN.")
@@ -679,6 +765,16 @@ def _recovery(verdict: Verdict) -> str:
     if not verdict.recovery_judged:
         return "-"
     return "never" if verdict.recovery_s is None else f"{verdict.recovery_s:.1f}"
+
+
+def outage_tolerances() -> dict[str, timedelta]:
+    """How long each sandbox tool waits for its provider in the run's daemons: their
+    contracts' own, but the refund tool's as the run sets it."""
+    tolerances = {
+        contract.name: contract.outage_tolerance for contract in load_registry([TOOLS_MODULE])
+    }
+    tolerances["send_refund"] = timedelta(seconds=OUTAGE_TOLERANCE_SECONDS)
+    return tolerances
 
 
 def tools_without_lookup() -> frozenset[str]:
@@ -743,7 +839,11 @@ def report(
         f"link_delays={tally.link_delays} link_blackholes={tally.link_blackholes} "
         f"link_cuts={tally.link_cuts} "
         f"provider_conflict_windows={tally.provider_conflict_windows} "
-        f"lookup_outages={tally.lookup_outages} key_prunings={tally.key_prunings}"
+        f"lookup_outages={tally.lookup_outages} key_prunings={tally.key_prunings} "
+        f"provider_outages={tally.provider_outages} "
+        f"rate_limit_windows={tally.rate_limit_windows} "
+        f"longest_outage_s={verdict.provider_outage_s:.1f} "
+        f"outage_tolerance_s={OUTAGE_TOLERANCE_SECONDS:g}"
     )
     say(
         f"illegal_sequences={verdict.illegal_sequences} "
@@ -859,6 +959,10 @@ class Chaos:
     rate: float = 0.0
     hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     sampler: Sampler | None = None
+    # When the provider, or its lookups, were down (monotonic start and end, each window
+    # once it is over), and when the last whole outage ended.
+    outage_spans: list[tuple[float, float]] = field(default_factory=list)
+    provider_back: float | None = None
 
     @property
     def database_url(self) -> str:
@@ -894,6 +998,7 @@ class Chaos:
             SANDBOX_URL_ENV: self.provider.url,
             REFUND_DEADLINE_ENV: f"{REFUND_DEADLINE_SECONDS:g}",
             CALLBACK_WAIT_ENV: f"{CALLBACK_WAIT_SECONDS:g}",
+            OUTAGE_TOLERANCE_ENV: f"{OUTAGE_TOLERANCE_SECONDS:g}",
         }
 
     def run(self) -> float | None:
@@ -1022,12 +1127,13 @@ class Chaos:
         say(f"  quiet rate {self.quiet_rate:.1f}/s ({source}), backlog {self.quiet_backlog}")
 
     def recovery(self) -> float | None:
-        """Seconds from the last overload's end until goodput was back (None: never)."""
+        """Seconds from the last overload's end until goodput was back (None: never);
+        from the provider's return, if it was down later than that: while it is down,
+        refunds wait for it by design, and no speed of the runtime answers them."""
         if self.overload_ended is None or self.quiet_rate is None:
             return None
-        return recovery_seconds(
-            self.samples, self.overload_ended, self.quiet_rate, self.quiet_backlog
-        )
+        since = max(self.overload_ended, self.provider_back or self.overload_ended)
+        return recovery_seconds(self.samples, since, self.quiet_rate, self.quiet_backlog)
 
     def _advance_burst(self, now: float) -> None:
         """During a burst, its decisions come at its rate, on top of the stream's."""
@@ -1048,6 +1154,12 @@ class Chaos:
         wake paused consumers when due; restart a daemon that died on its own (and count
         it: the schedule never kills without saying so)."""
         self.off_loop.run_finished()
+        if "provider_outage" in self.endings:
+            # Refunds wait for the provider and go on when it is back: a fault that needs
+            # work in flight keeps its tries until a while after that.
+            self.retry_until = max(
+                self.retry_until, now - self.stream_start + FAULT_RETRY_AFTER_STREAM_SECONDS
+            )
         for kind, (ends_at, end, off_loop) in list(self.endings.items()):
             if now >= ends_at:
                 del self.endings[kind]
@@ -1106,6 +1218,8 @@ class Chaos:
         tries they made the CPU hogs give up in 12 of 18 runs of a sweep."""
         if fault.kind == "cpu_starvation":
             return "broker_restart" in self.endings or self.off_loop.busy()
+        if fault.kind == "consumer_kill_in_effect" and "provider_outage" in self.endings:
+            return True  # the provider holds no refund while it is down
         if fault.kind == "broker_connection_close" and "broker_restart" in self.endings:
             # Nothing to close until the broker is back (beside hogs, start_app came
             # 19 s late once, and the close's tries ran out meanwhile).
@@ -1169,7 +1283,7 @@ class Chaos:
     def _fault_consumer_kill_in_effect(self, fault: ScheduledFault) -> bool:
         """SIGKILL the consumer whose refund the provider has committed but not answered:
         the effect exists, its outcome record never will."""
-        if "lookups_unavailable" in self.endings:
+        if "lookups_unavailable" in self.endings or "provider_outage" in self.endings:
             return False  # keep the provider's faults apart: one window at a time
         self.provider.set_faults(delay_ms=HOLD_RESPONSE_MS)
         try:
@@ -1337,7 +1451,50 @@ class Chaos:
     )
     def _fault_lookups_unavailable(self, fault: ScheduledFault) -> bool:
         return self._provider_window(
-            "lookups_unavailable", {"lookups_unavailable": True}, "lookup_outages"
+            "lookups_unavailable", {"lookups_unavailable": True}, "lookup_outages", outage=True
+        )
+
+    @fault_kind(
+        "provider_outage",
+        "provider",
+        lambda slot: "503 to every call and lookup",
+    )
+    def _fault_provider_outage(self, fault: ScheduledFault) -> bool:
+        """The provider down (#44): every refund, email and lookup answered 503 and
+        nothing done. Refunds must wait for it, spending no attempt and no lookup, and
+        go to a person only once it has outlasted their tolerance."""
+        seconds = (
+            fault.seconds or PROVIDER_OUTAGE_SECONDS[fault.slot % len(PROVIDER_OUTAGE_SECONDS)]
+        )
+
+        def back() -> None:
+            self.provider_back = time.monotonic()
+
+        return self._provider_window(
+            "provider_outage",
+            {"unavailable": True},
+            "provider_outages",
+            seconds=seconds,
+            outage=True,
+            then=back,
+        )
+
+    @fault_kind(
+        "provider_rate_limit",
+        "provider",
+        lambda slot: (
+            f"429 with Retry-After: {RATE_LIMIT_RETRY_AFTER_SECONDS} to every "
+            f"{RATE_LIMIT_EVERY}nd call and lookup for {PROVIDER_FAULT_SECONDS:g} s"
+        ),
+    )
+    def _fault_provider_rate_limit(self, fault: ScheduledFault) -> bool:
+        return self._provider_window(
+            "provider_rate_limit",
+            {
+                "rate_limit_every": RATE_LIMIT_EVERY,
+                "rate_limit_retry_after_s": RATE_LIMIT_RETRY_AFTER_SECONDS,
+            },
+            "rate_limit_windows",
         )
 
     @fault_kind(
@@ -1500,15 +1657,31 @@ class Chaos:
             "webhooks_delayed", {"webhook_delay_ms": WEBHOOK_DELAY_MS}, "webhook_delay_windows"
         )
 
-    def _provider_window(self, kind: str, fault_fields: dict[str, Any], counter: str) -> bool:
+    def _provider_window(
+        self,
+        kind: str,
+        fault_fields: dict[str, Any],
+        counter: str,
+        *,
+        seconds: float = PROVIDER_FAULT_SECONDS,
+        outage: bool = False,
+        then: Callable[[], None] | None = None,
+    ) -> bool:
+        """Turn provider faults on for ``seconds``; an ``outage`` (the provider or its
+        lookups down) is kept in :attr:`outage_spans` for the checker."""
         base = self.provider.faults
         normal = {name: getattr(base, name) for name in fault_fields}
         provider = self.provider
+        started = time.monotonic()
 
         def end() -> None:
             provider.set_faults(**normal)
+            if outage:
+                self.outage_spans.append((started, time.monotonic()))
+            if then is not None:
+                then()
 
-        if not self._lasting(kind, PROVIDER_FAULT_SECONDS, end):
+        if not self._lasting(kind, seconds, end):
             return False
         self.provider.set_faults(**fault_fields)
         setattr(self.tally, counter, getattr(self.tally, counter) + 1)

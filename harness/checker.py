@@ -11,14 +11,15 @@ consumers serve every tool and live throughout, so the consumers could always ha
 handled it); at most 1% of the decisions are escalated for a reason no fault of the run
 forces (see :func:`escalation_excused`); no callback contradicts a recorded ending; and
 after the last overload ends, goodput is back to 90% of the run's quiet rate within 30 s
-(:func:`recovery_seconds`)."""
+(:func:`recovery_seconds`). A provider that is down makes the runtime wait (#44): an
+outage shorter than a tool's ``outage_tolerance`` excuses no escalation of it."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 import psycopg
@@ -41,9 +42,13 @@ ESCALATION_SHARE_LIMIT = 0.01
 NO_LOOKUP_REASONS = frozenset(
     {"escalate_by_contract", "effect_possible", "retry_budget_exhausted", "no_reconcile"}
 )
-# With a lookup, only lookups that kept failing (the provider's lookups_unavailable
-# window) may use up the reconcile budget.
+# With a lookup, a lookup that could not ask the provider (a 503, a 429, no answer)
+# costs none of the budget: the operation waits for the provider instead. Only an outage
+# longer than the tool's outage_tolerance may end in a person, and then with the reason
+# the runtime gives for it; a budget used up then is excused too (it was spent on the
+# outage's edges), but never after a shorter outage.
 LOOKUP_FAILED_REASONS = frozenset({"reconcile_budget_exhausted"})
+PROVIDER_UNAVAILABLE = "provider_unavailable"
 # After the last overload ends, goodput must be back to this share of the quiet rate
 # within RECOVERY_BOUND_SECONDS, judged over windows this long.
 RECOVERY_SHARE = 0.9
@@ -91,6 +96,8 @@ class Verdict:
     # drain deadline (the liveness bound) is what fails a run that does not settle.
     settle_s: float | None = None
     last_settled_at: datetime | None = None
+    # The longest time the run kept the provider (or its lookups) down, in seconds.
+    provider_outage_s: float = 0.0
 
     @property
     def undeliverable(self) -> int:
@@ -131,18 +138,43 @@ class Verdict:
 
 
 def escalation_excused(
-    reason: str, *, has_lookup: bool, lookups_failed: bool, callback_came_first: bool = False
+    reason: str,
+    *,
+    has_lookup: bool,
+    outage: timedelta = timedelta(0),
+    outage_tolerance: timedelta | None = None,
+    callback_came_first: bool = False,
 ) -> bool:
     """Whether a fault of the run forces this escalation: for a tool with no lookup, an
     outcome the provider kept unknown (its contract hands those to a person) and whose
-    success callback had not arrived when a person was handed it; for one with a
-    lookup, a reconcile budget used up while the run made lookups fail. Never
-    ``undeliverable``, ``contradicted``, ``tampered`` or ``unreadable``."""
+    success callback had not arrived when a person was handed it; ``provider_unavailable``
+    (and, for a tool with a lookup, a reconcile budget used up) only when the run's
+    longest provider ``outage`` outlasted the tool's ``outage_tolerance`` (None: not
+    known, so never). Never ``undeliverable``, ``contradicted``, ``tampered`` or
+    ``unreadable``."""
+    outlasted = outage_tolerance is not None and outage > outage_tolerance
+    if reason == PROVIDER_UNAVAILABLE:
+        return outlasted
     if not has_lookup:
         # A verified success callback in the inbox before the escalation should have
         # settled it: a person was handed what the provider had already told us.
         return reason in NO_LOOKUP_REASONS and not callback_came_first
-    return lookups_failed and reason in LOOKUP_FAILED_REASONS
+    return outlasted and reason in LOOKUP_FAILED_REASONS
+
+
+def longest_outage(spans: Sequence[tuple[float, float]]) -> timedelta:
+    """The longest time the provider was down without a break, from the run's outage
+    windows (start and end, monotonic seconds): windows that overlap or touch are one
+    outage, since an operation waits through both."""
+    longest = 0.0
+    merged: tuple[float, float] | None = None
+    for start, end in sorted(spans):
+        if merged is not None and start <= merged[1]:
+            merged = (merged[0], max(merged[1], end))
+        else:
+            merged = (start, end)
+        longest = max(longest, merged[1] - merged[0])
+    return timedelta(seconds=longest)
 
 
 def check(
@@ -151,12 +183,14 @@ def check(
     provider: SandboxProvider,
     *,
     tools_without_lookup: frozenset[str] = frozenset(),
-    lookups_failed: bool = False,
+    provider_outage: timedelta = timedelta(0),
+    outage_tolerances: Mapping[str, timedelta] | None = None,
 ) -> Verdict:
-    """The verdict on a run: ``tools_without_lookup`` and ``lookups_failed`` (the run
-    made the provider's lookups fail for a while) decide which escalations a fault
-    forced."""
-    verdict = Verdict(decisions=decisions)
+    """The verdict on a run: ``tools_without_lookup``, ``provider_outage`` (the longest
+    time the run kept the provider, or its lookups, down) and ``outage_tolerances`` (each
+    tool's, by name) decide which escalations a fault forced."""
+    tolerances = outage_tolerances or {}
+    verdict = Verdict(decisions=decisions, provider_outage_s=provider_outage.total_seconds())
     ledger = provider.ledger()
     refunds: dict[str, int] = {
         str(key): int(count) for key, count in ledger["refunds_by_key"].items()
@@ -200,7 +234,8 @@ def check(
                 verdict.escalations_excused += escalation_excused(
                     reason,
                     has_lookup=has_lookup,
-                    lookups_failed=lookups_failed,
+                    outage=provider_outage,
+                    outage_tolerance=tolerances.get(summary.tool_name),
                     callback_came_first=(
                         success_at is not None
                         and escalated_at is not None

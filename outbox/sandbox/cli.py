@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 DESCRIPTION = (
     "Serve a payment-provider sandbox over HTTP: POST /refunds (idempotency keys), "
-    "GET /refunds?idempotency_key=, POST /emails (not idempotent), GET /ledger, and "
-    "/admin/faults to inject failures; with --webhook-url, signed webhooks after each "
-    "refund and email. Prints 'provider.listening host=... port=...' to "
+    "GET /refunds?idempotency_key=, POST /emails (not idempotent), GET /ledger, "
+    "/admin/faults to inject failures (an outage, a rate limit, lost responses, ...) and "
+    "GET /admin/requests for when each call arrived; with --webhook-url, signed webhooks "
+    "after each refund and email. Prints 'provider.listening host=... port=...' to "
     "stderr once it accepts connections; SIGTERM or SIGINT stops it with exit code 0."
 )
 

@@ -3,13 +3,20 @@
 The runtime has to tell "the effect failed" from "we failed to observe it" (docs/design.md
 section 1). A mock that raises exceptions cannot show that difference; this server can:
 it commits a refund and then drops the connection, fails before committing, answers 409
-while a key is executing, forgets idempotency keys as Stripe does after 24 h, and turns
-its lookup endpoint off. ``GET /ledger`` is the evidence of how many effects happened.
+while a key is executing, forgets idempotency keys as Stripe does after 24 h, turns its
+lookup endpoint off, goes down altogether (503 to every call and lookup) and rate-limits
+(429 with ``Retry-After``). ``GET /ledger`` is the evidence of how many effects happened;
+``GET /admin/requests`` is when each call and lookup arrived and what it was answered, so
+a test can tell whether a client honoured a ``Retry-After`` and how fast it came back.
 
 Semantics other code relies on:
 
+- While ``unavailable`` is on, every refund, email and lookup is answered 503
+  ``service_unavailable`` before anything else is looked at (with ``Retry-After`` when
+  ``unavailable_retry_after_s`` is set); nothing is committed, no counter moves.
 - Refund requests pass, in order: the ``Idempotency-Key`` header (400), the body (400),
-  the payment id's format (404), the fail-before-commit fault (503), the conflict fault
+  the payment id's format (404), the rate limit (429, ``Retry-After:
+  rate_limit_retry_after_s``), the fail-before-commit fault (503), the conflict fault
   (409), the idempotency layer (409 while the key executes, 422 for the same key with
   other parameters, a replay of the original status and body for the same key and
   parameters), then execution (402 when the amount exceeds what remains refundable,
@@ -21,8 +28,12 @@ Semantics other code relies on:
   never have to sit out a long delay.
 - ``drop_response_*`` applies to executions and replays alike: the network loses a
   replay's response as easily as the first one.
-- "every n" counters count, per endpoint kind and per fault, the well-formed requests
-  that reach that fault since its ``*_every`` field was last set.
+- Emails pass the same faults after their body; lookups (by key and by id) the rate
+  limit only, then ``lookups_unavailable`` (by key).
+- "every n" counters count, per endpoint kind (refunds, emails, lookups) and per fault,
+  the well-formed requests that reach that fault since its ``*_every`` field was last set.
+- The request log keeps the last :data:`REQUEST_LOG_LIMIT` calls and lookups; ``reset``
+  empties it.
 """
 
 from __future__ import annotations
@@ -38,7 +49,8 @@ import socketserver
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -72,9 +84,21 @@ REQUEST_READ_TIMEOUT = 5.0
 # stop() waits up to one poll for the serving loop to notice; tests stop one per test.
 SERVE_POLL_SECONDS = 0.02
 
-Kind = Literal["refunds", "emails"]
-FaultName = Literal["fail_before_commit", "conflict", "drop_response"]
+# The request log keeps this many calls and lookups, the newest: enough for any test or
+# chaos run, and a provider left running for days cannot grow without bound.
+REQUEST_LOG_LIMIT = 100_000
+
+Kind = Literal["refunds", "emails", "lookups"]
+KINDS: tuple[Kind, ...] = ("refunds", "emails", "lookups")
+FaultName = Literal["fail_before_commit", "conflict", "drop_response", "rate_limit"]
 Json = dict[str, Any]
+
+# The provider's API, as the request log names its endpoints; admin routes go unlogged.
+CREATE_REFUND = "POST /refunds"
+LOOKUP_REFUND = "GET /refunds?idempotency_key="
+GET_REFUND = "GET /refunds/{id}"
+SEND_EMAIL = "POST /emails"
+ENDPOINTS = (CREATE_REFUND, LOOKUP_REFUND, GET_REFUND, SEND_EMAIL)
 
 
 class Faults(BaseModel):
@@ -109,6 +133,22 @@ class Faults(BaseModel):
     )
     lookups_unavailable: bool = Field(
         default=False, description="answer 503 to GET /refunds?idempotency_key="
+    )
+    unavailable: bool = Field(
+        default=False,
+        description="an outage: answer 503 to every refund, email and lookup, committing nothing",
+    )
+    unavailable_retry_after_s: int | None = Field(
+        default=None, ge=0, description="the outage's Retry-After, in seconds (none: no header)"
+    )
+    rate_limit_every: int = Field(
+        default=0, ge=0, description="answer 429 to every n-th call or lookup, before committing"
+    )
+    rate_limit_probability: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="chance of a 429 before committing"
+    )
+    rate_limit_retry_after_s: int | None = Field(
+        default=1, ge=0, description="the 429's Retry-After, in seconds (none: no header)"
     )
     # Webhooks (outbox.sandbox.webhooks): what the provider reports on its own, later.
     webhook_drop_every: int = Field(
@@ -198,6 +238,7 @@ class Reply:
     started: float | None = None
     executing_key: str | None = None
     token: object = field(default=None, compare=False)
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 def _seeded(seed: int) -> random.Random:
@@ -208,6 +249,11 @@ def _seeded(seed: int) -> random.Random:
 
 def _error(status: int, code: str) -> Reply:
     return Reply(status, {"error": code})
+
+
+def _refusal(status: int, code: str, retry_after_s: int | None) -> Reply:
+    headers = {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    return Reply(status, {"error": code}, headers=headers)
 
 
 class SandboxState:
@@ -229,6 +275,7 @@ class SandboxState:
         self._executing: dict[str, object] = {}
         self._emails: list[_Email] = []
         self._counters: dict[tuple[Kind, FaultName], int] = {}
+        self._requests: deque[Json] = deque(maxlen=REQUEST_LOG_LIMIT)
         self.webhooks = WebhookSender(faults)
 
     @property
@@ -245,7 +292,7 @@ class SandboxState:
             for name in fields:
                 if name.endswith("_every"):
                     fault = name.removesuffix("_every")
-                    for kind in ("refunds", "emails"):
+                    for kind in KINDS:
                         self._counters.pop((kind, cast(FaultName, fault)), None)
             # Requests held by a delay re-read delay_ms: a lower one releases them now.
             self._changed.notify_all()
@@ -266,6 +313,7 @@ class SandboxState:
             self._executing.clear()
             self._emails.clear()
             self._counters.clear()
+            self._requests.clear()
             self._random = _seeded(self._faults.seed)
             self._changed.notify_all()
             self.webhooks.reset()
@@ -280,6 +328,31 @@ class SandboxState:
         """Keys whose refund has committed but whose response is still held (``delay_ms``)."""
         with self._lock:
             return list(self._executing)
+
+    def record_request(
+        self, endpoint: str, arrived: float, arrived_at: float, reply: Reply
+    ) -> None:
+        """Log one call or lookup: when it arrived (``time.monotonic()`` and wall clock)
+        and how it was answered."""
+        retry_after = reply.headers.get("Retry-After")
+        entry = {
+            "endpoint": endpoint,
+            "monotonic": arrived,
+            "at": arrived_at,
+            "status": reply.status,
+            "retry_after_s": None if retry_after is None else int(retry_after),
+            "dropped": reply.drop,
+        }
+        with self._lock:
+            self._requests.append(entry)
+
+    def requests(self, endpoint: str | None = None) -> list[Json]:
+        """The logged calls and lookups (of ``endpoint`` only, if given), oldest first."""
+        with self._lock:
+            logged = [dict(entry) for entry in self._requests]
+        # Handler threads log as they finish routing: arrival order may differ slightly.
+        logged.sort(key=lambda entry: float(entry["monotonic"]))
+        return [entry for entry in logged if endpoint is None or entry["endpoint"] == endpoint]
 
     def ledger(self) -> Json:
         with self._lock:
@@ -304,6 +377,9 @@ class SandboxState:
             }
 
     def post_refund(self, key: str | None, raw: bytes) -> Reply:
+        down = self._outage("refunds")
+        if down is not None:
+            return down
         if not key:
             return _error(400, "idempotency_key_required")
         if len(key) > MAX_KEY_LENGTH:
@@ -345,6 +421,9 @@ class SandboxState:
         return Reply(status, dict(body), drop=drop, started=now, executing_key=key, token=token)
 
     def post_email(self, raw: bytes, reference: str | None = None) -> Reply:
+        down = self._outage("emails")
+        if down is not None:
+            return down
         try:
             request = _EmailRequest.model_validate_json(raw)
         except ValidationError:
@@ -383,8 +462,17 @@ class SandboxState:
             if key is not None and self._executing.get(key) is reply.token:
                 del self._executing[key]
 
-    def lookup_by_key(self, key: str) -> Reply:
+    def lookup_by_key(self, key: str | None) -> Reply:
+        """The refund of ``key`` (None or empty: the request named no single key)."""
+        down = self._outage("lookups")
+        if down is not None:
+            return down
+        if not key:
+            return _error(400, "invalid_request")
         with self._lock:
+            limited = self._rate_limited("lookups")
+            if limited is not None:
+                return limited
             if self._faults.lookups_unavailable:
                 return _error(503, "lookups_unavailable")
             if key in self._executing:
@@ -397,7 +485,13 @@ class SandboxState:
             return Reply(200, self._refunds[ids[0]].as_json())
 
     def refund(self, refund_id: str) -> Reply:
+        down = self._outage("lookups")
+        if down is not None:
+            return down
         with self._lock:
+            limited = self._rate_limited("lookups")
+            if limited is not None:
+                return limited
             refund = self._refunds.get(refund_id)
             if refund is None:
                 return _error(404, "not_found")
@@ -439,7 +533,26 @@ class SandboxState:
         )
         return 201, refund.as_json()
 
+    def _outage(self, kind: Kind) -> Reply | None:
+        """The outage's 503, before the request is even read: a provider that is down
+        checks nothing."""
+        with self._lock:
+            faults = self._faults
+        if not faults.unavailable:
+            return None
+        self._log_fault(kind, "unavailable")
+        return _refusal(503, "service_unavailable", faults.unavailable_retry_after_s)
+
+    def _rate_limited(self, kind: Kind) -> Reply | None:
+        if not self._hits(kind, "rate_limit"):
+            return None
+        self._log_fault(kind, "rate_limit")
+        return _refusal(429, "rate_limited", self._faults.rate_limit_retry_after_s)
+
     def _pre_commit_fault(self, kind: Kind) -> Reply | None:
+        limited = self._rate_limited(kind)
+        if limited is not None:
+            return limited
         if self._hits(kind, "fail_before_commit"):
             self._log_fault(kind, "fail_before_commit")
             return _error(503, "unavailable")
@@ -468,10 +581,24 @@ class SandboxState:
         return horizon is not None and time.monotonic() - replay.recorded_at >= horizon
 
     @staticmethod
-    def _log_fault(kind: Kind, fault: FaultName) -> None:
+    def _log_fault(kind: Kind, fault: str) -> None:
         logger.info(
             "provider.fault kind=%s fault=%s", kind, fault, extra={"action": "provider.fault"}
         )
+
+
+def _endpoint(method: str, path: str) -> str | None:
+    """The API endpoint a request is for, as the request log names it; None for the
+    admin routes, the ledger and anything unrouted."""
+    if method == "POST" and path == "/refunds":
+        return CREATE_REFUND
+    if method == "GET" and path == "/refunds":
+        return LOOKUP_REFUND
+    if method == "GET" and path.startswith("/refunds/") and path.count("/") == 2:
+        return GET_REFUND
+    if method == "POST" and path == "/emails":
+        return SEND_EMAIL
+    return None
 
 
 class _Server(ThreadingHTTPServer):
@@ -525,16 +652,21 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
     def _dispatch(self, method: str) -> None:
+        arrived, arrived_at = time.monotonic(), time.time()
         state = cast(_Server, self.server).state
-        body = self._read_body()
-        if body is None:
-            self._send(_error(400, "invalid_request"))
-            return
         parts = urlsplit(self.path)
         path = parts.path.rstrip("/") or "/"
-        reply = self._route(state, method, path, parts.query, body)
+        body = self._read_body()
+        reply = (
+            _error(400, "invalid_request")
+            if body is None
+            else self._route(state, method, path, parts.query, body)
+        )
         if reply is None:
             return
+        endpoint = _endpoint(method, path)
+        if endpoint is not None:
+            state.record_request(endpoint, arrived, arrived_at, reply)
         state.finish(reply)
         if reply.drop:
             self._drop(path)
@@ -550,6 +682,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/refunds": ("GET", "POST"),
             "/emails": ("POST",),
             "/admin/faults": ("GET", "POST"),
+            "/admin/requests": ("GET",),
             "/admin/reset": ("POST",),
         }
         if path.startswith("/refunds/") and path.count("/") == 2:
@@ -571,15 +704,15 @@ class _Handler(BaseHTTPRequestHandler):
             return state.post_refund(self.headers.get("Idempotency-Key"), body)
         if path == "/refunds":
             keys = parse_qs(query).get("idempotency_key", [])
-            if len(keys) != 1 or not keys[0]:
-                return _error(400, "invalid_request")
-            return state.lookup_by_key(keys[0])
+            return state.lookup_by_key(keys[0] if len(keys) == 1 else None)
         if path == "/emails":
             return state.post_email(body, self.headers.get("X-Reference"))
         if path == "/admin/faults" and method == "POST":
             return self._update_faults(state, body)
         if path == "/admin/faults":
             return Reply(200, state.faults.model_dump())
+        if path == "/admin/requests":
+            return Reply(200, {"requests": state.requests()})
         state.reset()
         return Reply(200, {"status": "reset"})
 
@@ -609,17 +742,22 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length)
 
     def _send(self, reply: Reply) -> None:
-        self._send_bytes(reply.status, "application/json", json.dumps(reply.body).encode())
+        payload = json.dumps(reply.body).encode()
+        self._send_bytes(reply.status, "application/json", payload, reply.headers)
 
     def _send_text(self, status: int, text: str) -> None:
         self._send_bytes(status, "text/plain; charset=utf-8", text.encode())
 
-    def _send_bytes(self, status: int, content_type: str, payload: bytes) -> None:
+    def _send_bytes(
+        self, status: int, content_type: str, payload: bytes, headers: Mapping[str, str] = {}
+    ) -> None:
         self.close_connection = True
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         self.send_header("Connection", "close")
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
 
@@ -712,6 +850,13 @@ class SandboxProvider:
 
     def ledger(self) -> Json:
         return self.state.ledger()
+
+    def requests(self, endpoint: str | None = None) -> list[Json]:
+        """Every call and lookup received (of ``endpoint`` only, if given: one of
+        :data:`ENDPOINTS`), oldest first: ``endpoint``, ``monotonic`` and ``at`` (when it
+        arrived, by ``time.monotonic()`` and the wall clock), ``status``,
+        ``retry_after_s`` (the ``Retry-After`` it was answered with) and ``dropped``."""
+        return self.state.requests(endpoint)
 
     def executing_keys(self) -> list[str]:
         return self.state.executing_keys()

@@ -2,8 +2,11 @@
 
 ``send_refund`` is a deduplicated write with a lookup, ``get_refund`` a read, and
 ``send_email`` a non-repeatable write that nobody can look up: its provider's delivery
-callback settles an unknown outcome, and without one a person checks it. Both writes
-declare the sandbox's signed webhooks (:mod:`outbox.sandbox.webhooks`). Run them with
+callback settles an unknown outcome, and without one a person checks it. The lookup
+tells a provider it could not ask (:class:`~outbox.outcomes.Unreachable`: the runtime
+waits for the provider and spends no lookup) from one that answered without deciding
+(:class:`~outbox.outcomes.StillUnknown`). Both writes declare the sandbox's signed
+webhooks (:mod:`outbox.sandbox.webhooks`). Run them with
 ``outbox consumer --tools outbox.sandbox.tools`` and read
 their cards with ``outbox contracts --tools outbox.sandbox.tools``.
 
@@ -22,6 +25,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from outbox.breaker import could_not_reach
 from outbox.callback_policy import CallbackPolicy
 from outbox.contracts import (
     ApprovalPolicy,
@@ -41,8 +45,10 @@ from outbox.outcomes import (
     NotFound,
     NotSent,
     OutcomeUnknown,
+    RateLimited,
     Reconciliation,
     StillUnknown,
+    Unreachable,
 )
 from outbox.sandbox.webhooks import EMAIL, PAYMENTS
 
@@ -120,7 +126,10 @@ async def send_refund(refund: RefundInput, ctx: ExecutionContext) -> EffectResul
 
 async def find_refund(refund: RefundInput, ctx: ExecutionContext) -> Reconciliation:
     """GET /refunds?idempotency_key=: Found, NotFound only on the provider's explicit
-    "not_found", StillUnknown for anything else."""
+    "not_found", Unreachable when the provider could not be asked (no connection, no
+    answer, 408, 429 or 5xx: it said nothing about the refund, so the lookup costs none
+    of the contract's budget and the runtime waits for the provider), StillUnknown for
+    any other answer."""
     try:
         timeout = _timeout(ctx)
         async with http_outcomes(), _client_factory() as client:
@@ -128,7 +137,7 @@ async def find_refund(refund: RefundInput, ctx: ExecutionContext) -> Reconciliat
                 "/refunds", params={"idempotency_key": ctx.idempotency_key}, timeout=timeout
             )
     except EffectSignal as failed:
-        return StillUnknown(failed.code)
+        return _inconclusive(failed)
     if response.status_code == 200:
         try:
             reference, result = _evidence(response_json(response))
@@ -142,8 +151,16 @@ async def find_refund(refund: RefundInput, ctx: ExecutionContext) -> Reconciliat
     try:
         outcome_of_response(response)
     except EffectSignal as inconclusive:
-        return StillUnknown(inconclusive.code)
+        return _inconclusive(inconclusive)
     return StillUnknown(f"http_{response.status_code}")
+
+
+def _inconclusive(signal: EffectSignal) -> Unreachable | StillUnknown:
+    # "in progress" (409), an unreadable body or a stray 4xx is the provider answering
+    # without deciding; a rate limit or a code could_not_reach knows is no answer at all.
+    if isinstance(signal, RateLimited) or could_not_reach(signal.code):
+        return Unreachable(signal.code, retry_after=signal.retry_after)
+    return StillUnknown(signal.code)
 
 
 async def get_refund(lookup: RefundLookup, ctx: ExecutionContext) -> EffectResult:
@@ -196,6 +213,7 @@ def _evidence(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 REFUND_DEADLINE_ENV = "OUTBOX_SANDBOX_REFUND_DEADLINE"
 CALLBACK_WAIT_ENV = "OUTBOX_SANDBOX_CALLBACK_WAIT"
+OUTAGE_TOLERANCE_ENV = "OUTBOX_SANDBOX_OUTAGE_TOLERANCE"
 DEFAULT_CALLBACK_WAIT_SECONDS = 60.0
 
 
@@ -208,6 +226,10 @@ def build_registry() -> Registry:
     callback_wait = timedelta(
         seconds=float(os.environ.get(CALLBACK_WAIT_ENV, str(DEFAULT_CALLBACK_WAIT_SECONDS)))
     )
+    # A refund waits for the sandbox this long before a person is asked (seconds;
+    # OUTBOX_SANDBOX_OUTAGE_TOLERANCE): 15 minutes, as a payment would say; tests that
+    # outlast it shorten it.
+    outage_tolerance = timedelta(seconds=float(os.environ.get(OUTAGE_TOLERANCE_ENV, "900")))
     registry = Registry()
     registry.register(
         ToolContract(
@@ -230,6 +252,7 @@ def build_registry() -> Registry:
             # lookup's Found. Its refund.failed only says a request was declined; the
             # lookup, not the callback, proves a refund absent.
             callbacks=CallbackPolicy(PAYMENTS, settles_unknown=True),
+            outage_tolerance=outage_tolerance,
             description="Refund amount_cents of a card payment to the customer, at most "
             "once per operation, through the payment sandbox.",
         )

@@ -20,6 +20,7 @@ import pytest
 
 from harness.chaos import (
     FAULT_CATEGORIES,
+    PROVIDER_OUTAGE_SECONDS,
     RUN_OVERHEAD_SECONDS,
     Tally,
     fault_schedule,
@@ -62,12 +63,20 @@ def test_the_schedule_has_every_fault_kind_and_repeats_for_its_seed(seed: int) -
     assert [fault.at for fault in schedule] == sorted(fault.at for fault in schedule)
 
 
-# Enough for every fault kind to land (20 kinds after an 8 s quiet phase) within the
+# Enough for every fault kind to land (22 kinds after an 8 s quiet phase) within the
 # stream: at 150, a schedule crammed into 7 s gave up on two of them.
 CI_OPERATIONS = 300
-# The run's own deadline (stream + liveness bound + overhead), not a guess; past it the
-# harness gets SIGTERM, which still stops its daemons and keeps its evidence.
-RUN_DEADLINE = run_deadline(CI_OPERATIONS)
+CI_SEED = 7
+# The run's own deadline (stream + its provider outage + liveness bound + overhead), not
+# a guess; past it the harness gets SIGTERM, which still stops its daemons and keeps its
+# evidence.
+RUN_DEADLINE = run_deadline(
+    CI_OPERATIONS,
+    max(
+        fault.seconds or 0.0
+        for fault in fault_schedule(CI_SEED, CI_OPERATIONS, frozenset(FAULT_CATEGORIES))
+    ),
+)
 TERMINATE_GRACE_SECONDS = 60.0
 
 
@@ -117,7 +126,7 @@ def test_chaos_loses_nothing_and_duplicates_nothing(
         [
             *[sys.executable, "-m", "harness.chaos", "--operations", str(CI_OPERATIONS)],
             # A broker of the run's own: its stop_app stops nobody else's work.
-            *["--seed", "7", "--broker", "private"],
+            *["--seed", str(CI_SEED), "--broker", "private"],
         ],
         environment,
     )
@@ -273,9 +282,13 @@ def test_a_bad_seed_list_is_refused_with_the_forms_it_takes(text: str) -> None:
         seed_range(text)
 
 
-def test_the_run_deadline_is_the_stream_the_liveness_bound_and_the_overhead() -> None:
+def test_the_run_deadline_is_the_stream_the_outage_the_liveness_bound_and_the_overhead() -> None:
     # send_refund under chaos: 5 s deadline, 3 s margin, five lookups of 5 s after
     # backoffs of 0.2 s doubling (at most 20% jitter): 2 x (8 + 25 + 7.44) s.
     assert liveness_bound() == pytest.approx(2 * (5 + 3 + 25 + 6.2 * 1.2))
-    assert run_deadline(150) == pytest.approx(15 + liveness_bound() + RUN_OVERHEAD_SECONDS)
-    assert run_deadline(300) == pytest.approx(30 + liveness_bound() + RUN_OVERHEAD_SECONDS)
+    # The longest provider outage the schedule draws, unless the caller knows its own.
+    longest = max(PROVIDER_OUTAGE_SECONDS)
+    assert run_deadline(150) == pytest.approx(
+        15 + longest + liveness_bound() + RUN_OVERHEAD_SECONDS
+    )
+    assert run_deadline(300, 5.0) == pytest.approx(30 + 5 + liveness_bound() + RUN_OVERHEAD_SECONDS)

@@ -5,7 +5,7 @@ recovery time after an overload. No services: events and samples are made up her
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -16,6 +16,7 @@ from harness.checker import (
     Verdict,
     check_sequence,
     escalation_excused,
+    longest_outage,
     quiet_rate,
     recovery_seconds,
 )
@@ -40,35 +41,75 @@ UNKNOWN = event("operation.outcome_unknown", **{"from": "in_flight", "to": "outc
 def test_an_email_whose_success_callback_came_before_its_escalation_is_not_excused() -> None:
     # The provider had already said it was delivered: handing it to a person is the
     # runtime's failure, not the fault's.
-    assert escalation_excused("escalate_by_contract", has_lookup=False, lookups_failed=False)
+    assert escalation_excused("escalate_by_contract", has_lookup=False)
     assert not escalation_excused(
-        "escalate_by_contract", has_lookup=False, lookups_failed=False, callback_came_first=True
+        "escalate_by_contract", has_lookup=False, callback_came_first=True
     )
+
+
+TOLERANCE = timedelta(minutes=2)
+SHORT = timedelta(seconds=60)  # an outage the runtime must wait out
+LONG = timedelta(minutes=5)  # one a person may be handed
 
 
 @pytest.mark.parametrize(
-    ("reason", "has_lookup", "lookups_failed", "excused"),
+    ("reason", "has_lookup", "outage", "excused"),
     [
         # A tool with no lookup: the provider kept the outcome unknown, a person decides.
-        ("escalate_by_contract", False, False, True),
-        ("effect_possible", False, False, True),
-        # A lookup budget used up only counts as forced while lookups were made to fail.
-        ("reconcile_budget_exhausted", True, True, True),
-        ("reconcile_budget_exhausted", True, False, False),
+        ("escalate_by_contract", False, timedelta(0), True),
+        ("effect_possible", False, timedelta(0), True),
+        # A lookup that could not ask costs no budget (#44): an outage shorter than the
+        # tolerance forces no escalation, however long it was.
+        ("reconcile_budget_exhausted", True, timedelta(0), False),
+        ("reconcile_budget_exhausted", True, timedelta(seconds=5), False),
+        ("reconcile_budget_exhausted", True, SHORT, False),
+        ("reconcile_budget_exhausted", True, TOLERANCE, False),
+        ("reconcile_budget_exhausted", True, LONG, True),
+        # Waiting past the tolerance is what hands an operation to a person.
+        ("provider_unavailable", True, SHORT, False),
+        ("provider_unavailable", True, TOLERANCE, False),
+        ("provider_unavailable", True, LONG, True),
+        ("provider_unavailable", False, LONG, True),
+        ("provider_unavailable", False, SHORT, False),
         # Never forced by a fault: the consumers always lived and served every tool.
-        ("undeliverable", True, True, False),
-        ("undeliverable", False, True, False),
-        ("contradicted", False, True, False),
-        ("tampered", True, True, False),
-        ("escalate_by_contract", True, True, False),
+        ("undeliverable", True, LONG, False),
+        ("undeliverable", False, LONG, False),
+        ("contradicted", False, LONG, False),
+        ("tampered", True, LONG, False),
+        ("escalate_by_contract", True, LONG, False),
     ],
 )
 def test_which_escalations_a_fault_forces(
-    reason: str, has_lookup: bool, lookups_failed: bool, excused: bool
+    reason: str, has_lookup: bool, outage: timedelta, excused: bool
 ) -> None:
-    assert escalation_excused(reason, has_lookup=has_lookup, lookups_failed=lookups_failed) is (
-        excused
+    assert (
+        escalation_excused(reason, has_lookup=has_lookup, outage=outage, outage_tolerance=TOLERANCE)
+        is excused
     )
+
+
+@pytest.mark.parametrize("reason", ["provider_unavailable", "reconcile_budget_exhausted"])
+def test_an_outage_excuses_nothing_for_a_tool_whose_tolerance_is_not_known(reason: str) -> None:
+    assert not escalation_excused(reason, has_lookup=True, outage=LONG, outage_tolerance=None)
+
+
+@pytest.mark.parametrize(
+    ("spans", "seconds"),
+    [
+        ([], 0.0),
+        ([(10.0, 15.0)], 5.0),
+        # Apart: the provider came back between them.
+        ([(10.0, 15.0), (20.0, 80.0)], 60.0),
+        # A lookups outage inside a whole outage, one reaching past it, one touching it.
+        ([(10.0, 70.0), (20.0, 25.0)], 60.0),
+        ([(10.0, 70.0), (65.0, 90.0)], 80.0),
+        ([(30.0, 40.0), (10.0, 30.0)], 30.0),
+    ],
+)
+def test_the_longest_outage_joins_windows_that_overlap(
+    spans: list[tuple[float, float]], seconds: float
+) -> None:
+    assert longest_outage(spans) == timedelta(seconds=seconds)
 
 
 def held_verdict(**fields: object) -> Verdict:

@@ -5,13 +5,29 @@ from __future__ import annotations
 import asyncio
 import traceback
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from typing import Any
 
 import httpx
 import pytest
 
-from outbox.http import error_code, http_outcomes, outcome_of_response, response_json
-from outbox.outcomes import DefinitiveRejection, EffectSignal, NotSent, OutcomeUnknown
+from outbox.http import (
+    error_code,
+    http_outcomes,
+    outcome_of_response,
+    response_json,
+    retry_after_of,
+)
+from outbox.outcomes import (
+    LONGEST_RETRY_AFTER,
+    DefinitiveRejection,
+    EffectSignal,
+    InProgress,
+    NotSent,
+    OutcomeUnknown,
+    RateLimited,
+)
 
 # A URL with something secret in it: no signal may repeat it.
 SECRET_URL = "https://provider.test/refunds?api_key=sk_live_hunter2"
@@ -118,14 +134,17 @@ async def test_2xx_is_success(status: int) -> None:
 
 
 async def test_409_is_key_in_flight() -> None:
-    with pytest.raises(OutcomeUnknown) as caught:
+    with pytest.raises(InProgress) as caught:
         await response_with(409, {"error": "request_in_progress"})
     assert caught.value.code == "key_in_flight"
+    assert caught.value.retry_after is None
+    # Still an unknown outcome: a handler written before InProgress existed catches it.
+    assert isinstance(caught.value, OutcomeUnknown)
 
 
 async def test_in_flight_statuses_are_configurable() -> None:
     response = await request_through(responding(423, {"error": "locked"}))
-    with pytest.raises(OutcomeUnknown) as caught:
+    with pytest.raises(InProgress) as caught:
         outcome_of_response(response, in_flight_statuses=(409, 423))
     assert caught.value.code == "key_in_flight"
     with pytest.raises(DefinitiveRejection) as rejected:
@@ -140,10 +159,126 @@ async def test_409_outside_in_flight_statuses_is_a_rejection() -> None:
     assert caught.value.code == "conflict"
 
 
-async def test_429_is_not_sent() -> None:
-    with pytest.raises(NotSent) as caught:
+async def test_429_is_rate_limited_not_a_retry_the_runtime_may_make_at_once() -> None:
+    with pytest.raises(RateLimited) as caught:
         await response_with(429, {"error": "rate_limited"})
     assert caught.value.code == "rate_limited"
+    assert caught.value.retry_after is None
+
+
+def answer(status: int, **headers: str) -> httpx.Response:
+    return httpx.Response(status, json={}, headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("status", "signal"),
+    [(429, RateLimited), (409, InProgress), (503, OutcomeUnknown)],
+)
+def test_the_signal_carries_the_retry_after_of_429_409_and_503(
+    status: int, signal: type[EffectSignal]
+) -> None:
+    with pytest.raises(EffectSignal) as caught:
+        outcome_of_response(answer(status, **{"Retry-After": "7"}))
+    assert type(caught.value) is signal
+    assert caught.value.retry_after == timedelta(seconds=7)
+
+
+@pytest.mark.parametrize("status", [500, 502, 504, 408])
+def test_other_errors_ignore_a_retry_after(status: int) -> None:
+    # RFC 9110 gives Retry-After a meaning on 503 and 429 only.
+    with pytest.raises(OutcomeUnknown) as caught:
+        outcome_of_response(answer(status, **{"Retry-After": "7"}))
+    assert caught.value.retry_after is None
+
+
+def test_a_retry_after_on_a_rejection_or_a_success_changes_nothing() -> None:
+    outcome_of_response(answer(201, **{"Retry-After": "7"}))
+    with pytest.raises(DefinitiveRejection):
+        outcome_of_response(answer(400, **{"Retry-After": "7"}))
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("0", 0.0),
+        ("120", 120.0),
+        (" 3 ", 3.0),
+        ("1.5", 1.5),
+        # Not RFC delta-seconds, but unambiguous: no wait.
+        ("-5", 0.0),
+        # Longer than any provider may park its operations.
+        ("86400", LONGEST_RETRY_AFTER.total_seconds()),
+        ("9" * 400, LONGEST_RETRY_AFTER.total_seconds()),
+    ],
+)
+def test_retry_after_in_seconds(value: str, seconds: float) -> None:
+    assert retry_after_of(answer(429, **{"Retry-After": value})) == timedelta(seconds=seconds)
+
+
+def test_retry_after_as_a_date_counts_from_the_providers_clock() -> None:
+    sent = datetime(2026, 12, 2, 9, 0, 0, tzinfo=UTC)
+    headers = {
+        "Date": format_datetime(sent, usegmt=True),
+        "Retry-After": format_datetime(sent + timedelta(seconds=30), usegmt=True),
+    }
+    assert retry_after_of(answer(503, **headers)) == timedelta(seconds=30)
+
+
+def test_retry_after_as_a_date_without_a_date_header_counts_from_our_clock() -> None:
+    later = datetime.now(UTC) + timedelta(seconds=90)
+    delay = retry_after_of(answer(429, **{"Retry-After": format_datetime(later, usegmt=True)}))
+    assert delay is not None
+    # The header has whole seconds; a slow machine spends some before the parse.
+    assert timedelta(seconds=80) <= delay <= timedelta(seconds=90)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["Wed, 21 Oct 2015 07:28:00 GMT", "Wed, 21 Oct 2015 07:28:00 -0000"],
+)
+def test_retry_after_as_a_date_in_the_past_is_no_wait(value: str) -> None:
+    assert retry_after_of(answer(429, **{"Retry-After": value})) == timedelta(0)
+
+
+def test_retry_after_as_a_date_far_ahead_is_the_longest_wait() -> None:
+    far = format_datetime(datetime.now(UTC) + timedelta(days=3), usegmt=True)
+    assert retry_after_of(answer(429, **{"Retry-After": far})) == LONGEST_RETRY_AFTER
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "soon",
+        "1e3",
+        "0x10",
+        "nan",
+        "inf",
+        "5 seconds",
+        "5, 7",
+        "Mon",
+        "31 Feb 2015 07:28:00 GMT",
+        "Wed, 21 Oct 99999 07:28:00 GMT",
+        "Wed, 21 Oct 2015 25:61:00 GMT",
+    ],
+)
+def test_a_retry_after_that_is_neither_seconds_nor_a_date_is_ignored(value: str) -> None:
+    assert retry_after_of(answer(429, **{"Retry-After": value})) is None
+    with pytest.raises(RateLimited) as caught:
+        outcome_of_response(answer(429, **{"Retry-After": value}))
+    assert caught.value.retry_after is None
+
+
+def test_no_retry_after_is_none() -> None:
+    assert retry_after_of(answer(429)) is None
+
+
+def test_a_garbled_date_header_falls_back_to_our_clock() -> None:
+    later = datetime.now(UTC) + timedelta(seconds=60)
+    headers = {"Date": "yesterday", "Retry-After": format_datetime(later, usegmt=True)}
+    delay = retry_after_of(answer(503, **headers))
+    assert delay is not None
+    assert timedelta(seconds=50) <= delay <= timedelta(seconds=60)
 
 
 async def test_408_is_unknown_because_intermediaries_send_it_after_forwarding() -> None:

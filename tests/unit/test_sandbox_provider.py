@@ -455,6 +455,162 @@ def test_seeded_probabilities_replay_the_same_outcomes() -> None:
     assert other_seed != first_run
 
 
+# --- an outage and a rate limit (#44) -------------------------------------------------
+
+
+def get_refund(client: httpx.Client, refund_id: str) -> httpx.Response:
+    return client.get(f"/refunds/{refund_id}")
+
+
+def test_an_outage_answers_503_to_every_call_and_lookup_and_commits_nothing(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    created = refund(client, "key-1").json()
+    provider.set_faults(unavailable=True)
+
+    answers = [
+        refund(client, "key-2"),
+        email(client),
+        lookup(client, "key-1"),
+        get_refund(client, created["id"]),
+        # Down is down: even a request it would refuse gets the outage's answer.
+        refund(client, None),
+        client.post("/emails", json={"to": "x"}),
+        client.get("/refunds"),
+    ]
+
+    assert [answer.status_code for answer in answers] == [503] * 7
+    assert [answer.json() for answer in answers] == [{"error": "service_unavailable"}] * 7
+    assert all("Retry-After" not in answer.headers for answer in answers)
+    assert totals(client) == {"refunds": 1, "emails": 0}
+    # The ledger and the admin routes stay up: the evidence is not part of the outage.
+    assert client.get("/healthz").status_code == 200
+
+    provider.set_faults(unavailable=False)
+    # The refused request bound nothing: its key is free, other parameters and all.
+    assert refund(client, "key-2", amount_cents=900).status_code == 201
+    assert lookup(client, "key-1").json() == created
+
+
+def test_an_outage_may_say_when_to_come_back(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    provider.set_faults(unavailable=True, unavailable_retry_after_s=7)
+
+    down = refund(client, "key-1")
+
+    assert down.status_code == 503
+    assert down.headers["Retry-After"] == "7"
+    assert lookup(client, "key-1").headers["Retry-After"] == "7"
+
+
+def test_an_outage_moves_no_every_n_counter(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    provider.set_faults(drop_response_every=2, unavailable=True)
+    for number in range(3):
+        assert refund(client, f"down-{number}").status_code == 503
+
+    provider.set_faults(unavailable=False)
+
+    assert refund(client, "up-1").status_code == 201
+    with pytest.raises(LOST_RESPONSE):
+        refund(client, "up-2")
+
+
+def test_a_rate_limit_answers_429_with_retry_after_and_commits_nothing(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    provider.set_faults(rate_limit_every=2, rate_limit_retry_after_s=3)
+
+    assert refund(client, "key-1").status_code == 201
+    limited = refund(client, "key-2")
+    assert limited.status_code == 429
+    assert limited.json() == {"error": "rate_limited"}
+    assert limited.headers["Retry-After"] == "3"
+    assert client.get("/ledger").json()["refunds_by_key"] == {"key-1": 1}
+    # Each kind counts apart: emails and lookups are limited every 2nd too.
+    assert email(client).status_code == 202
+    assert email(client).status_code == 429
+    assert lookup(client, "key-1").status_code == 200
+    assert lookup(client, "key-1").status_code == 429
+    assert totals(client) == {"refunds": 1, "emails": 1}
+
+    provider.set_faults(rate_limit_every=0)
+    # The limited request bound nothing.
+    assert refund(client, "key-2", amount_cents=900).status_code == 201
+
+
+def test_a_rate_limit_comes_before_the_other_faults_and_may_omit_retry_after(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    provider.set_faults(
+        rate_limit_probability=1.0, rate_limit_retry_after_s=None, fail_before_commit_every=1
+    )
+
+    limited = refund(client, "key-1")
+
+    assert limited.status_code == 429
+    assert "Retry-After" not in limited.headers
+    assert get_refund(client, "re_000000000000000000000000").status_code == 429
+    provider.set_faults(rate_limit_probability=0.0)
+    # fail_before_commit's count did not move while the rate limit answered.
+    assert refund(client, "key-1").status_code == 503
+
+
+def test_the_request_log_says_when_each_call_arrived_and_what_it_got(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    before = time.monotonic()
+    created = refund(client, "key-1").json()
+    provider.set_faults(rate_limit_every=1, rate_limit_retry_after_s=2)
+    email(client)
+    provider.set_faults(rate_limit_every=0, unavailable=True, unavailable_retry_after_s=5)
+    lookup(client, "key-1")
+    get_refund(client, created["id"])
+    provider.set_faults(unavailable=False)
+    client.get("/ledger")
+    client.get("/admin/faults")
+    after = time.monotonic()
+
+    logged = provider.requests()
+
+    assert [(r["endpoint"], r["status"], r["retry_after_s"]) for r in logged] == [
+        ("POST /refunds", 201, None),
+        ("POST /emails", 429, 2),
+        ("GET /refunds?idempotency_key=", 503, 5),
+        ("GET /refunds/{id}", 503, 5),
+    ]
+    arrivals = [r["monotonic"] for r in logged]
+    assert before <= arrivals[0] <= arrivals[-1] <= after
+    assert arrivals == sorted(arrivals)
+    assert all(abs(r["at"] - time.time()) < WITHIN for r in logged)
+    assert not any(r["dropped"] for r in logged)
+    assert provider.requests("POST /emails") == [logged[1]]
+    assert client.get("/admin/requests").json() == {"requests": logged}
+
+
+def test_the_request_log_counts_a_dropped_response_and_a_refused_request(
+    provider: SandboxProvider, client: httpx.Client
+) -> None:
+    provider.set_faults(drop_response_every=1)
+    with pytest.raises(LOST_RESPONSE):
+        refund(client, "key-1")
+    client.post("/refunds", content=b"{", headers={"Idempotency-Key": "key-2"})
+
+    assert [(r["status"], r["dropped"]) for r in provider.requests()] == [
+        (201, True),
+        (400, False),
+    ]
+
+
+def test_reset_empties_the_request_log(provider: SandboxProvider, client: httpx.Client) -> None:
+    refund(client, "key-1")
+    provider.reset()
+
+    assert provider.requests() == []
+
+
 # --- emails ----------------------------------------------------------------------------
 
 
@@ -524,7 +680,15 @@ def test_faults_are_read_and_partially_updated_over_http(
 
 @pytest.mark.parametrize(
     "content",
-    [b"{", b"[1]", b'{"no_such_fault": 1}', b'{"delay_ms": -1}', b'{"conflict_probability": 2}'],
+    [
+        b"{",
+        b"[1]",
+        b'{"no_such_fault": 1}',
+        b'{"delay_ms": -1}',
+        b'{"conflict_probability": 2}',
+        b'{"rate_limit_retry_after_s": -1}',
+        b'{"unavailable_retry_after_s": "soon"}',
+    ],
 )
 def test_an_invalid_fault_update_is_refused_and_changes_nothing(
     provider: SandboxProvider, client: httpx.Client, content: bytes
@@ -621,6 +785,29 @@ def test_fault_flags_beat_the_faults_json() -> None:
 
     assert cli.faults_from(args) == Faults(
         seed=5, conflict_every=2, lookups_unavailable=True, prune_keys_older_than_s=0.5
+    )
+
+
+def test_the_outage_and_rate_limit_have_flags() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--unavailable",
+            "--unavailable-retry-after-s",
+            "30",
+            "--rate-limit-every",
+            "3",
+            "--rate-limit-retry-after-s",
+            "2",
+        ]
+    )
+
+    assert cli.faults_from(args) == Faults(
+        unavailable=True,
+        unavailable_retry_after_s=30,
+        rate_limit_every=3,
+        rate_limit_retry_after_s=2,
     )
 
 

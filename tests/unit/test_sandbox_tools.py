@@ -22,10 +22,13 @@ from outbox.outcomes import (
     EffectSignal,
     ExecutionContext,
     Found,
+    InProgress,
     NotFound,
     NotSent,
     OutcomeUnknown,
+    RateLimited,
     StillUnknown,
+    Unreachable,
 )
 from outbox.sandbox import tools
 from outbox.sandbox.tools import EmailInput, RefundInput, RefundLookup
@@ -166,10 +169,10 @@ async def test_send_refund_after_the_deadline_sends_nothing(
         (402, {"error": "amount_exceeds_payment"}, DefinitiveRejection, "amount_exceeds_payment"),
         (404, {"error": "payment_not_found"}, DefinitiveRejection, "payment_not_found"),
         (400, {"error": "invalid_request"}, DefinitiveRejection, "invalid_request"),
-        (409, {"error": "request_in_progress"}, OutcomeUnknown, "key_in_flight"),
+        (409, {"error": "request_in_progress"}, InProgress, "key_in_flight"),
         (422, {"error": "idempotency_key_reused"}, OutcomeUnknown, "idempotency_key_reused"),
         (503, {"error": "unavailable"}, OutcomeUnknown, "http_503"),
-        (429, {"error": "rate_limited"}, NotSent, "rate_limited"),
+        (429, {"error": "rate_limited"}, RateLimited, "rate_limited"),
         (201, {"status": "succeeded"}, OutcomeUnknown, "malformed_response"),
     ],
 )
@@ -247,13 +250,12 @@ async def test_find_refund_not_found_only_on_the_providers_explicit_answer(
         (404, {"error": "no_such_route"}, "no_such_route"),
         (404, {}, "http_404"),
         (409, {"error": "request_in_progress"}, "key_in_flight"),
-        (503, {"error": "lookups_unavailable"}, "http_503"),
-        (429, {}, "rate_limited"),
         (200, {"status": "succeeded"}, "malformed_response"),
         (204, {}, "http_204"),
+        (400, {"error": "invalid_request"}, "invalid_request"),
     ],
 )
-async def test_find_refund_anything_else_is_still_unknown(
+async def test_find_refund_an_answer_that_decides_nothing_is_still_unknown(
     provider: Callable[[Handler], Provider], status: int, body: Any, code: str
 ) -> None:
     provider(reply(status, body))
@@ -261,18 +263,60 @@ async def test_find_refund_anything_else_is_still_unknown(
 
 
 @pytest.mark.parametrize(
+    ("status", "body", "code"),
+    [
+        (503, {"error": "lookups_unavailable"}, "http_503"),
+        (503, {"error": "service_unavailable"}, "http_503"),
+        (500, {}, "http_500"),
+        (502, {}, "http_502"),
+        (504, {}, "http_504"),
+        (408, {}, "http_408"),
+        (429, {"error": "rate_limited"}, "rate_limited"),
+    ],
+)
+async def test_find_refund_a_provider_that_could_not_be_asked_is_unreachable(
+    provider: Callable[[Handler], Provider], status: int, body: Any, code: str
+) -> None:
+    provider(reply(status, body))
+    assert await tools.find_refund(REFUND, context()) == Unreachable(code)
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_find_refund_passes_the_providers_retry_after_on(
+    provider: Callable[[Handler], Provider], status: int
+) -> None:
+    provider(lambda request: httpx.Response(status, json={}, headers={"Retry-After": "4"}))
+    found = await tools.find_refund(REFUND, context())
+    assert isinstance(found, Unreachable)
+    assert found.retry_after == timedelta(seconds=4)
+
+
+@pytest.mark.parametrize(
     ("error_class", "code"),
     [
         (httpx.ConnectError, "connect_failed"),
+        (httpx.ConnectTimeout, "connect_timeout"),
         (httpx.ReadTimeout, "deadline_exceeded"),
         (httpx.RemoteProtocolError, "connection_lost"),
+        (httpx.ReadError, "connection_lost"),
     ],
 )
-async def test_find_refund_transport_failures_are_still_unknown(
+async def test_find_refund_transport_failures_are_unreachable(
     provider: Callable[[Handler], Provider], error_class: type[httpx.TransportError], code: str
 ) -> None:
     provider(failing(error_class))
-    assert await tools.find_refund(REFUND, context()) == StillUnknown(code)
+    assert await tools.find_refund(REFUND, context()) == Unreachable(code)
+
+
+async def test_find_refund_an_unreadable_answer_is_still_unknown(
+    provider: Callable[[Handler], Provider],
+) -> None:
+    # A response came (only its body is undecodable): the provider was asked.
+    def undecodable(request: httpx.Request) -> httpx.Response:
+        raise httpx.DecodingError("bad gzip", request=request)
+
+    provider(undecodable)
+    assert await tools.find_refund(REFUND, context()) == StillUnknown("response_undecodable")
 
 
 async def test_find_refund_after_the_deadline_is_still_unknown(
