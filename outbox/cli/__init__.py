@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator_commands.configure_ops(commands)
     operator_commands.configure_approvals(commands)
     operator_commands.configure_stats(commands)
+    operator_commands.configure_providers(commands)
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)
     return parser

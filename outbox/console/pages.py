@@ -37,8 +37,15 @@ from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation, OperationEvent
 from outbox.operator import dlq, views
-from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
-from outbox.operator.views import Escalation
+from outbox.operator.render import (
+    age_text,
+    outage_text,
+    stamp,
+    stats_json,
+    unreadable_text,
+    waiting_by_tool_text,
+)
+from outbox.operator.views import Escalation, ProvidersView
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
@@ -80,14 +87,17 @@ async def _dead_letter_count(settings: Settings) -> tuple[int | None, str | None
 
 @page
 async def overview(request: Request) -> Response:
-    def work(runner: Store) -> tuple[dict[str, Any], OperationPage]:
+    registry = console_of(request).registry
+
+    def work(runner: Store) -> tuple[dict[str, Any], OperationPage, ProvidersView]:
         stats = runner.run(store.operation_stats())
         escalated = runner.run(
             store.operations_page(OperationFilter(states=(S.ESCALATED,)), limit=10)
         )
-        return stats_json(stats), escalated
+        # Which providers are down, and what waits for them (as `outbox providers`).
+        return stats_json(stats), escalated, views.provider_views(runner, registry)
 
-    numbers, escalated = await read(request, work)
+    numbers, escalated, providers = await read(request, work)
     dead, dead_error = await _dead_letter_count(console_of(request).settings)
     return render(
         request,
@@ -98,6 +108,9 @@ async def overview(request: Request) -> Response:
         escalated=escalated.rows,
         dead_letters=dead,
         dead_letters_error=dead_error,
+        providers=providers,
+        outage_text=outage_text,
+        waiting_by_tool_text=waiting_by_tool_text,
         stamp=stamp,
     )
 

@@ -4,6 +4,7 @@
   vocabulary, which resolutions an operation allows, the approval and resolution
   writes); ``outbox ops``/``outbox approvals`` and the console both call it.
 - :mod:`outbox.operator.render`: how the records read, as text and as JSON.
-- :mod:`outbox.operator.commands`: ``outbox ops``, ``outbox approvals``, ``outbox stats``.
+- :mod:`outbox.operator.commands`: ``outbox ops``, ``outbox approvals``, ``outbox stats``,
+  ``outbox providers``.
 - :mod:`outbox.operator.dlq`: the dead-letter queue, for ``outbox dlq`` and the console.
 """

@@ -1,10 +1,10 @@
-"""``outbox ops``, ``outbox approvals`` and ``outbox stats``: the handlers and their
-parsers, one ``configure_*`` per command group.
+"""``outbox ops``, ``outbox approvals``, ``outbox stats`` and ``outbox providers``: the
+handlers and their parsers, one ``configure_*`` per command group.
 
 What a person on call needs: which operations are stuck and why, the evidence of one
 operation, a way to settle an escalation with their name and evidence on it, the
-approvals waiting for them, and the numbers. The rules and the writes are
-:mod:`outbox.operator.rules` (the console uses the same), the output is
+approvals waiting for them, the numbers, and which providers are down. The rules and
+the writes are :mod:`outbox.operator.rules` (the console uses the same), the output is
 :mod:`outbox.operator.render`; each command runs in one transaction
 (:func:`outbox.connections.command_transaction`).
 """
@@ -26,8 +26,10 @@ from outbox.cli.arguments import (
     duration,
     operation_id_argument,
     positive_int,
+    positive_int_up_to,
     since,
 )
+from outbox.cli.run import EXIT_FAILED
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
@@ -45,6 +47,8 @@ Handler = Callable[[argparse.Namespace, Settings], int]
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 DEFAULT_LIST_LIMIT = 50
+DEFAULT_EVENTS_LIMIT = 20
+MAX_EVENTS_LIMIT = 1000
 OP_ID_HELP = "op_<uuid>, a bare uuid, or the short id the console shows (op_74ca7733)"
 
 
@@ -230,6 +234,42 @@ def cmd_stats(args: argparse.Namespace, settings: Settings) -> int:
         stats = Store(connection).run(store.operation_stats())
     numbers = render.stats_json(stats)
     print(json.dumps(numbers, indent=2) if args.json else render.stats_text(numbers))
+    return 0
+
+
+def cmd_providers(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 with the breakers (or one provider's outages); 1, with nothing printed on
+    stdout, for ``--events`` of a provider that has neither a row nor an event."""
+    if args.limit is not None and args.events is None:
+        raise ConfigurationError("--limit goes with --events only")
+    registry = _registry(settings)
+    wanted: str | None = args.events
+    limit: int = args.limit or DEFAULT_EVENTS_LIMIT
+    with command_transaction(settings) as connection:
+        connection.read_only = True
+        runner = Store(connection)
+        providers = views.provider_views(runner, registry)
+        events = [] if wanted is None else runner.run(store.provider_events(wanted, limit=limit))
+    if wanted is None:
+        if args.json:
+            _print_json(render.providers_json(providers))
+        else:
+            print(render.providers_text(providers))
+        return 0
+    view = providers.named(wanted)
+    if view is None and not events:
+        known = ", ".join(p.health.provider for p in providers.providers) or "none"
+        print(
+            f"outbox providers: {printable(repr(wanted))} has no breaker row and no outage "
+            f"event in this database: it has never failed, or it is not a provider's name "
+            f"(providers with a row: {known})",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if args.json:
+        _print_json(render.provider_events_json(wanted, view, events))
+    else:
+        print(render.provider_events_text(wanted, view, events, limit))
     return 0
 
 
@@ -463,3 +503,38 @@ def configure_stats(commands: Commands) -> None:
         "the oldest, escalations and approvals waiting for a person.",
     )
     _json_flag(stats, "one JSON document instead of text")
+
+
+def configure_providers(commands: Commands) -> None:
+    """Register ``outbox providers``."""
+    providers = _leaf(
+        commands,
+        "providers",
+        cmd_providers,
+        "each provider's breaker: down or not, since when, what waits for it",
+        "One line per provider whose calls ever failed (a row of provider_health): its "
+        "breaker's state (closed; open: nobody calls it, its operations wait and spend "
+        "no attempt and no lookup; half_open: one probe is out), since when it is down, "
+        "the probes sent, the next one, the provider's Retry-After (NOT BEFORE), the "
+        "last failure, and with --tools (or OUTBOX_TOOLS) how many operations wait for "
+        "it; without the tools modules, the waiting operations by tool. --events "
+        "PROVIDER lists that provider's outages instead, newest first. Reads only; "
+        "needs a login that is a member of outbox_operator.",
+    )
+    providers.add_argument(
+        "--events",
+        metavar="PROVIDER",
+        help="that provider's breaker, then its outage events (provider.unavailable, "
+        "provider.available), newest first; exit 1 if it has neither",
+    )
+    providers.add_argument(
+        "--limit",
+        type=positive_int_up_to(MAX_EVENTS_LIMIT),
+        help=f"with --events: show at most N events (default {DEFAULT_EVENTS_LIMIT})",
+    )
+    add_tools_flag(providers, used_for="to count each provider's waiting operations")
+    _json_flag(
+        providers,
+        "one JSON document instead of text: {providers: [...], tools_loaded, "
+        "waiting_by_tool, unattributed_waiting}; with --events {provider, health, events}",
+    )

@@ -1,6 +1,7 @@
 """What the operator front ends read beyond one store call: the operation a short id
-names, why an escalated operation was handed to a person and since when, and what a
-dead letter's operation has become. ``outbox ops`` and the console read them the same
+names, why an escalated operation was handed to a person and since when, what a dead
+letter's operation has become, and each provider's breaker with the operations that
+wait for it. ``outbox ops``, ``outbox providers`` and the console read them the same
 way."""
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from datetime import datetime
 from uuid import UUID
 
 from outbox import store
+from outbox.breaker import BreakerState, ProviderHealth
 from outbox.broker import MAX_ENVELOPE_BYTES
+from outbox.contracts import Registry
 from outbox.errors import OperationNotFound
 from outbox.models import OperationEvent, display_operation_id, parse_operation_id
 from outbox.operator.dlq import DeadLetter
@@ -145,3 +148,87 @@ def _broker_says(message: DeadLetter) -> str:
         for d in message.deaths
     ]
     return "; ".join(deaths) or (message.first_death_reason or "-")
+
+
+@dataclass(frozen=True)
+class ProviderView:
+    """One provider's breaker as an operator reads it, with the operations that wait
+    for the provider."""
+
+    health: ProviderHealth
+    now: datetime
+    """The database's clock when the row was read: the times in ``health`` are its."""
+    last_event_at: datetime | None
+    tools: tuple[str, ...] | None
+    """The tools of the loaded tools modules that call this provider; None when no
+    tools modules are loaded, so tools cannot be mapped to providers."""
+    waiting: int | None
+    """Operations of those tools waiting for their provider (None as for ``tools``):
+    the number ``outbox_provider_waiting_operations`` exports."""
+
+    @property
+    def retry_after_pending(self) -> bool:
+        """The provider asked not to be called before a moment still ahead."""
+        return self.health.not_before is not None and self.health.not_before > self.now
+
+    @property
+    def needs_attention(self) -> bool:
+        """Open or half-open, held back by a Retry-After, or with operations waiting. A
+        closed breaker with a streak of failures is not: the next answer forgets it."""
+        return (
+            self.health.state is not BreakerState.CLOSED
+            or self.retry_after_pending
+            or bool(self.waiting)
+        )
+
+
+@dataclass(frozen=True)
+class ProvidersView:
+    """Every provider that has a breaker row, and the operations waiting for one."""
+
+    providers: list[ProviderView]
+    waiting_by_tool: dict[str, int]
+    """Operations waiting for their provider, by tool, whatever the tools modules."""
+    unattributed: dict[str, int]
+    """The part of ``waiting_by_tool`` no listed provider accounts for: every tool when
+    no tools modules are loaded."""
+    tools_loaded: bool
+
+    @property
+    def needs_attention(self) -> bool:
+        return any(p.needs_attention for p in self.providers) or bool(self.waiting_by_tool)
+
+    def named(self, provider: str) -> ProviderView | None:
+        return next((p for p in self.providers if p.health.provider == provider), None)
+
+
+def provider_views(runner: Store, registry: Registry | None) -> ProvidersView:
+    """The breaker rows and what waits for each provider. With ``registry``, each
+    tool's waiting operations count for its contract's provider, as the consumer's
+    gauge counts them (a tool whose versions name two providers counts for both)."""
+    rows = runner.run(store.all_providers())
+    waiting = runner.run(store.waiting_operations_by_tool())
+    tools_of: dict[str, set[str]] = {}
+    for contract in registry or ():
+        tools_of.setdefault(contract.provider_name, set()).add(contract.name)
+    loaded = registry is not None
+    providers = []
+    accounted: set[str] = set()
+    for row in rows:
+        tools = sorted(tools_of.get(row.health.provider, ()))
+        accounted.update(tools)
+        providers.append(
+            ProviderView(
+                health=row.health,
+                now=row.now,
+                last_event_at=row.last_event_at,
+                tools=tuple(tools) if loaded else None,
+                waiting=sum(waiting.get(tool, 0) for tool in tools) if loaded else None,
+            )
+        )
+    return ProvidersView(
+        providers=providers,
+        waiting_by_tool=dict(sorted(waiting.items())),
+        unattributed={t: n for t, n in sorted(waiting.items()) if t not in accounted},
+        tools_loaded=loaded,
+    )

@@ -35,13 +35,18 @@ DATABASE_COMMANDS = [
     ["approvals", "grant", OP, "--by", "me"],
     ["approvals", "deny", OP, "--by", "me"],
     ["stats"],
+    ["providers"],
     ["demo"],
 ]
 # The commands that need the database to exist and give up when it does not (migrate
 # creates it, the daemons wait for it, the demo makes its own).
 ONE_SHOT_DATABASE_COMMANDS = [
     ["dispatcher", "--once"],
-    *(command for command in DATABASE_COMMANDS if command[0] in ("ops", "approvals", "stats")),
+    *(
+        command
+        for command in DATABASE_COMMANDS
+        if command[0] in ("ops", "approvals", "stats", "providers")
+    ),
 ]
 
 

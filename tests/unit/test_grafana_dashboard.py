@@ -178,6 +178,7 @@ def test_the_dashboard_is_identified_and_laid_out() -> None:
         "Latency",
         "Backlog and execution",
         "Unknown outcomes and reconciliations",
+        "Providers",
         "Escalations and dead letters",
         "Callbacks",
         "Connections",
