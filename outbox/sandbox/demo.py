@@ -1,4 +1,5 @@
-"""``outbox demo``: the lost refund response, twice, then a lost email answer.
+"""``outbox demo``: the lost refund response, twice, a lost email answer, then a
+provider that is down for a few seconds.
 
 What it shows, and what it needs, is :data:`DESCRIPTION`, the text ``outbox demo --help``
 prints (plain text: a terminal shows it as written).
@@ -55,6 +56,10 @@ CALLBACK_WAIT_SECONDS = 30.0
 # The webhook leaves the provider this long after the email: the consumer has recorded
 # the lost answer by then, as it would have with a real provider's minutes.
 WEBHOOK_DELAY_MS = 300
+# The fourth scene: how many refunds are decided while the provider is down, and for
+# how long it stays down once its breaker has opened.
+OUTAGE_DECISIONS = 6
+OUTAGE_SECONDS = 4.0
 # How long each service may take to answer before the demo says it is missing.
 SERVICE_CHECK_SECONDS = 5
 
@@ -70,7 +75,11 @@ key, the timeout becomes outcome_unknown, and the reconciler looks the refund up
 finds it. The provider's ledger is the evidence: two refunds, then one. Last, an email,
 which no lookup can find: its answer is lost too, and the provider's signed delivery
 callback (verified and recorded as `outbox callbacks serve` does) settles it, where a
-person would otherwise have had to.
+person would otherwise have had to. Then the refunds provider goes down for a few
+seconds, answering 503 to every call and every lookup, while six refunds are decided:
+the calls that get no answer open its breaker, the refunds wait without spending
+attempts or lookups, one probe at a time finds it back, and all six settle, one refund
+each, with nobody asked.
 
 Everything runs against the local Postgres and RabbitMQ, in a database and broker names
 of its own, with the daemons as real subprocesses; all of it is removed at the end, also
@@ -157,6 +166,8 @@ def tell_the_story(scratch: ScratchEnvironment) -> int:
             outbox_refunds = with_effect_outbox(scratch, provider, daemons)
             checkpoint()
             emails = settled_by_its_callback(scratch, provider, daemons)
+            checkpoint()
+            waited_out = wait_out_an_outage(scratch, provider, daemons)
         finally:
             # A second signal must not cut this short: the daemons would outlive us.
             with _signals_held():
@@ -164,12 +175,18 @@ def tell_the_story(scratch: ScratchEnvironment) -> int:
                     daemon.stop()
                 clean_up(scratch)
     checkpoint()
-    held = naive_refunds == 2 and outbox_refunds == 1 and emails == 1
+    held = (
+        naive_refunds == 2
+        and outbox_refunds == 1
+        and emails == 1
+        and waited_out == OUTAGE_DECISIONS
+    )
     say(
         "\nguarantee held: each decision one effect, settled without a person."
         if held
         else f"\nGUARANTEE BROKEN: effect-outbox produced {outbox_refunds} refunds and "
-        f"{emails} settled emails."
+        f"{emails} settled emails, and {waited_out} of {OUTAGE_DECISIONS} refunds "
+        "waited out the outage."
     )
     return 0 if held else 1
 
@@ -327,6 +344,89 @@ def settled_by_its_callback(
     return emails if final.status is OutcomeStatus.COMMITTED else 0
 
 
+def wait_out_an_outage(
+    scratch: ScratchEnvironment, provider: SandboxProvider, daemons: list[DaemonProcess]
+) -> int:
+    """The refunds provider down for a few seconds while refunds are decided: they wait
+    for it, spending nothing, and settle once it is back. Returns how many settled
+    committed with exactly one refund each and nobody asked."""
+    say("\n4. the provider is down for a few seconds: the decisions wait, then settle")
+    provider.reset()
+    provider.set_faults(unavailable=True)
+    registry = load_registry([TOOLS_MODULE])
+    decided = [
+        decide(
+            scratch.database_url,
+            registry,
+            "send_refund",
+            {"payment_id": f"pay_outage_{n}", "amount_cents": 1500 + n},
+        )
+        for n in range(OUTAGE_DECISIONS)
+    ]
+    opened = wait_for_breaker(scratch.database_url, open_=True)
+    say(
+        f"   {'provider.unavailable':<{TRACE_WIDTH}} provider=send_refund after "
+        f"{opened.failing} refunds' calls got 503: they wait, spending nothing"
+    )
+    down_until = time.monotonic() + OUTAGE_SECONDS
+    while time.monotonic() < down_until:
+        checkpoint()
+        time.sleep(0.1)  # the outage the scene shows, not a wait for a condition
+    provider.set_faults(unavailable=False)
+    finals = [wait_until_settled(scratch.database_url, op, daemons) for _, op in decided]
+    closed = wait_for_breaker(scratch.database_url, open_=False)
+    say(
+        f"   {'provider.available':<{TRACE_WIDTH}} provider=send_refund outage_seconds="
+        f"{closed.outage_seconds:.1f} probes={closed.probes} operations_waited={closed.waited}"
+    )
+    refunds = provider.ledger()["refunds_by_key"]
+    settled = [
+        final
+        for (_, op), final in zip(decided, finals, strict=True)
+        if final.status is OutcomeStatus.COMMITTED and refunds.get(str(op.id)) == 1
+    ]
+    say(
+        f"   {len(settled)} of {len(decided)} refunds committed, one refund each; "
+        f"{sum(final.status is OutcomeStatus.ESCALATED for final in finals)} asked a person"
+    )
+    return len(settled)
+
+
+class _Breaker:
+    """What the scene says of the refunds provider's breaker."""
+
+    def __init__(self, row: dict[str, Any] | None, event: dict[str, Any] | None) -> None:
+        attributes = (event or {}).get("attributes") or {}
+        self.failing = len((row or {}).get("failing_operations") or [])
+        self.outage_seconds = float(attributes.get("outage_seconds", 0.0))
+        self.probes = int(attributes.get("probes", 0))
+        self.waited = int(attributes.get("operations_waited", 0))
+
+
+def wait_for_breaker(database_url: str, *, open_: bool) -> _Breaker:
+    """Wait for the refunds provider's breaker to open (``open_``) or to have closed
+    again after its outage, and read what the scene tells of it."""
+    deadline = time.monotonic() + SETTLE_WITHIN_SECONDS
+    while True:
+        checkpoint()
+        with psycopg.connect(database_url) as connection:
+            runner = Store(connection)
+            rows = {row.health.provider: row for row in runner.run(store.all_providers())}
+            events = runner.run(store.provider_events("send_refund", limit=1))
+        row = rows.get("send_refund")
+        if open_ and row is not None and not row.health.available:
+            return _Breaker(row.health.model_dump(), None)
+        if not open_ and events and events[0]["name"] == "provider.available":
+            return _Breaker(None, dict(events[0]))
+        if time.monotonic() > deadline:
+            raise ServiceUnavailable(
+                "the refunds provider's breaker did not "
+                + ("open" if open_ else "close")
+                + f" within {SETTLE_WITHIN_SECONDS:g} s"
+            )
+        time.sleep(0.1)
+
+
 def decide(
     database_url: str, registry: Registry, tool: str, tool_input: dict[str, Any]
 ) -> tuple[str, Operation]:
@@ -377,6 +477,10 @@ def daemon_environment(settings: Settings, provider: SandboxProvider) -> dict[st
             "metrics_host": "127.0.0.1",
             "metrics_port": 0,
             "log_level": "WARNING",
+            # The outage scene lasts seconds: probe it often, release at once.
+            "provider_longest_probe": 2.0,
+            "provider_release_spread": 1.0,
+            "provider_health_refresh": 0.2,
         }
     )
     return {
@@ -434,6 +538,7 @@ _SHOWN = {
     "operation.reconcile_deferred": ("reason",),
     "operation.escalated": ("reason",),
     "operation.retry_scheduled": ("reason",),
+    "operation.waiting": ("provider", "reason"),
 }
 
 

@@ -62,9 +62,27 @@ def test_the_demo_shows_two_refunds_then_one_and_cleans_up(
     assert re.search(r"operation\.outcome_unknown\s+id=op_\S+ reason=deadline_exceeded", out)
     assert re.search(r"operation\.reconciled\s+id=op_\S+ result=committed", out)
     assert re.search(r"agent\.completed\s+id=run_\w+ outcome=refund_confirmed", out)
+    third, fourth = third.split("\n4. ", 1)
     assert_settled_by_its_callback(third)
-    assert "guarantee held" in third
+    assert_waited_out(fourth)
+    assert "guarantee held" in fourth
     assert_removed(tag_of(out), postgres_server_url, amqp_server_url)
+
+
+def assert_waited_out(fourth: str) -> None:
+    """The fourth scene: the refunds provider down for seconds while six refunds are
+    decided; they wait, spending nothing, and settle one refund each with nobody asked."""
+    assert fourth.startswith("the provider is down for a few seconds")
+    assert re.search(r"provider\.unavailable\s+provider=send_refund after [5-6] refunds", fourth)
+    available = re.search(
+        r"provider\.available\s+provider=send_refund outage_seconds=\S+ probes=(\d+) "
+        r"operations_waited=(\d+)",
+        fourth,
+    )
+    assert available is not None, fourth
+    assert int(available[1]) >= 1
+    assert int(available[2]) >= 5
+    assert "6 of 6 refunds committed, one refund each; 0 asked a person" in fourth
 
 
 def assert_settled_by_its_callback(third: str) -> None:
