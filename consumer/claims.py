@@ -192,7 +192,7 @@ class Claims:
             )
         )
         results: dict[int, Skip] = {}
-        waits: dict[tuple[str, str], list[tuple[UUID, timedelta]]] = {}
+        waits: dict[tuple[str, str], list[tuple[Operation, timedelta]]] = {}
         positions: dict[UUID, int] = {}
         for index, (envelope, contract, hold) in holding.items():
             operation = operations.get(envelope.operation_id)
@@ -214,15 +214,15 @@ class Claims:
                 results[index] = await self._escalate_unavailable(runner, operation, contract, wait)
                 continue
             reason = "provider_unavailable" if hold is None or hold.outage else "retry_after"
-            waits.setdefault((wait.provider, reason), []).append((operation.id, wait.delay))
+            waits.setdefault((wait.provider, reason), []).append((operation, wait.delay))
         for (provider, reason), delays in waits.items():
             moved = await runner.run(store.wait_prepared(delays, provider=provider, reason=reason))
-            for operation_id, _ in delays:
-                if operation_id in moved:
-                    results[positions[operation_id]] = Skip("waiting")
+            for operation, _ in delays:
+                if operation.id in moved:
+                    results[positions[operation.id]] = Skip("waiting")
                 else:
                     # Claimed meanwhile, or not yet due: an early copy of its message.
-                    results[positions[operation_id]] = Skip("duplicate")
+                    results[positions[operation.id]] = Skip("duplicate")
         return results
 
     async def _escalate_unavailable(

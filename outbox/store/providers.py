@@ -13,10 +13,11 @@ from uuid import UUID
 
 from psycopg.types.json import Jsonb
 
-from outbox import breaker
+from outbox import breaker, lifecycle
 from outbox.breaker import BreakerRules, Failure, ProviderHealth
 from outbox.errors import LeaseLost
 from outbox.models import Operation
+from outbox.states import EventName
 from outbox.store.operations import get_operation
 from outbox.store.runner import Plan, Row, Step
 
@@ -191,21 +192,30 @@ def nominate_probe(tools: Sequence[str]) -> Plan[UUID | None]:
 
 
 def wait_prepared(
-    delays: Sequence[tuple[UUID, timedelta]], *, provider: str, reason: str
-) -> Plan[dict[UUID, bool]]:
+    delays: Sequence[tuple[Operation, timedelta]], *, provider: str, reason: str
+) -> Plan[set[UUID]]:
     """Prepared, due operations held back by their provider: due again after each one's
-    delay, with a fresh outbox row then, their wait begun if it had not. Counts no
-    attempt. Returns the ids it moved, each with whether its wait began here."""
+    delay, with a fresh outbox row then, their wait begun if it had not (an
+    ``operation.waiting`` event and its lifecycle line). Counts no attempt. Returns the
+    ids it moved."""
     rows = yield Step(
         "wait_prepared_for_provider",
         {
-            "ids": [operation_id for operation_id, _ in delays],
+            "ids": [operation.id for operation, _ in delays],
             "delays": [delay for _, delay in delays],
             "provider": provider,
             "reason": reason,
         },
     )
-    return {row["id"]: bool(row["began"]) for row in rows}
+    began = {row["id"] for row in rows if row["began"]}
+    for operation, _ in delays:
+        if operation.id in began:
+            lifecycle.emit(
+                EventName.WAITING,
+                operation,
+                {"provider": provider, "reason": reason, "state": "prepared"},
+            )
+    return {row["id"] for row in rows}
 
 
 def wait_unknown(
@@ -237,7 +247,16 @@ def wait_unknown(
             f"{current.display_id} is {current.state} under lease token {current.lease_token}, "
             f"not outcome_unknown under {operation.lease_token}; nothing was changed"
         )
-    return Operation.model_validate(rows[0])
+    waited = Operation.model_validate(rows[0])
+    if waiting and operation.waiting_since is None:
+        # Read with the row (claim_reconciliation_batch selects every column): the wait
+        # begins here, as the statement's event says.
+        lifecycle.emit(
+            EventName.WAITING,
+            waited,
+            {"provider": provider, "reason": reason, "state": "outcome_unknown"},
+        )
+    return waited
 
 
 def waiting_operations_by_tool() -> Plan[dict[str, int]]:

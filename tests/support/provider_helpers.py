@@ -84,7 +84,7 @@ def wait_for_provider(database_url: str, operations: Sequence[Operation], provid
     with psycopg.connect(database_url) as connection:
         moved = Store(connection).run(
             outbox_store.wait_prepared(
-                [(operation.id, timedelta(minutes=10)) for operation in operations],
+                [(operation, timedelta(minutes=10)) for operation in operations],
                 provider=provider,
                 reason="provider_unavailable",
             )

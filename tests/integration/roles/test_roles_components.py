@@ -348,9 +348,9 @@ def test_the_consumer_executes_reconciles_and_escalates(
     assert run(
         consumer,
         outbox_store.wait_prepared(
-            [(held.id, LEASE)], provider="send_refund", reason="provider_unavailable"
+            [(held, LEASE)], provider="send_refund", reason="provider_unavailable"
         ),
-    ) == {held.id: True}
+    ) == {held.id}
     lost = advance(roles_database, new_operation(roles_database, registry), S.IN_FLIGHT)
     lost = advance(roles_database, lost, S.OUTCOME_UNKNOWN)
     run(
