@@ -207,9 +207,11 @@ class Claims:
                 results[index] = Skip("duplicate")
                 continue
             positions[operation.id] = index
-            wait = await runner.run(
-                self.providers.confirmed(self.providers.wait(contract, operation))
-            )
+            held_by = self.providers.wait(contract, operation)
+            wait = await runner.run(self.providers.confirmed(held_by))
+            if held_by.outage is not None and wait.outage is None:
+                del positions[operation.id]
+                continue  # the breaker closed meanwhile: claimed the usual way
             if wait.waited >= contract.outage_tolerance:
                 results[index] = await self._escalate_unavailable(runner, operation, contract, wait)
                 continue

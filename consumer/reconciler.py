@@ -294,12 +294,11 @@ class Reconciler(Stoppable):
         """An unknown outcome whose provider cannot be asked now: looked up again later,
         no lookup counted, or handed to a person once it has waited past the contract's
         outage tolerance."""
-        wait = await runner.run(
-            self.providers.confirmed(
-                self.providers.wait(contract, operation, retry_after=retry_after)
-            )
-        )
-        if wait.waited >= contract.outage_tolerance:
+        held_by = self.providers.wait(contract, operation, retry_after=retry_after)
+        wait = await runner.run(self.providers.confirmed(held_by))
+        # A breaker that closed meanwhile releases it, past the tolerance or not.
+        closed_meanwhile = held_by.outage is not None and wait.outage is None
+        if wait.waited >= contract.outage_tolerance and not closed_meanwhile:
             decision = policy.provider_unavailable(
                 operation, contract, wait, source=S.OUTCOME_UNKNOWN
             )
