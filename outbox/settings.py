@@ -58,6 +58,8 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
     "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
     "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
+    "OUTBOX_TEST_PROVIDER_OUTAGE_SECONDS": "the test suite: how long the acceptance test's "
+    "provider outage lasts (60)",
     "OUTBOX_TEST_MCP_TOKEN": "the test suite: the bearer token of `outbox mcp` under test",
     "OUTBOX_CONSOLE_SCREENSHOTS": "the browser tests: where to write the console screenshots",
     "OUTBOX_BENCH_DATABASE_URL": "bench/: the Postgres server to measure against",

@@ -3,6 +3,7 @@ daemons as subprocesses, the payment sandbox answering 503 to every call and loo
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -24,6 +25,9 @@ OUTAGE: dict[str, Any] = {"fail_before_commit_every": 1, "lookups_unavailable": 
 HEALTHY: dict[str, Any] = {"fail_before_commit_every": 0, "lookups_unavailable": False}
 DECISIONS = 12
 LATE = 6
+# A minute in the suite; OUTBOX_TEST_PROVIDER_OUTAGE_SECONDS=300 runs the five-minute
+# outage of issue #44 (docs/testing.md), too long for every CI run.
+OUTAGE_SECONDS = float(os.environ.get("OUTBOX_TEST_PROVIDER_OUTAGE_SECONDS", "60"))
 
 
 def provider_rows(system: System, sql: str, *params: object) -> list[dict[str, Any]]:
@@ -56,7 +60,7 @@ def waiting(system: System) -> int:
     return int(rows[0]["n"])
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(OUTAGE_SECONDS + 180)
 def test_a_minute_long_outage_ends_with_every_decision_settled_and_no_person(
     settings: Settings,
 ) -> None:
@@ -84,7 +88,7 @@ def test_a_minute_long_outage_ends_with_every_decision_settled_and_no_person(
             what="the later decisions to wait for the provider too",
         )
         operations += later
-        outage_ends = time.monotonic() + 60
+        outage_ends = time.monotonic() + OUTAGE_SECONDS
         # Meanwhile nothing may reach a person, and no attempt or lookup is spent.
         while time.monotonic() < outage_ends:
             states = {system.operation(op.id).state for op in operations}
@@ -104,7 +108,7 @@ def test_a_minute_long_outage_ends_with_every_decision_settled_and_no_person(
         available = events[1][1]
         # Every one waited (the probe's own may have ended its wait by then).
         assert available["operations_waited"] >= len(operations) - 1
-        assert available["outage_seconds"] >= 60
+        assert available["outage_seconds"] >= OUTAGE_SECONDS
         assert available["probes"] >= 1
         assert breaker_state(system) == "closed"
         for final in finals:
