@@ -95,7 +95,7 @@ $$;
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
     outbox_deployment, operation_event_heads, operation_status, callbacks, provider_health,
-    provider_events
+    provider_events, provider_calls
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
@@ -203,6 +203,11 @@ GRANT SELECT ON approvals TO outbox_consumer;
 -- rewrites or deletes an outage's event. Operators read both (`outbox providers`).
 GRANT SELECT, INSERT (provider), UPDATE ON provider_health TO outbox_consumer;
 GRANT INSERT (provider, name, attributes) ON provider_events TO outbox_consumer;
+-- The calls out to a provider with a declared limit on calls at once: taken and given
+-- back by the consumer, nobody else.
+GRANT SELECT, INSERT, DELETE ON provider_calls TO outbox_consumer;
+GRANT UPDATE (expires_at) ON provider_calls TO outbox_consumer;
+GRANT SELECT ON provider_calls TO outbox_operator;
 GRANT SELECT ON provider_health, provider_events TO outbox_operator;
 
 -- A person at the `outbox ops` / `outbox approvals` commands: reads everything,

@@ -994,6 +994,17 @@ CREATE TABLE IF NOT EXISTS provider_events (
 );
 CREATE INDEX IF NOT EXISTS provider_events_provider ON provider_events (provider, id);
 
+-- The calls out to a provider that declares how many it takes at once
+-- (ProviderLimits.concurrent_calls): one row per call, taken under the breaker row's
+-- lock and removed when the call ends; a holder that dies leaves a row that counts until
+-- it expires (the call's deadline and the lease margin: no call outlives that).
+CREATE TABLE IF NOT EXISTS provider_calls (
+    provider      text NOT NULL CHECK (provider ~ '^[a-z][a-z0-9_.-]{0,63}$'),
+    operation_id  uuid NOT NULL,
+    expires_at    timestamptz NOT NULL CHECK (outbox_plausible_time(expires_at)),
+    PRIMARY KEY (provider, operation_id)
+);
+
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;

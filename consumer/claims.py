@@ -58,6 +58,9 @@ class Claimed:
     # The probe of the provider's open breaker this call is, if it is one: only the
     # probe's failure opens the breaker again.
     probe: str | None = None
+    # Whether this call holds a place among the calls out to a provider that declares how
+    # many it takes at once: given back when the call ends.
+    holds_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,32 +107,54 @@ class Claims:
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
         """Load, check and claim one delivery, in the transaction of its burst, once its
-        provider's declared rate gives it a turn."""
-        await self._await_turn(envelope)
-        return await self._batcher.submit(envelope)
+        provider's declared limits give it a turn and a place."""
+        placed = await self._await_turn(envelope)
+        if placed is None:
+            return await self._batcher.submit(envelope)
+        result: Claimed | Skip | None = None
+        try:
+            result = await self._batcher.submit(envelope)
+        finally:
+            if not isinstance(result, Claimed):
+                await self.providers.give_back_place(placed, envelope.operation_id)
+        if isinstance(result, Skip):
+            return result
+        return replace(result, holds_place=True)
 
-    async def _await_turn(self, envelope: OperationMessage) -> None:
+    async def _await_turn(self, envelope: OperationMessage) -> ToolContract[Any] | None:
         """Hold the delivery in hand until its turn under its provider's declared rate
-        (a prefetch slot taken meanwhile is the backpressure): booked once, before the
-        claim, so the wait never eats the lease. A delivery its provider's breaker or
-        Retry-After holds back books nothing; it waits in the database instead."""
+        and a place among its calls out (a prefetch slot taken meanwhile is the
+        backpressure): both taken before the claim, so the wait never eats the lease.
+        Returns the contract when a place was taken, for it to be given back. A delivery
+        its provider's breaker or Retry-After holds back takes neither; it waits in the
+        database instead."""
         try:
             contract = self.registry.get(envelope.tool, envelope.tool_version)
         except ToolNotRegistered:
-            return
+            return None
         if contract.provider_limits is None:
-            return
+            return None
         for retry in range(BOOKING_RETRIES + 1):
             if isinstance(self.providers.verdict(contract.provider_name), Hold):
-                return
+                return None
             # Held too long already: book the turn however far off, so that the delivery
             # is not held past what the broker tolerates.
             wait = await self.providers.turn(contract, force=retry == BOOKING_RETRIES)
             if wait is not None:
                 if wait > 0:
                     await asyncio.sleep(wait)
-                return
+                break
             await asyncio.sleep(BOOKING_RETRY.total_seconds())
+        if contract.provider_limits.concurrent_calls is None:
+            return None
+        # Calls out end within their deadline, so a place frees up within one.
+        while True:
+            place = await self.providers.take_place(contract, envelope.operation_id)
+            if place is None:
+                return contract
+            if isinstance(self.providers.verdict(contract.provider_name), Hold):
+                return None
+            await asyncio.sleep(place)
 
     async def _prepare_many(self, envelopes: list[OperationMessage]) -> list[Claimed | Skip]:
         """Hold back the deliveries whose provider may not be called now, and claim the

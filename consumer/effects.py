@@ -86,7 +86,15 @@ class Effects:
 
     async def attempt(self, claimed: Claimed, traceparent: str | None = None) -> Attempt:
         """Call the tool once for ``claimed``, in a span that continues the decision's
-        trace; never raises, whatever the tool does."""
+        trace, and give back its place among the provider's calls out if it holds one;
+        never raises, whatever the tool does."""
+        try:
+            return await self._traced_attempt(claimed, traceparent)
+        finally:
+            if claimed.holds_place and self.providers is not None:
+                await self.providers.give_back_place(claimed.contract, claimed.operation.id)
+
+    async def _traced_attempt(self, claimed: Claimed, traceparent: str | None) -> Attempt:
         operation, contract = claimed.operation, claimed.contract
         with tracing.span(
             f"outbox.attempt {contract.name}",

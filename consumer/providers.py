@@ -234,7 +234,7 @@ class Providers(Stoppable):
         Turns are booked in Postgres: every consumer and the reconciler share one rate.
         ``force`` books a turn however far off it is."""
         limits = contract.provider_limits
-        if limits is None:
+        if limits is None or limits.interval is None:
             return 0.0
         return await self.database.run(
             store.book_provider_call(
@@ -259,6 +259,47 @@ class Providers(Stoppable):
             return wait
         released = timedelta(seconds=self._rng.random() * self.release_spread.total_seconds())
         return replace(wait, delay=max(released, timedelta(milliseconds=50)), outage=None)
+
+    async def take_place(self, contract: ToolContract[Any], operation_id: UUID) -> float | None:
+        """A place among the calls out to the provider, if it declares how many it takes
+        at once: None when this call has one (or there is no such limit), otherwise the
+        seconds until a place may free up (the soonest call out ends by then at the
+        latest; ask again after at most a second, since most end sooner)."""
+        limits = contract.provider_limits
+        if limits is None or limits.concurrent_calls is None:
+            return None
+        soonest = await self.database.run(
+            store.take_provider_call(
+                contract.provider_name,
+                operation_id,
+                limit=limits.concurrent_calls,
+                hold=contract.deadline + timedelta(seconds=self.settings.lease_margin),
+            )
+        )
+        if soonest is None:
+            return None
+        return min(max((soonest - self.now()).total_seconds(), 0.05), 1.0)
+
+    async def give_back_place(self, contract: ToolContract[Any], operation_id: UUID) -> None:
+        """The call is over: its place goes to the next one. A place that cannot be given
+        back now (the database is away) is freed when it expires."""
+        limits = contract.provider_limits
+        if limits is None or limits.concurrent_calls is None:
+            return
+        try:
+            await self.database.run_alone(
+                store.give_back_provider_call(contract.provider_name, operation_id)
+            )
+        except Exception as error:
+            if not (isinstance(error, OutboxError) or is_transient_database_error(error)):
+                raise
+            log(
+                logging.WARNING,
+                "consumer.place_kept",
+                "a call's place could not be given back; it frees when it expires",
+                provider=contract.provider_name,
+                error=type(error).__name__,
+            )
 
     def wait(
         self,

@@ -259,14 +259,20 @@ class Reconciler(Stoppable):
 
     async def _await_turn(self, operation: Operation, contract: ToolContract[Any]) -> bool:
         """Wait for the lookup's turn under its provider's declared rate, if the lease
-        leaves room for the wait; otherwise put the lookup off until about then (no
-        lookup counted, no wait for the provider begun) and return False."""
+        leaves room for the wait, and take a place among its calls out; otherwise put the
+        lookup off until about then (no lookup counted, no wait for the provider begun)
+        and return False. A place taken is given back by the caller."""
         wait = await self.providers.turn(contract)
         if wait is not None and wait <= self.settings.lease_margin / 2:
             if wait > 0:
                 await asyncio.sleep(wait)
-            return True
-        delay = timedelta(seconds=wait) if wait is not None else BOOKING_RETRY
+            place = await self.providers.take_place(contract, operation.id)
+            if place is None:
+                return True
+            # Every place is taken: ask again about when the soonest frees up.
+            delay = timedelta(seconds=place)
+        else:
+            delay = timedelta(seconds=wait) if wait is not None else BOOKING_RETRY
         try:
             async with self.database.transaction() as connection:
                 runner = await AsyncStore.on(connection)
@@ -343,6 +349,15 @@ class Reconciler(Stoppable):
         assert contract.reconcile is not None
         if not await self._await_turn(operation, contract):
             return
+        try:
+            await self._ask(operation, contract, probe)
+        finally:
+            await self.providers.give_back_place(contract, operation.id)
+
+    async def _ask(
+        self, operation: Operation, contract: ToolContract[Any], probe: str | None
+    ) -> None:
+        assert contract.reconcile is not None
         seconds = contract.deadline.total_seconds()
         context = ExecutionContext(
             operation_id=operation.id,

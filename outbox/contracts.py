@@ -139,30 +139,40 @@ class ApprovalPolicy:
 
 @dataclass(frozen=True)
 class ProviderLimits:
-    """What a provider allows, shared by every consumer and the reconciler: calls (attempts
-    and lookups together) per second, with ``burst`` of them at once after a quiet spell.
-    A call waits its turn in hand, before its claim, so a burst of decisions slows the
+    """What a provider allows, shared by every consumer and the reconciler: calls
+    (attempts and lookups together) per second, with ``burst`` of them at once after a
+    quiet spell, and at most ``concurrent_calls`` out at any moment. A call waits its
+    turn and its place in hand, before its claim, so a burst of decisions slows the
     effects instead of meeting the provider's 429s."""
 
-    calls_per_second: float
+    calls_per_second: float | None = None
     burst: int = 1
+    concurrent_calls: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
-        if (
-            isinstance(self.calls_per_second, bool)
-            or not isinstance(self.calls_per_second, int | float)
-            or not 0 < self.calls_per_second <= 100_000
+        rate = self.calls_per_second
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 100_000
         ):
             problems.append("calls_per_second must be a number above 0 and at most 100000")
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
             problems.append("burst must be an integer of at least 1")
+        at_once = self.concurrent_calls
+        if at_once is not None and (
+            isinstance(at_once, bool) or not isinstance(at_once, int) or not 1 <= at_once <= 10_000
+        ):
+            problems.append("concurrent_calls must be an integer from 1 to 10000")
+        if rate is None and at_once is None:
+            problems.append("declare calls_per_second, concurrent_calls or both")
         if problems:
             raise ContractRefused("provider limits refused: " + "; ".join(problems))
 
     @property
-    def interval(self) -> timedelta:
-        """The time one call takes of the provider's allowance."""
+    def interval(self) -> timedelta | None:
+        """The time one call takes of the provider's rate; None without a rate."""
+        if self.calls_per_second is None:
+            return None
         return timedelta(seconds=1 / self.calls_per_second)
 
 

@@ -566,6 +566,32 @@ RETURNING greatest(
     0
 )::float8 AS wait_seconds
 
+-- name: take_provider_call
+-- A call out to a provider with a declared limit on calls at once, taken under the breaker row's lock (lock_provider_health): the calls whose holders' time ran out are forgotten first; granted (a row, until it expires) only while fewer than the limit are out. Returns whether it was granted and when the soonest call out expires.
+WITH expired AS (
+    DELETE FROM provider_calls
+    WHERE provider = %(provider)s AND expires_at <= clock_timestamp()
+      AND operation_id <> %(operation_id)s
+    RETURNING operation_id
+), out AS (
+    SELECT count(*) AS calls, min(expires_at) AS soonest
+    FROM provider_calls c
+    WHERE c.provider = %(provider)s AND c.expires_at > clock_timestamp()
+      AND c.operation_id <> %(operation_id)s
+), taken AS (
+    INSERT INTO provider_calls (provider, operation_id, expires_at)
+    SELECT %(provider)s, %(operation_id)s, clock_timestamp() + %(hold)s::interval
+    FROM out WHERE out.calls < %(limit)s
+    ON CONFLICT (provider, operation_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
+    RETURNING operation_id
+)
+SELECT EXISTS (SELECT 1 FROM taken) AS granted, (SELECT soonest FROM out) AS soonest,
+       (SELECT count(*) FROM expired) AS expired
+
+-- name: give_back_provider_call
+-- The call is over: its place goes to the next one.
+DELETE FROM provider_calls WHERE provider = %(provider)s AND operation_id = %(operation_id)s
+
 -- name: insert_provider_event
 -- Append provider.unavailable or provider.available.
 INSERT INTO provider_events (provider, name, attributes)

@@ -183,6 +183,30 @@ def book_provider_call(
     return float(rows[0]["wait_seconds"]) if rows else None
 
 
+def take_provider_call(
+    provider: str, operation_id: UUID, *, limit: int, hold: timedelta
+) -> Plan[datetime | None]:
+    """A place among the calls out to ``provider`` (at most ``limit`` at once), for the
+    call of ``operation_id``, held until the call ends or ``hold`` runs out. Decided under
+    the breaker row's lock, so two consumers never both take the last place. None when
+    granted; otherwise when the soonest call out ends at the latest."""
+    yield Step("ensure_provider_health", {"provider": provider})
+    yield Step("lock_provider_health", {"provider": provider})
+    rows = yield Step(
+        "take_provider_call",
+        {"provider": provider, "operation_id": operation_id, "limit": limit, "hold": hold},
+    )
+    if rows[0]["granted"]:
+        return None
+    soonest: datetime = rows[0]["soonest"]
+    return soonest
+
+
+def give_back_provider_call(provider: str, operation_id: UUID) -> Plan[None]:
+    """The call of ``operation_id`` is over: its place goes to the next one."""
+    yield Step("give_back_provider_call", {"provider": provider, "operation_id": operation_id})
+
+
 def nominate_probe(tools: Sequence[str]) -> Plan[UUID | None]:
     """The waiting operation of ``tools`` due soonest, due now: the call that probes an
     open breaker whose probe is due. None when none waits, or one is due within a

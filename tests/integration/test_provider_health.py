@@ -54,6 +54,10 @@ class Provider:
     """A provider that records when each call started, and fails as told."""
 
     started: list[float] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
+    slow: float = 0.0
+    """Seconds each refund takes."""
     refunds: dict[str, int] = field(default_factory=dict)
     down: bool = False
     answers: list[str] = field(default_factory=list)
@@ -65,6 +69,13 @@ class Provider:
         if self.down:
             # How a contract written before the breaker reads a 503 from outbox.http.
             raise OutcomeUnknown("http_503")
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.slow:
+                await asyncio.sleep(self.slow)  # the provider's own time to answer
+        finally:
+            self.in_flight -= 1
         answer = self.answers.pop(0) if self.answers else None
         if answer == "429":
             raise RateLimited(retry_after=1.5)
@@ -159,6 +170,7 @@ async def test_a_declared_rate_is_shared_by_every_consumer(
         await eventually(committed(database_url, 24), within=30, what="every refund")
 
     starts = sorted(provider.started)
+    assert limits.interval is not None
     interval = limits.interval.total_seconds()
     # Each call starts no earlier than its booked turn, and the k-th turn is k - burst + 1
     # intervals after the first: a turn may start late, never early. 0.25 s for how late
@@ -168,6 +180,28 @@ async def test_a_declared_rate_is_shared_by_every_consumer(
         assert start - starts[0] >= (k - limits.burst + 1) * interval - 0.25, k
     assert len(starts) == 24
     assert all(provider.refunds[str(op.id)] == 1 for op in decisions)
+
+
+async def test_calls_at_once_stay_within_the_declared_limit_across_consumers(
+    fast: Settings, database_url: str
+) -> None:
+    provider = Provider(slow=0.3)
+    limits = ProviderLimits(concurrent_calls=2)
+    registry = registry_for(provider, provider_limits=limits)
+    decisions = decide_many(database_url, registry, 12)
+
+    async with (
+        running_dispatcher(fast),
+        running_consumer(fast, registry),
+        running_consumer(fast, registry),
+    ):
+        await eventually(committed(database_url, 12), within=60, what="every refund")
+
+    # Both consumers run in this process and call the same provider object, so its count
+    # of calls in flight is the count across consumers.
+    assert provider.most_in_flight == 2
+    assert all(provider.refunds[str(op.id)] == 1 for op in decisions)
+    assert rows(database_url, "SELECT * FROM provider_calls") == []  # every place given back
 
 
 async def test_no_call_goes_out_before_a_retry_after_expires(
@@ -266,6 +300,8 @@ def test_one_provider_with_two_declared_rates_is_refused() -> None:
         ({"calls_per_second": 0}, "calls_per_second must be"),
         ({"calls_per_second": float("inf")}, "calls_per_second must be"),
         ({"calls_per_second": 5, "burst": 0}, "burst must be"),
+        ({"concurrent_calls": 0}, "concurrent_calls must be"),
+        ({}, "declare calls_per_second, concurrent_calls or both"),
     ],
 )
 def test_limits_that_mean_nothing_are_refused(limits: dict[str, Any], problem: str) -> None:

@@ -39,6 +39,7 @@ TABLES = (
     "callbacks",
     "provider_health",
     "provider_events",
+    "provider_calls",
 )
 
 
@@ -116,6 +117,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "book_provider_call",
         "nominate_probe",
         "share_provider_health",
+        "take_provider_call",
+        "give_back_provider_call",
     },
     OPERATOR: {
         "list_operation_summaries",

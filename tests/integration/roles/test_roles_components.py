@@ -363,6 +363,13 @@ def test_the_consumer_executes_reconciles_and_escalates(
         "send_refund", interval=timedelta(seconds=1), burst=1, horizon=LEASE
     )
     assert run(consumer, turn) == 0.0
+    # ... and a place among the calls out at once: one of one, then none left.
+    first = outbox_store.take_provider_call("send_refund", held.id, limit=1, hold=LEASE)
+    second = outbox_store.take_provider_call("send_refund", lost.id, limit=1, hold=LEASE)
+    assert run(consumer, first) is None
+    assert run(consumer, second) is not None
+    run(consumer, outbox_store.give_back_provider_call("send_refund", held.id))
+    assert run(consumer, second) is None
     execute_admin(roles_database, "UPDATE provider_health SET next_probe_at = now()")
     nominated = run(consumer, outbox_store.nominate_probe(["send_refund"]))
     assert nominated in {held.id, lost.id}

@@ -49,6 +49,8 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "callbacks": {"SELECT"},
         # The breaker's row it keeps under a lock (FOR UPDATE needs UPDATE).
         "provider_health": {"SELECT", "UPDATE"},
+        # The calls out to a provider with a limit on calls at once: taken, given back.
+        "provider_calls": {"SELECT", "INSERT", "DELETE"},
     },
     OPERATOR: {
         "operations": {"SELECT"},
@@ -62,6 +64,7 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "callbacks": {"SELECT"},
         "provider_health": {"SELECT"},
         "provider_events": {"SELECT"},
+        "provider_calls": {"SELECT"},
     },
     # No table at all: it writes through outbox_record_callback only.
     CALLBACKS: {},
@@ -112,6 +115,8 @@ COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
         # A breaker's row is created by name; its outages appended, never chosen when.
         ("provider_health", "INSERT"): frozenset({"provider"}),
         ("provider_events", "INSERT"): frozenset({"provider", "name", "attributes"}),
+        # A call taken again (a redelivery) renews its place's time, nothing else.
+        ("provider_calls", "UPDATE"): frozenset({"expires_at"}),
     },
     OPERATOR: {
         ("operations", "UPDATE"): _MOVES,
