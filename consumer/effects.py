@@ -46,6 +46,10 @@ from outbox.store import Plan
 # Retry-After (an event attribute, like every code).
 HELD_BACK = "held_back"
 
+# Attempts that say nothing of the provider's health: the tool raised something that is
+# no signal (its own failure, not the provider's answer).
+_SAYS_NOTHING = frozenset({"tool_error"})
+
 # A 409 "same key in flight" waits and sends the key again only where sending it again
 # is what the class allows without a lookup: a deduplicated write (the provider answers
 # a repeated key with the first request's outcome) and a read.
@@ -222,8 +226,8 @@ class Effects:
         contract, operation = claimed.contract, claimed.operation
         provider = contract.provider_name
         unavailability = attempt.unavailability
-        if unavailability is Unavailability.HELD:
-            pass  # never called: nothing to say of the provider
+        if unavailability is Unavailability.HELD or attempt.code in _SAYS_NOTHING:
+            pass  # never called, or the tool itself failed: nothing said of the provider
         elif unavailability is Unavailability.IN_PROGRESS or not (
             unavailability is not None or could_not_reach(attempt.code)
         ):

@@ -4,14 +4,11 @@ their own beside the deliveries and the reconciler: a consumer cut off from the 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 
 from consumer.database import Database
-from consumer.telemetry import log
+from consumer.telemetry import log_refresh_failed
 from outbox import store
-from outbox.daemon import is_transient_database_error
-from outbox.errors import OutboxError
 from outbox.metrics import ConsumerMetrics
 from outbox.signals import Stoppable
 
@@ -57,11 +54,9 @@ class ExecutionGauges(Stoppable):
             try:
                 await self.refresh()
             except Exception as error:
-                expected = isinstance(error, OutboxError) or is_transient_database_error(error)
-                log(
-                    logging.WARNING if expected else logging.ERROR,
+                log_refresh_failed(
+                    error,
                     "consumer.gauges_failed",
                     "reading the execution gauges failed; the next turn retries",
-                    error=type(error).__name__,
                 )
             await self._sleep(self.every)

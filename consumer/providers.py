@@ -22,7 +22,7 @@ from uuid import UUID
 
 from consumer.database import Database
 from consumer.policy import ProviderWait
-from consumer.telemetry import log
+from consumer.telemetry import log, log_refresh_failed
 from outbox import breaker, store
 from outbox.breaker import BreakerRules, Failure, Go, Hold, Probe, ProviderHealth
 from outbox.contracts import Registry, ToolContract
@@ -106,12 +106,10 @@ class Providers(Stoppable):
             try:
                 await self.refresh(force=True)
             except Exception as error:
-                expected = isinstance(error, OutboxError) or is_transient_database_error(error)
-                log(
-                    logging.WARNING if expected else logging.ERROR,
+                log_refresh_failed(
+                    error,
                     "consumer.providers_failed",
                     "reading the providers' breakers failed; the next turn retries",
-                    error=type(error).__name__,
                 )
             await self._sleep(self.settings.provider_health_refresh)
 

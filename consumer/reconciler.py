@@ -56,6 +56,8 @@ from outbox.store import AsyncStore
 S = OperationState
 
 STALE_SWEEP_SECONDS = 30.0
+# The code of a lookup that raised instead of answering.
+LOOKUP_ERROR = "lookup_error"
 RECONCILER_BACKOFF_SECONDS = 1.0
 # A failed pass waits 1 s doubling to 30 s (jittered) before the next: a struggling
 # database is not asked again at the reconcile interval by every consumer at once.
@@ -388,7 +390,7 @@ class Reconciler(Stoppable):
                     id=operation.display_id,
                     error=type(error).__name__,
                 )
-                result = StillUnknown("lookup_error")
+                result = StillUnknown(LOOKUP_ERROR)
             label = {
                 Found: "committed",
                 NotFound: "not_found",
@@ -421,7 +423,9 @@ class Reconciler(Stoppable):
             except IllegalTransition as fenced:
                 log_fenced(operation, fenced)
             return
-        await self.providers.answered(provider)
+        if not (isinstance(result, StillUnknown) and result.code == LOOKUP_ERROR):
+            # The provider answered; a lookup that raised says nothing of it.
+            await self.providers.answered(provider)
         decision: Transition | Escalation | Deferral | None = policy.after_lookup(
             operation, contract, result
         )

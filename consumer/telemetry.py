@@ -10,6 +10,8 @@ from consumer.policy import AttemptOutcome, EscalationReason
 from outbox import tracing
 from outbox.connections import SLOW_VERDICTS
 from outbox.contracts import Registry, ToolContract
+from outbox.daemon import is_transient_database_error
+from outbox.errors import OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.intent import TAMPER_CHECKS
 from outbox.logs import log_fields
@@ -63,6 +65,13 @@ logger = logging.getLogger("consumer.worker")
 def log(level: int, action: str, text: str, **fields: object) -> None:
     """One line as data (see :func:`outbox.logs.log_fields`)."""
     log_fields(logger, level, action, text, **fields)
+
+
+def log_refresh_failed(error: Exception, action: str, text: str) -> None:
+    """A loop's read failed; it keeps its last values and tries again at the next turn.
+    A database that is away or an error of ours is a warning; anything else an error."""
+    expected = isinstance(error, OutboxError) or is_transient_database_error(error)
+    log(logging.WARNING if expected else logging.ERROR, action, text, error=type(error).__name__)
 
 
 def log_fenced(operation: Operation, fenced: Exception, **fields: object) -> None:

@@ -23,6 +23,7 @@ from outbox import (
     NotFound,
     OutcomeUnknown,
     ProviderLimits,
+    ProviderUnavailable,
     RateLimited,
     Registry,
     RetryPolicy,
@@ -30,6 +31,7 @@ from outbox import (
     SideEffect,
     StillUnknown,
     ToolContract,
+    Unreachable,
     record_decision,
 )
 from outbox.errors import ContractRefused
@@ -60,12 +62,20 @@ class Provider:
     """Seconds each refund takes."""
     refunds: dict[str, int] = field(default_factory=dict)
     down: bool = False
+    broken: bool = False
+    """The tool itself fails (a bug of its own), whatever the provider would say."""
+    refusing: bool = False
+    """Down, and the tool says so: ProviderUnavailable for calls, Unreachable for lookups."""
     answers: list[str] = field(default_factory=list)
     """Consumed one per call: "429" (Retry-After 1.5 s) or "409"."""
     lookups: int = 0
 
     async def refund(self, refund: RefundInput, ctx: ExecutionContext) -> EffectResult:
         self.started.append(time.monotonic())
+        if self.broken:
+            raise RuntimeError("the tool's own bug")
+        if self.refusing:
+            raise ProviderUnavailable("http_503")
         if self.down:
             # How a contract written before the breaker reads a 503 from outbox.http.
             raise OutcomeUnknown("http_503")
@@ -86,6 +96,10 @@ class Provider:
 
     async def find(self, refund: RefundInput, ctx: ExecutionContext) -> Reconciliation:
         self.lookups += 1
+        if self.broken:
+            raise RuntimeError("the tool's own bug")
+        if self.refusing:
+            return Unreachable("http_503")
         if self.down:
             return StillUnknown("http_503")
         if ctx.idempotency_key in self.refunds:
@@ -307,3 +321,40 @@ def test_one_provider_with_two_declared_rates_is_refused() -> None:
 def test_limits_that_mean_nothing_are_refused(limits: dict[str, Any], problem: str) -> None:
     with pytest.raises(ContractRefused, match=problem):
         ProviderLimits(**limits)
+
+
+@pytest.mark.timeout(120)
+async def test_a_tool_that_fails_on_its_own_says_nothing_of_its_provider(
+    fast: Settings, database_url: str
+) -> None:
+    # Refused calls leave every operation prepared, so each probe is an attempt.
+    provider = Provider(refusing=True)
+    registry = registry_for(provider)
+    decide_many(database_url, registry, 6)
+
+    async def breaker() -> list[str]:
+        found = await asyncio.to_thread(rows, database_url, "SELECT state FROM provider_health")
+        return [str(row["state"]) for row in found]
+
+    async with running_dispatcher(fast), running_consumer(fast, registry):
+
+        async def opened() -> bool:
+            return await breaker() == ["open"]
+
+        await eventually(opened, within=30, what="the breaker to open")
+        provider.refusing, provider.broken = False, True
+        calls = len(provider.started) + provider.lookups
+
+        async def probed_by_the_broken_tool() -> bool:
+            return len(provider.started) + provider.lookups >= calls + 2
+
+        await eventually(probed_by_the_broken_tool, within=40, what="two probes to go out")
+        still = await breaker()
+        provider.broken = False
+        await eventually(committed(database_url, 6), within=40, what="every refund")
+
+    # Its probes raised: neither an answer that closes the breaker nor a failure of the
+    # provider's; only the provider's own answer closed it.
+    assert still in (["open"], ["half_open"])
+    events = rows(database_url, "SELECT name FROM provider_events ORDER BY id")
+    assert [row["name"] for row in events] == ["provider.unavailable", "provider.available"]
