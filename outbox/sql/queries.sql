@@ -1007,15 +1007,19 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox) and column (version 4's effect_possible) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
        AND to_regclass('callbacks') IS NOT NULL
        AND to_regproc('outbox_record_callback') IS NOT NULL
-       AND EXISTS (SELECT 1 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-                   WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
-                     AND a.attname = 'effect_possible' AND NOT a.attisdropped) AS is_current
+       AND to_regclass('provider_health') IS NOT NULL
+       AND to_regclass('provider_calls') IS NOT NULL
+       AND (SELECT count(DISTINCT a.attname) = 2
+            FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+            WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
+              AND a.attname IN ('effect_possible', 'waiting_since')
+              AND NOT a.attisdropped) AS is_current
 
 -- name: database_exists
 -- Whether a database of this name exists on the server.

@@ -57,6 +57,30 @@ def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> N
         assert outbox_schema.schema_is_current(connection)
 
 
+@pytest.mark.parametrize(
+    "version_8",
+    [
+        "DROP TABLE provider_health",
+        "DROP TABLE provider_calls",
+        "ALTER TABLE operations DROP COLUMN waiting_since",
+    ],
+)
+def test_a_database_without_version_9_is_told_to_migrate_and_migrates(
+    database_url: str, version_8: str
+) -> None:
+    # As a version-8 database looks, one of version 9's objects at a time: a consumer on
+    # it would fail every hold of a provider that is down, so it refuses to start.
+    execute_admin(database_url, version_8)
+    execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 9")
+    with psycopg.connect(database_url) as connection:
+        assert not outbox_schema.schema_is_current(connection)
+
+    with psycopg.connect(database_url) as connection:
+        assert outbox_schema.apply_schema(connection) == 9
+    with psycopg.connect(database_url) as connection:
+        assert outbox_schema.schema_is_current(connection)
+
+
 def test_a_version_7_database_loses_its_redundant_run_index(database_url: str) -> None:
     # As a version-7 database looks: it still has the index on run_id alone.
     execute_admin(database_url, "CREATE INDEX operations_run ON operations (run_id)")
