@@ -42,7 +42,12 @@ from outbox.loading import load_registry
 from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import SandboxProvider
 from outbox.sandbox.scratch import ScratchEnvironment
-from outbox.sandbox.tools import OUTAGE_TOLERANCE_ENV, REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.tools import (
+    OUTAGE_TOLERANCE_ENV,
+    REFUND_DEADLINE_ENV,
+    SANDBOX_PROVIDER,
+    SANDBOX_URL_ENV,
+)
 from outbox.settings import Settings
 from outbox.store import Store
 
@@ -93,7 +98,7 @@ def states(database_url: str) -> Counter[str]:
 
 def outage_events(database_url: str) -> list[dict[str, Any]]:
     with psycopg.connect(database_url) as connection:
-        return [dict(row) for row in Store(connection).run(store.provider_events("send_refund"))]
+        return [dict(row) for row in Store(connection).run(store.provider_events(SANDBOX_PROVIDER))]
 
 
 def last_to_settle(database_url: str) -> list[str]:

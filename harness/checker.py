@@ -49,6 +49,10 @@ NO_LOOKUP_REASONS = frozenset(
 # outage's edges), but never after a shorter outage.
 LOOKUP_FAILED_REASONS = frozenset({"reconcile_budget_exhausted"})
 PROVIDER_UNAVAILABLE = "provider_unavailable"
+# The sandbox's outage answers this before it reads a request: nothing was done, so an
+# unknown outcome opened on it (and whatever person that leads to) is the runtime's
+# mistake, never the fault's, however the tool is contracted.
+OUTAGE_ANSWER = "service_unavailable"
 # After the last overload ends, goodput must be back to this share of the quiet rate
 # within RECOVERY_BOUND_SECONDS, judged over windows this long.
 RECOVERY_SHARE = 0.9
@@ -144,6 +148,7 @@ def escalation_excused(
     outage: timedelta = timedelta(0),
     outage_tolerance: timedelta | None = None,
     callback_came_first: bool = False,
+    unknown_on_outage_answer: bool = False,
 ) -> bool:
     """Whether a fault of the run forces this escalation: for a tool with no lookup, an
     outcome the provider kept unknown (its contract hands those to a person) and whose
@@ -151,7 +156,10 @@ def escalation_excused(
     (and, for a tool with a lookup, a reconcile budget used up) only when the run's
     longest provider ``outage`` outlasted the tool's ``outage_tolerance`` (None: not
     known, so never). Never ``undeliverable``, ``contradicted``, ``tampered`` or
-    ``unreadable``."""
+    ``unreadable``, and never an operation whose outcome went unknown on the outage's
+    own answer (``unknown_on_outage_answer``), which says nothing was done."""
+    if unknown_on_outage_answer:
+        return False
     outlasted = outage_tolerance is not None and outage > outage_tolerance
     if reason == PROVIDER_UNAVAILABLE:
         return outlasted
@@ -241,6 +249,7 @@ def check(
                         and escalated_at is not None
                         and success_at < escalated_at
                     ),
+                    unknown_on_outage_answer=_unknown_on_outage_answer(events),
                 )
         pending = runner.run(store.list_callbacks(pending=True, limit=CALLBACK_LIMIT))
         unmatched = runner.run(store.list_callbacks(unmatched=True, limit=CALLBACK_LIMIT))
@@ -292,6 +301,16 @@ def _escalation(events: list[OperationEvent]) -> tuple[str, datetime | None]:
         return "unknown", None
     last = escalations[-1]
     return str(last.attributes.get("reason", "unknown")), last.created_at
+
+
+def _unknown_on_outage_answer(events: list[OperationEvent]) -> bool:
+    """Whether any of the operation's moves to ``outcome_unknown`` was for the outage's
+    own answer."""
+    return any(
+        event.attributes.get("to") == str(OperationState.OUTCOME_UNKNOWN)
+        and event.attributes.get("reason") == OUTAGE_ANSWER
+        for event in events
+    )
 
 
 def _first_success_callbacks(callbacks: list[Callback]) -> dict[UUID, datetime]:

@@ -39,7 +39,12 @@ from outbox.sandbox.processes import DaemonProcess, python_module
 from outbox.sandbox.provider import Faults, SandboxProvider
 from outbox.sandbox.receiver import LocalReceiver
 from outbox.sandbox.scratch import ScratchEnvironment
-from outbox.sandbox.tools import CALLBACK_WAIT_ENV, REFUND_DEADLINE_ENV, SANDBOX_URL_ENV
+from outbox.sandbox.tools import (
+    CALLBACK_WAIT_ENV,
+    REFUND_DEADLINE_ENV,
+    SANDBOX_PROVIDER,
+    SANDBOX_URL_ENV,
+)
 from outbox.sandbox.webhooks import EMAIL, PAYMENTS, WebhookTarget
 from outbox.settings import Settings, redact_amqp_urls, redact_url, with_database
 from outbox.store import Store
@@ -365,7 +370,7 @@ def wait_out_an_outage(
     ]
     opened = wait_for_breaker(scratch.database_url, open_=True)
     say(
-        f"   {'provider.unavailable':<{TRACE_WIDTH}} provider=send_refund after "
+        f"   {'provider.unavailable':<{TRACE_WIDTH}} provider=sandbox after "
         f"{opened.failing} refunds' calls got 503: they wait, spending nothing"
     )
     down_until = time.monotonic() + OUTAGE_SECONDS
@@ -376,7 +381,7 @@ def wait_out_an_outage(
     finals = [wait_until_settled(scratch.database_url, op, daemons) for _, op in decided]
     closed = wait_for_breaker(scratch.database_url, open_=False)
     say(
-        f"   {'provider.available':<{TRACE_WIDTH}} provider=send_refund outage_seconds="
+        f"   {'provider.available':<{TRACE_WIDTH}} provider=sandbox outage_seconds="
         f"{closed.outage_seconds:.1f} probes={closed.probes} operations_waited={closed.waited}"
     )
     refunds = provider.ledger()["refunds_by_key"]
@@ -412,8 +417,8 @@ def wait_for_breaker(database_url: str, *, open_: bool) -> _Breaker:
         with psycopg.connect(database_url) as connection:
             runner = Store(connection)
             rows = {row.health.provider: row for row in runner.run(store.all_providers())}
-            events = runner.run(store.provider_events("send_refund", limit=1))
-        row = rows.get("send_refund")
+            events = runner.run(store.provider_events(SANDBOX_PROVIDER, limit=1))
+        row = rows.get(SANDBOX_PROVIDER)
         if open_ and row is not None and not row.health.available:
             return _Breaker(row.health.model_dump(), None)
         if not open_ and events and events[0]["name"] == "provider.available":

@@ -35,7 +35,13 @@ from outbox.contracts import (
     SideEffect,
     ToolContract,
 )
-from outbox.http import error_code, http_outcomes, outcome_of_response, response_json
+from outbox.http import (
+    error_code,
+    http_outcomes,
+    outcome_of_response,
+    response_json,
+    retry_after_of,
+)
 from outbox.outcomes import (
     DefinitiveRejection,
     EffectResult,
@@ -45,6 +51,7 @@ from outbox.outcomes import (
     NotFound,
     NotSent,
     OutcomeUnknown,
+    ProviderUnavailable,
     RateLimited,
     Reconciliation,
     StillUnknown,
@@ -104,6 +111,20 @@ def _timeout(ctx: ExecutionContext) -> float:
     return remaining
 
 
+SANDBOX_PROVIDER = "sandbox"
+"""The one provider behind every sandbox tool: a refund's failures and an email's open the
+same breaker, as one payment service's would."""
+
+
+def _refused_while_down(response: httpx.Response) -> None:
+    # The sandbox's outage answers 503 "service_unavailable" before it reads the request,
+    # so nothing was done: the attempt waits for the provider instead of asking a lookup,
+    # or a person for an email. Any other 503 (the fail-before-commit fault's
+    # "unavailable") stays an unknown outcome, as a real provider's would.
+    if response.status_code == 503 and error_code(response) == "service_unavailable":
+        raise ProviderUnavailable("service_unavailable", retry_after=retry_after_of(response))
+
+
 async def send_refund(refund: RefundInput, ctx: ExecutionContext) -> EffectResult:
     """POST /refunds with the operation id as the idempotency key."""
     timeout = _timeout(ctx)
@@ -119,6 +140,7 @@ async def send_refund(refund: RefundInput, ctx: ExecutionContext) -> EffectResul
         # refunded. "Rejected" could send the agent off to refund again; the lookup by
         # key tells what this key actually did.
         raise OutcomeUnknown("idempotency_key_reused")
+    _refused_while_down(response)
     outcome_of_response(response)
     reference, result = _evidence(response_json(response))
     return EffectResult(provider_reference=reference, result=result)
@@ -170,6 +192,7 @@ async def get_refund(lookup: RefundLookup, ctx: ExecutionContext) -> EffectResul
         response = await client.get(f"/refunds/{lookup.refund_id}", timeout=timeout)
     if response.status_code == 404:
         raise DefinitiveRejection("refund_not_found")
+    _refused_while_down(response)
     outcome_of_response(response)
     body = response_json(response)
     reference, result = _evidence(body)
@@ -193,6 +216,7 @@ async def send_email(email: EmailInput, ctx: ExecutionContext) -> EffectResult:
             headers={"X-Reference": ctx.idempotency_key},
             timeout=timeout,
         )
+    _refused_while_down(response)
     outcome_of_response(response)
     reference, result = _evidence(response_json(response))
     return EffectResult(provider_reference=reference, result=result)
@@ -235,6 +259,7 @@ def build_registry() -> Registry:
         ToolContract(
             name="send_refund",
             version=1,
+            provider=SANDBOX_PROVIDER,
             input_model=RefundInput,
             side_effect=SideEffect.DEDUPLICATED_WRITE,
             execute=send_refund,
@@ -261,6 +286,7 @@ def build_registry() -> Registry:
         ToolContract(
             name="get_refund",
             version=1,
+            provider=SANDBOX_PROVIDER,
             input_model=RefundLookup,
             side_effect=SideEffect.READ_ONLY,
             execute=get_refund,
@@ -277,6 +303,7 @@ def build_registry() -> Registry:
         ToolContract(
             name="send_email",
             version=1,
+            provider=SANDBOX_PROVIDER,
             input_model=EmailInput,
             side_effect=SideEffect.NON_REPEATABLE_WRITE,
             execute=send_email,

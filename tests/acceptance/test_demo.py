@@ -73,9 +73,9 @@ def assert_waited_out(fourth: str) -> None:
     """The fourth scene: the refunds provider down for seconds while six refunds are
     decided; they wait, spending nothing, and settle one refund each with nobody asked."""
     assert fourth.startswith("the provider is down for a few seconds")
-    assert re.search(r"provider\.unavailable\s+provider=send_refund after [5-6] refunds", fourth)
+    assert re.search(r"provider\.unavailable\s+provider=sandbox after [5-6] refunds", fourth)
     available = re.search(
-        r"provider\.available\s+provider=send_refund outage_seconds=\S+ probes=(\d+) "
+        r"provider\.available\s+provider=sandbox outage_seconds=\S+ probes=(\d+) "
         r"operations_waited=(\d+)",
         fourth,
     )

@@ -13,6 +13,7 @@ from psycopg.rows import dict_row
 
 from outbox import OperationState, Settings
 from outbox.sandbox.provider import Faults
+from outbox.sandbox.tools import SANDBOX_PROVIDER
 
 from support.system import SETTLED, System, running_system
 from support.waiting import eventually_sync
@@ -37,7 +38,7 @@ def provider_rows(system: System, sql: str, *params: object) -> list[dict[str, A
 
 def breaker_state(system: System) -> str | None:
     rows = provider_rows(
-        system, "SELECT state FROM provider_health WHERE provider = %s", "send_refund"
+        system, "SELECT state FROM provider_health WHERE provider = %s", SANDBOX_PROVIDER
     )
     return str(rows[0]["state"]) if rows else None
 
@@ -46,7 +47,7 @@ def outages(system: System) -> list[tuple[str, dict[str, Any]]]:
     rows = provider_rows(
         system,
         "SELECT name, attributes FROM provider_events WHERE provider = %s ORDER BY id",
-        "send_refund",
+        SANDBOX_PROVIDER,
     )
     return [(str(row["name"]), dict(row["attributes"])) for row in rows]
 
@@ -159,7 +160,7 @@ def test_an_outage_longer_than_the_tolerance_asks_a_person_once_each_with_the_ou
         for op in operations:
             evidence = escalation_evidence(system, op.id)
             assert evidence["reason"] == "provider_unavailable"
-            assert evidence["provider"] == "send_refund"
+            assert evidence["provider"] == SANDBOX_PROVIDER
             assert evidence["waited_seconds"] >= 12.0
             assert evidence["outage_tolerance_seconds"] == 12.0
             assert evidence["outage_started_at"] == outage_start

@@ -52,6 +52,20 @@ SHORT = timedelta(seconds=60)  # an outage the runtime must wait out
 LONG = timedelta(minutes=5)  # one a person may be handed
 
 
+@pytest.mark.parametrize("reason", ["escalate_by_contract", "provider_unavailable"])
+def test_an_outcome_gone_unknown_on_the_outages_own_answer_is_never_excused(reason: str) -> None:
+    # The sandbox's outage says nothing was done: an email that went to a person for it,
+    # even after an outage longer than any tolerance, was the runtime's mistake.
+    assert escalation_excused(reason, has_lookup=False, outage=LONG, outage_tolerance=TOLERANCE)
+    assert not escalation_excused(
+        reason,
+        has_lookup=False,
+        outage=LONG,
+        outage_tolerance=TOLERANCE,
+        unknown_on_outage_answer=True,
+    )
+
+
 @pytest.mark.parametrize(
     ("reason", "has_lookup", "outage", "excused"),
     [

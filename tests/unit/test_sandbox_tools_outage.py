@@ -13,6 +13,7 @@ import pytest
 from outbox.outcomes import (
     ExecutionContext,
     OutcomeUnknown,
+    ProviderUnavailable,
     RateLimited,
     Unreachable,
 )
@@ -35,26 +36,49 @@ def context() -> ExecutionContext:
     return ExecutionContext(operation_id=uuid.uuid4(), attempt=1, deadline=time.monotonic() + 10)
 
 
-async def test_in_an_outage_a_call_is_unknown_and_a_lookup_unreachable(
+async def test_in_an_outage_a_call_waits_for_the_provider_and_a_lookup_is_unreachable(
     provider: SandboxProvider,
 ) -> None:
     provider.set_faults(unavailable=True, unavailable_retry_after_s=2)
 
-    # A 503 may come after a provider acted (not this one, but a tool cannot know):
-    # the write is unknown, with the provider's hint on when to come back.
-    with pytest.raises(OutcomeUnknown) as refund:
+    # The outage's 503 "service_unavailable" comes before the sandbox reads anything:
+    # nothing was done, so every write waits for the provider, an email included, with
+    # the provider's hint on when to come back.
+    with pytest.raises(ProviderUnavailable) as refund:
         await tools.send_refund(REFUND, context())
-    assert (refund.value.code, refund.value.retry_after) == ("http_503", timedelta(seconds=2))
-    with pytest.raises(OutcomeUnknown) as email:
+    assert (refund.value.code, refund.value.retry_after) == (
+        "service_unavailable",
+        timedelta(seconds=2),
+    )
+    with pytest.raises(ProviderUnavailable) as email:
         await tools.send_email(EMAIL, context())
-    assert email.value.code == "http_503"
-    with pytest.raises(OutcomeUnknown):
+    assert email.value.code == "service_unavailable"
+    with pytest.raises(ProviderUnavailable):
         await tools.get_refund(RefundLookup(refund_id="re_1"), context())
     # The lookup could not ask: it costs none of the contract's lookups.
     assert await tools.find_refund(REFUND, context()) == Unreachable(
         "http_503", retry_after=timedelta(seconds=2)
     )
     assert provider.ledger()["totals"] == {"refunds": 0, "emails": 0}
+
+
+async def test_any_other_503_stays_an_unknown_outcome(provider: SandboxProvider) -> None:
+    # The fail-before-commit fault answers 503 "unavailable": a real provider's 503 can
+    # come after it acted, and a tool cannot tell, so only the outage's own code waits.
+    provider.set_faults(fail_before_commit_every=1)
+
+    with pytest.raises(OutcomeUnknown) as refund:
+        await tools.send_refund(REFUND, context())
+    assert refund.value.code == "http_503"
+    with pytest.raises(OutcomeUnknown) as email:
+        await tools.send_email(EMAIL, context())
+    assert email.value.code == "http_503"
+
+
+def test_every_sandbox_tool_shares_one_provider() -> None:
+    # One breaker for the sandbox: an email's failed calls count toward the refunds'
+    # outage and the other way round, as for tools of one payment service.
+    assert {contract.provider for contract in tools.build_registry()} == {"sandbox"}
 
 
 async def test_lookups_unavailable_alone_is_unreachable_too(provider: SandboxProvider) -> None:
