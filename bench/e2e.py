@@ -8,11 +8,12 @@
 Run from the repository root. The systems (bench/systems.py, one class each on the
 ``System`` protocol) do the same job on the same Postgres and RabbitMQ, one at a time:
 ``minimal`` (a hand-written pipeline with no guarantees, the physical limit), ``outbox``
-(effect-outbox's daemons as deployed, one broker message per operation),
-``outbox-chunked`` (the same with ``--outbox-chunk`` operations per message,
-OUTBOX_MESSAGE_OPERATIONS), ``outbox-in-transaction`` (one message per operation, each
-decision recorded in a transaction block where ``outbox`` records it as a transaction of
-its own), ``pgqueuer`` and ``procrastinate``. Every process runs on
+(effect-outbox's daemons on the product's defaults: one message per operation while the
+outbox keeps up, chunks of up to 16 as a backlog forms, the default prefetch),
+``outbox-single`` (the same with one message per operation always,
+OUTBOX_MESSAGE_OPERATIONS=1), ``outbox-in-transaction`` (the defaults, each decision
+recorded in a transaction block where ``outbox`` records it as a transaction of its
+own), ``pgqueuer`` and ``procrastinate``. Every process runs on
 uvloop. Per system:
 
 1. drain: ``--operations`` decisions/jobs written in one transaction before anything
@@ -675,7 +676,7 @@ def summarize(results: dict[str, Any]) -> None:
     pairs = [(system, "minimal") for system in results["systems"] if system != "minimal"]
     pairs += [
         (outbox, peer)
-        for outbox in ("outbox", "outbox-chunked", "outbox-in-transaction")
+        for outbox in ("outbox", "outbox-single", "outbox-in-transaction")
         for peer in ("pgqueuer", "procrastinate")
     ]
     pairs += [("outbox-in-transaction", "outbox")]
@@ -873,7 +874,7 @@ def environment(args: argparse.Namespace, bench: Bench, outbox: OutboxSettings) 
 def child(args: argparse.Namespace) -> None:
     """A child process: ``<system>-<role>``, the role one of the system's own or
     ``writer``; the same Context as its parent's, so the same names."""
-    # The role is the last part: a system's name may hold a hyphen (outbox-chunked).
+    # The role is the last part: a system's name may hold a hyphen (outbox-single).
     system_name, _, role = args.child.rpartition("-")
     context = Context(
         admin_url=args.child_url,
@@ -961,14 +962,20 @@ def parse_arguments() -> argparse.Namespace:
         default=1,
         help="effect-outbox dispatcher processes (they share the outbox table, SKIP LOCKED)",
     )
-    parser.add_argument("--outbox-prefetch", type=positive_int, default=256)
+    parser.add_argument(
+        "--outbox-prefetch",
+        type=positive_int,
+        default=None,
+        help="effect-outbox's prefetch (default: the product's, OUTBOX_PREFETCH unset)",
+    )
     parser.add_argument("--outbox-batch-size", type=positive_int, default=200)
     parser.add_argument("--outbox-lanes", type=positive_int, default=2)
     parser.add_argument(
         "--outbox-chunk",
         type=positive_int,
-        default=16,
-        help="operations per broker message of the outbox-chunked system (default 16)",
+        default=None,
+        help="the most operations per broker message of the outbox system (default: the "
+        "product's, OUTBOX_MESSAGE_OPERATIONS unset)",
     )
     parser.add_argument("--outbox-log-level", default="INFO")
     parser.add_argument(

@@ -554,7 +554,8 @@ class OutboxSettings:
     """effect-outbox's knobs, as OUTBOX_* variables of the two daemons."""
 
     consumers: int = 1
-    prefetch: int = 256
+    # None: the product's default (OUTBOX_PREFETCH unset), as a user who sets nothing runs.
+    prefetch: int | None = None
     batch_size: int = 200
     lanes: int = 2
     log_level: str = "INFO"
@@ -563,17 +564,17 @@ class OutboxSettings:
     # Whether the operation_events trigger notifies outbox_operation_changed (what
     # await_outcome's watcher listens to): the cost of that NOTIFY, measured.
     change_notify: bool = True
-    # Operations per broker message for the "outbox-chunked" system (the "outbox" one
-    # always sends one message per operation).
-    chunk_operations: int = 16
+    # The most operations per broker message of the "outbox" system (None: the product's
+    # default, OUTBOX_MESSAGE_OPERATIONS unset); "outbox-single" always sends one each.
+    chunk_operations: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "chunk_operations": self.chunk_operations,
+            "chunk_operations": self.chunk_operations or Settings().message_operations,
             "change_notify": self.change_notify,
             "consumer_processes": self.consumers,
             "dispatcher_processes": self.dispatchers,
-            "prefetch": self.prefetch,
+            "prefetch": self.prefetch or Settings().prefetch,
             "dispatcher_batch_size": self.batch_size,
             "dispatch_lanes": self.lanes,
             "log_level": self.log_level,
@@ -699,7 +700,7 @@ class Outbox:
             tools="bench.e2e_tools",
             # Fresh names per run, declared by the daemons (no `outbox migrate --broker`).
             declare_topology=True,
-            prefetch=self.settings.prefetch,
+            prefetch=self.settings.prefetch or Settings().prefetch,
             batch_size=self.settings.batch_size,
             dispatch_lanes=self.settings.lanes,
             message_operations=self.message_operations,
@@ -711,7 +712,7 @@ class Outbox:
 
     @property
     def message_operations(self) -> int:
-        return 1
+        return self.settings.chunk_operations or Settings().message_operations
 
     def daemons(self, url: str) -> list[list[Daemon]]:
         env = self.environment(url)
@@ -781,24 +782,24 @@ class Outbox:
 
 
 @dataclass
-class ChunkedOutbox(Outbox):
-    """effect-outbox with several operations per broker message (OUTBOX_MESSAGE_OPERATIONS
-    = ``--outbox-chunk``): one publish, one delivery and one ack for each chunk."""
+class SingleOutbox(Outbox):
+    """effect-outbox with one broker message per operation whatever the backlog
+    (OUTBOX_MESSAGE_OPERATIONS=1), where ``outbox`` chunks as a backlog forms."""
 
-    name: str = "outbox-chunked"
-    label: str = "effect-outbox, chunked"
+    name: str = "outbox-single"
+    label: str = "effect-outbox, one operation per message"
 
     @property
     def message_operations(self) -> int:
-        return self.settings.chunk_operations
+        return 1
 
 
 @dataclass
 class OutboxInTransaction(Outbox):
-    """effect-outbox with each decision recorded in a transaction block of its writer's
-    (BEGIN, ``record_decision_async``, COMMIT: three round trips), as when it commits with
-    the caller's own writes, where ``outbox`` records each as a transaction of its own
-    (``own_transaction=True``: one)."""
+    """effect-outbox on its defaults with each decision recorded in a transaction block of
+    its writer's (BEGIN, ``record_decision_async``, COMMIT: three round trips), as when it
+    commits with the caller's own writes, where ``outbox`` records each as a transaction
+    of its own (``own_transaction=True``: one)."""
 
     name: str = "outbox-in-transaction"
     label: str = "effect-outbox, in a transaction"
@@ -808,7 +809,7 @@ class OutboxInTransaction(Outbox):
 SYSTEM_NAMES = (
     "minimal",
     "outbox",
-    "outbox-chunked",
+    "outbox-single",
     "outbox-in-transaction",
     "pgqueuer",
     "procrastinate",
@@ -820,7 +821,7 @@ def systems(context: Context, outbox: OutboxSettings | None = None) -> dict[str,
     found: dict[str, System] = {
         "minimal": Minimal(context),
         "outbox": Outbox(context, outbox or OutboxSettings()),
-        "outbox-chunked": ChunkedOutbox(context, outbox or OutboxSettings()),
+        "outbox-single": SingleOutbox(context, outbox or OutboxSettings()),
         "outbox-in-transaction": OutboxInTransaction(context, outbox or OutboxSettings()),
         "pgqueuer": Pgqueuer(context),
         "procrastinate": Procrastinate(context),

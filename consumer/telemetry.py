@@ -31,6 +31,7 @@ DELIVERY_RESULTS = (
     "unreadable",
     "retry_later",
     "waiting",
+    "sent_alone",
 )
 DEAD_LETTER_REASONS = (
     "oversized",

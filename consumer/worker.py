@@ -24,7 +24,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -38,6 +37,7 @@ from aio_pika.abc import (
 from aiormq.abc import DeliveredMessage
 
 from consumer.acks import Settlement, Settlements
+from consumer.chunks import Chunks, Handled, InHand, Resend, safe_message_id
 from consumer.claims import Claimed, Claims, Skip
 from consumer.database import APPLICATION_NAME, Database
 from consumer.deliveries import Delivery, Received
@@ -51,6 +51,7 @@ from outbox import tracing
 from outbox.backoff import Backoff
 from outbox.broker import (
     SESSION_SETUP_SECONDS,
+    ChunkEntry,
     DeclaredTopology,
     OperationChunk,
     OperationMessage,
@@ -59,6 +60,8 @@ from outbox.broker import (
     establish_topology,
     oversized,
     parse_body,
+    routing_key,
+    single_message,
 )
 from outbox.broker import connect as connect_to_broker
 from outbox.contracts import Registry
@@ -137,6 +140,11 @@ class Consumer(Daemon):
             providers=self.providers,
         )
         self.effects = Effects(settings, self.metrics, self.database, self.providers)
+        self._chunks = Chunks(
+            self,
+            self.metrics,
+            InHand(lambda: self.database.pacing.limit * self.settings.message_operations),
+        )
 
     def healthy(self) -> bool:
         return self._broker_ready and not self.stopping
@@ -261,7 +269,9 @@ class Consumer(Daemon):
     async def _start_consuming(
         self, connection: AbstractConnection, closed: asyncio.Event
     ) -> tuple[DeclaredTopology, ConsumerTag]:
-        channel = await connection.channel()
+        # Confirms and returns raised: an entry a chunk sends round alone (see
+        # consumer.chunks) must be routed and taken before the chunk is acknowledged.
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         # A channel the broker closed, or a consumer it cancelled (a quorum queue's
         # leader moving after a restart), leaves the connection open and nothing
         # consuming: a session that ends that way is lost like a closed connection.
@@ -277,13 +287,22 @@ class Consumer(Daemon):
 
         underlay.on_consumer_cancel_callbacks.add(cancelled_by_broker)
         settlements = Settlements()  # delivery tags are the channel's own
+        exchange = declared.exchange
+        publish_timeout = self.settings.publish_timeout
+
+        async def resend(entry: ChunkEntry) -> None:
+            await exchange.publish(
+                single_message(entry),
+                routing_key=routing_key(entry.tool, entry.tool_version),
+                timeout=publish_timeout,
+            )
 
         # Straight on aiormq, not through ``Queue.consume``: its wrapper builds an
         # ``IncomingMessage`` (see consumer.deliveries) and runs the callback in a task
         # of its own, a second task per message on top of the channel's, where this
         # consumer's handling needs only one that it owns (see ``_start_handling``).
         async def on_delivery(delivered: DeliveredMessage) -> None:
-            self._start_handling(Delivery(delivered), settlements)
+            self._start_handling(Delivery(delivered), settlements, resend)
 
         consuming = await underlay.basic_consume(
             queue=declared.queue.name, consumer_callback=on_delivery
@@ -319,20 +338,24 @@ class Consumer(Daemon):
             applied = limit
             log(logging.INFO, "consumer.prefetch", "prefetch changed", prefetch=limit)
 
-    def _start_handling(self, message: Received, settlements: Settlements) -> None:
+    def _start_handling(
+        self, message: Received, settlements: Settlements, resend: Resend | None = None
+    ) -> None:
         # aiormq runs the delivery callback as a task of the channel and cancels it when
         # the channel closes. The effect in hand must not be cut off with it: its
         # operation would sit in flight until its lease ran out and then be looked up
         # and called again. The handling runs in a task this consumer owns, so a lost
         # connection costs only the ack (the redelivery is a duplicate the claim
         # suppresses); the channel's task ends as soon as this one has started.
-        handling = asyncio.create_task(self._deliver(message, settlements))
+        handling = asyncio.create_task(self._deliver(message, settlements, resend))
         self._handlers.add(handling)
         handling.add_done_callback(self._handlers.discard)
 
-    async def _deliver(self, message: Received, settlements: Settlements) -> None:
+    async def _deliver(
+        self, message: Received, settlements: Settlements, resend: Resend | None
+    ) -> None:
         try:
-            await self.handle(message, settlements)
+            await self.handle(message, settlements, resend)
         except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError) as error:
             # The outcome is already recorded; the broker will redeliver the unacked
             # message and the claim will see it as a duplicate.
@@ -355,17 +378,20 @@ class Consumer(Daemon):
             with contextlib.suppress(Exception):
                 await settlements.settle(message, Settlement.REQUEUE)
 
-    async def handle(self, message: Received, settlements: Settlements) -> str:
+    async def handle(
+        self, message: Received, settlements: Settlements, resend: Resend | None = None
+    ) -> str:
         """Handle one delivery and settle it; returns its result label (for metrics and
-        tests), ``"chunk"`` for a message of several operations."""
+        tests), ``"chunk"`` for a message of several operations. ``resend`` publishes an
+        entry of a chunk alone; without it such an entry returns the chunk whole."""
         if oversized(message.body):
-            return await self._dead_letter(message, settlements, "oversized")
+            return await self.dead_letter(message, settlements, "oversized")
         try:
             envelope = parse_body(message.body)
         except pydantic.ValidationError:
-            return await self._dead_letter(message, settlements, "malformed")
+            return await self.dead_letter(message, settlements, "malformed")
         if isinstance(envelope, OperationChunk):
-            return await self._handle_chunk(message, settlements, envelope)
+            return await self._chunks.handle(message, settlements, envelope, resend)
         # Only a well-formed W3C traceparent may parent the span; any other header is ignored.
         headers = message.headers or {}
         handled = await self._operate(
@@ -374,70 +400,33 @@ class Consumer(Daemon):
         if handled.returned is not None:
             return await self._later(message, settlements, handled.returned)
         if handled.dead_letter_reason is not None:
-            return await self._dead_letter(message, settlements, handled.dead_letter_reason)
+            return await self.dead_letter(message, settlements, handled.dead_letter_reason)
         self.metrics.deliveries.labels(handled.result).inc()
         await settlements.settle(message, Settlement.ACK)
         return handled.result
 
-    async def _handle_chunk(
-        self, message: Received, settlements: Settlements, chunk: OperationChunk
-    ) -> str:
-        """Every operation of a chunk, each as a delivery of its own (their claims and
-        outcomes share transactions), then one settlement for the message.
-
-        An entry that can never be right does not take its neighbours to the dead-letter
-        queue: it is counted and logged by its position, the checks wrote what evidence
-        its row can hold (an unknown tool's, a tampered or unreadable row's), and its
-        operation, still prepared, comes back through the stale sweep like any message
-        that went missing. Only a chunk whose every entry is such goes to the
-        dead-letter queue, and one with an entry the database could not take is
-        returned to the queue whole, where its finished entries are duplicates."""
-        handled = await asyncio.gather(
-            *(
-                self._operate(entry, tracing.valid_traceparent(entry.traceparent))
-                for entry in chunk.operations
-            ),
-            return_exceptions=True,
-        )
-        done: list[_Handled] = []
-        for outcome in handled:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            done.append(outcome)
-        refused = [h.dead_letter_reason for h in done if h.dead_letter_reason is not None]
-        returned = next((h.returned for h in done if h.returned is not None), None)
-        if returned is None and len(refused) == len(done):
-            return await self._dead_letter(message, settlements, *refused)
-        for position, handled_entry in enumerate(done):
-            if handled_entry.dead_letter_reason is not None:
-                self.metrics.dead_lettered.labels(handled_entry.dead_letter_reason).inc()
-                log(
-                    logging.WARNING,
-                    "consumer.chunk_entry_refused",
-                    "an operation of a chunk can never run from this message; its "
-                    "neighbours went on",
-                    reason=handled_entry.dead_letter_reason,
-                    message_id=_safe_id(message.message_id),
-                    position=position,
-                )
-            self.metrics.deliveries.labels(handled_entry.result).inc()
-        if returned is not None:
-            self._log_returned(returned)
-            await settlements.settle(message, Settlement.REQUEUE)
-            return "chunk"
-        await settlements.settle(message, Settlement.ACK)
-        return "chunk"
-
-    async def _operate(self, envelope: OperationMessage, traceparent: str | None) -> _Handled:
-        """One operation's claim, call and record; what its message should get."""
+    async def claim_entry(self, envelope: OperationMessage) -> Claimed | Handled:
+        """One operation's claim: claimed, or what its message should get instead. Raises
+        what is not the database being away."""
         try:
             claimed = await self._holding(lambda: self.claim(envelope))
         except Exception as error:
             if not is_transient_database_error(error):
                 raise
-            return _Handled("retry_later", returned=error)
+            return Handled("retry_later", returned=error)
         if isinstance(claimed, Skip):
-            return _Handled(claimed.result, dead_letter_reason=claimed.dead_letter_reason)
+            return Handled(claimed.result, dead_letter_reason=claimed.dead_letter_reason)
+        return claimed
+
+    async def _operate(self, envelope: OperationMessage, traceparent: str | None) -> Handled:
+        """One operation's claim, call and record; what its message should get."""
+        claimed = await self.claim_entry(envelope)
+        if isinstance(claimed, Handled):
+            return claimed
+        return await self.finish(claimed, traceparent)
+
+    async def finish(self, claimed: Claimed, traceparent: str | None) -> Handled:
+        """A claimed operation's call and record."""
         attempt = await self.attempt(claimed, traceparent)
         try:
             await self._holding(lambda: self.record(claimed, attempt))
@@ -446,8 +435,8 @@ class Consumer(Daemon):
                 raise
             # The lease will expire and the reconciler will find out what happened; a
             # redelivery meanwhile is a duplicate (the operation is in flight).
-            return _Handled("retry_later", returned=error)
-        return _Handled("processed")
+            return Handled("retry_later", returned=error)
+        return Handled("processed")
 
     async def _holding(self, step: Callable[[], Awaitable[T]]) -> T:
         """``step``, tried again with backoff while the database is away or too slow,
@@ -489,7 +478,7 @@ class Consumer(Daemon):
         """Record the outcome (see :meth:`consumer.effects.Effects.record`)."""
         await self.effects.record(claimed, attempt)
 
-    async def _dead_letter(self, message: Received, settlements: Settlements, *reasons: str) -> str:
+    async def dead_letter(self, message: Received, settlements: Settlements, *reasons: str) -> str:
         """Reject ``message`` to the dead-letter queue, counting one reason per operation
         it carries (one for a body that is no envelope)."""
         for reason in reasons:
@@ -500,7 +489,7 @@ class Consumer(Daemon):
             "consumer.dead_lettered",
             "dead-lettered",
             reason=",".join(sorted(set(reasons))),
-            message_id=_safe_id(message.message_id),
+            message_id=safe_message_id(message.message_id),
         )
         await settlements.settle(message, Settlement.REJECT)
         return "invalid"
@@ -509,11 +498,11 @@ class Consumer(Daemon):
         self, message: Received, settlements: Settlements, error: BaseException
     ) -> str:
         self.metrics.deliveries.labels("retry_later").inc()
-        self._log_returned(error)
+        self.log_returned(error)
         await settlements.settle(message, Settlement.REQUEUE)
         return "retry_later"
 
-    def _log_returned(self, error: BaseException) -> None:
+    def log_returned(self, error: BaseException) -> None:
         log(
             logging.WARNING,
             "consumer.delivery_returned",
@@ -521,19 +510,3 @@ class Consumer(Daemon):
             "too long; it goes back to the queue",
             error=type(error).__name__,
         )
-
-
-@dataclass(frozen=True)
-class _Handled:
-    """What one operation's handling leaves for its message: a result label, why the
-    message can never be right, or the database error that sends it back to the queue."""
-
-    result: str
-    dead_letter_reason: str | None = None
-    returned: BaseException | None = None
-
-
-def _safe_id(value: str | None) -> str:
-    if value and len(value) <= 64 and value.replace("-", "").replace("_", "").isalnum():
-        return value
-    return "-"

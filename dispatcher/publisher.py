@@ -130,6 +130,19 @@ def encode_chunk(rows: Sequence[ClaimedRow]) -> Encoded:
     )
 
 
+MESSAGES_PER_BATCH = 4
+"""A claimed batch is spread over at least this many messages (when it has as many rows),
+so that several consumers share a small backlog instead of one taking it whole."""
+
+
+def chunk_size(batch: int, most: int) -> int:
+    """How many rows each message of a ``batch`` of claimed rows carries: one when the
+    batch is small (the outbox keeps up, each decision goes out as it comes), up to
+    ``most`` as a backlog forms, where a chunk saves a message, a confirm and an ack per
+    operation."""
+    return max(1, min(most, math.ceil(batch / MESSAGES_PER_BATCH)))
+
+
 def chunks(rows: Sequence[ClaimedRow], size: int) -> list[list[ClaimedRow]]:
     """The messages a batch becomes: runs of up to ``size`` rows in claim order, a new one
     wherever the routing key changes (a chunk is routed as one message, so a binding
@@ -285,7 +298,7 @@ class Publisher:
             ]
             return outcome
         channel = await self._underlay()
-        groups = chunks(rows, self._operations_per_message)
+        groups = chunks(rows, chunk_size(len(rows), self._operations_per_message))
         tasks = []
         for group in groups:
             message = encode(group[0]) if len(group) == 1 else encode_chunk(group)

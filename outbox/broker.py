@@ -119,6 +119,30 @@ def chunk_message_id(outbox_ids: Sequence[int]) -> str:
     return f"outbox-{outbox_ids[0]}-n{len(outbox_ids)}"
 
 
+def routing_key(tool: str, tool_version: int) -> str:
+    """The routing key of an operation's messages, as ``outbox_record_decision`` writes
+    it on the outbox row."""
+    return f"{tool}.v{tool_version}"
+
+
+def single_message(entry: ChunkEntry) -> aio_pika.Message:
+    """The message a chunk's entry is on its own, as the dispatcher would have published
+    its row alone: the single envelope, the row's message id and the entry's trace
+    context as the ``traceparent`` header. A consumer sends an entry that cannot be
+    settled with its chunk round again this way (see ``consumer.chunks``)."""
+    envelope = OperationMessage.model_validate(entry.model_dump(exclude={"traceparent"}))
+    return aio_pika.Message(
+        envelope.model_dump_json().encode(),
+        content_type=CONTENT_TYPE,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id(entry.outbox_id),
+        correlation_id=str(entry.operation_id),
+        type=MESSAGE_TYPE,
+        app_id=APP_ID,
+        headers={"traceparent": entry.traceparent} if entry.traceparent is not None else None,
+    )
+
+
 @dataclass(frozen=True)
 class Topology:
     exchange: str

@@ -155,14 +155,12 @@ class Settings(BaseSettings):
         le=16,
         description="batches a dispatcher has in flight at once, each its own transaction",
     )
-    # 1 by default: a consumer older than the chunked envelope dead-letters a chunk as
-    # malformed, so chunks are turned on once every consumer reads them.
     message_operations: int = Field(
-        default=1,
+        default=16,
         ge=1,
         le=MAX_MESSAGE_OPERATIONS,
-        description="operations the dispatcher puts in one broker message (1: one message "
-        "each; more: one message and one ack for up to that many, same routing key)",
+        description="most operations the dispatcher puts in one broker message: one each "
+        "while it keeps up, more as a backlog forms (1: always one each)",
     )
     poll_interval: float = Field(
         default=1.0, description="seconds between scans when no notification arrives"

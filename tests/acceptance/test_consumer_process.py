@@ -135,6 +135,35 @@ def test_a_consumer_killed_between_commit_and_record_is_reconciled(settings: Set
         assert names[-1] == "operation.reconciled"
 
 
+def test_a_consumer_killed_mid_chunk_leaves_each_entry_one_refund(settings: Settings) -> None:
+    # Sixteen decisions waiting when the dispatcher starts: one batch, sent as four
+    # chunks of four. The provider commits each at once and answers after 12 s, past the
+    # tool's deadline of 10 s: long enough for a busy machine to start every call first.
+    with running_system(settings, faults=Faults(delay_ms=12_000), refund_deadline=10.0) as system:
+        system.environment["OUTBOX_MESSAGE_OPERATIONS"] = "4"
+        ops = [system.decide(payment_id=f"pay_chunk_{n}") for n in range(16)]
+        system.start("dispatcher")
+        victim = system.start("consumer")
+        eventually_sync(
+            lambda: all(system.refunds_for(op.id) == 1 for op in ops),
+            within=30,
+            what="the provider to commit every refund",
+        )
+        victim.kill()
+        assert {system.operation(op.id).state for op in ops} == {S.IN_FLIGHT}
+
+        system.start("consumer")
+        finals = [system.wait_for(op.id, *SETTLED, within=90) for op in ops]
+
+        assert {final.state for final in finals} == {S.COMMITTED}
+        for op in ops:
+            assert system.refunds_for(op.id) == 1
+            names = system.events(op.id)
+            assert names.count("operation.attempted") == 1
+            assert names[-1] == "operation.reconciled"
+        assert system.provider.ledger()["totals"]["refunds"] == 16
+
+
 def test_a_zombie_worker_is_fenced_off(settings: Settings) -> None:
     with running_system(settings, faults=Faults(delay_ms=2500), refund_deadline=2.0) as system:
         system.start("dispatcher")

@@ -13,7 +13,7 @@ from pydantic import SecretStr
 
 from harness.proxy import TcpProxy, url_through
 from outbox import OperationState, Registry, Settings
-from outbox.broker import OperationChunk, parse_body
+from outbox.broker import OperationChunk, OperationMessage, parse_body
 from outbox.operator import dlq
 
 from support.broker_helpers import read_raw
@@ -71,14 +71,15 @@ async def test_a_batch_goes_out_as_chunks_that_name_each_operation_once(
 
         await eventually(published, within=20, what="20 rows published")
 
-    messages = await read_raw(amqp_server_url, settings.queue, expect=3)
+    # A batch of 20 claimed at once is spread over four chunks of five.
+    messages = await read_raw(amqp_server_url, settings.queue, expect=4)
     bodies = [parse_body(message.body) for message in messages]
     assert all(isinstance(body, OperationChunk) for body in bodies)
     sizes = sorted(len(body.operations) for body in bodies if isinstance(body, OperationChunk))
-    assert sizes == [4, 8, 8]
+    assert sizes == [5, 5, 5, 5]
     named = [e.operation_id for b in bodies if isinstance(b, OperationChunk) for e in b.operations]
     assert sorted(named) == sorted(decided)
-    assert len(messages) == 3
+    assert len(messages) == 4
 
 
 async def test_chunked_decisions_each_end_in_one_effect(
@@ -108,7 +109,7 @@ async def test_chunked_decisions_each_end_in_one_effect(
         assert names.count("operation.committed") == 1
 
 
-async def test_a_poison_entry_does_not_dead_letter_its_neighbours(
+async def test_a_poison_entry_is_dead_lettered_alone_and_its_neighbours_run(
     settings: Settings,
     registry: Registry,
     ledger: Ledger,
@@ -132,11 +133,20 @@ async def test_a_poison_entry_does_not_dead_letter_its_neighbours(
         async def both_refused() -> bool:
             return refused("unknown_operation") == 1 and refused("envelope_mismatch") == 1
 
-        await eventually(both_refused, within=20, what="both poison entries counted")
-    # Stopped: a message it had not acked would be back in the queue (or, rejected, in the
-    # dead-letter queue) within moments; give either a second to show up.
+        await eventually(both_refused, within=20, what="both poison entries dead-lettered")
+        sent_alone = counter_value(
+            consumer, "outbox_consumer_deliveries_total", result="sent_alone"
+        )
+    assert sent_alone == 2
+    # Each poison entry went round again as a message of its own and was dead-lettered
+    # there, alone: the chunk itself was acknowledged for its good entry.
     assert await read_raw(amqp_server_url, settings.queue, expect=1, within=1.0) == []
-    assert await read_raw(amqp_server_url, settings.dead_letter_queue, expect=1, within=1.0) == []
+    dead = await read_raw(amqp_server_url, settings.dead_letter_queue, expect=2)
+    envelopes = [parse_body(message.body) for message in dead]
+    assert all(isinstance(envelope, OperationMessage) for envelope in envelopes)
+    assert sorted(str(e.operation_id) for e in envelopes if isinstance(e, OperationMessage)) == (
+        sorted([UNKNOWN, str(lied_about)])
+    )
     assert ledger.calls == [str(good)]
     # The operation the entry lied about was not touched: its own message runs it.
     assert operation(database_url, lied_about).state is S.PREPARED

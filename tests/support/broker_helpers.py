@@ -8,25 +8,51 @@ from dataclasses import dataclass
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
-from outbox.broker import OperationMessage
+from outbox.broker import OperationChunk, OperationMessage, parse_body
 
 from support.waiting import POLL_SECONDS
 
 
 @dataclass(frozen=True)
 class Received:
+    """One operation that reached a queue: the message that carried it (alone, or in a
+    chunk with others) and its envelope."""
+
     message: AbstractIncomingMessage
     body: OperationMessage
+
+
+def operations_of(message: AbstractIncomingMessage) -> list[Received]:
+    """The operations a message carries: one for a single envelope, each entry of a
+    chunk (with its trace context left out, as a single envelope carries it in a
+    header)."""
+    envelope = parse_body(message.body)
+    if isinstance(envelope, OperationChunk):
+        return [
+            Received(
+                message, OperationMessage.model_validate(entry.model_dump(exclude={"traceparent"}))
+            )
+            for entry in envelope.operations
+        ]
+    return [Received(message, envelope)]
 
 
 async def read_all(
     amqp_url: str, queue: str, *, expect: int, within: float = 15.0
 ) -> list[Received]:
-    """Every message in ``queue``, acked and parsed as the dispatcher's envelope."""
-    return [
-        Received(message, OperationMessage.model_validate_json(message.body))
-        for message in await read_raw(amqp_url, queue, expect=expect, within=within)
-    ]
+    """Every operation the messages in ``queue`` carry, the messages acked: waits (up to
+    ``within`` s) until at least ``expect`` operations have arrived, then takes whatever
+    else is ready. A dispatcher sends one message per operation while it keeps up and
+    chunks of several as a backlog forms; this reads both alike."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    received: list[Received] = []
+    while True:
+        for message in await read_raw(amqp_url, queue, expect=0, within=0):
+            received.extend(operations_of(message))
+        if len(received) >= expect or loop.time() >= deadline:
+            return received
+        await asyncio.sleep(POLL_SECONDS)
 
 
 async def read_raw(

@@ -12,6 +12,7 @@ import pytest
 
 from bench.e2e import CPU_GROUPS, latency_line, phase_name
 from bench.systems import CHILD_MODULE, SYSTEM_NAMES, Context, OutboxSettings, systems
+from outbox.settings import Settings
 
 CONTEXT = Context(
     admin_url="postgresql://postgres@127.0.0.1:5432/postgres",
@@ -50,18 +51,24 @@ def test_children_run_as_the_bench_module_with_the_parents_names(name: str) -> N
 
 def test_only_the_broker_systems_count_rabbitmq() -> None:
     using = {name for name, system in systems(CONTEXT).items() if system.uses_broker}
-    assert using == {"minimal", "outbox", "outbox-chunked", "outbox-in-transaction"}
+    assert using == {"minimal", "outbox", "outbox-single", "outbox-in-transaction"}
 
 
-def test_only_the_chunked_outbox_puts_several_operations_in_a_message() -> None:
-    found = systems(CONTEXT, OutboxSettings(chunk_operations=12))
-    one, chunked = (
-        found[name].daemons(URL)[1][0].environment for name in ("outbox", "outbox-chunked")
+def test_the_outbox_runs_the_product_defaults_and_the_single_one_message_each() -> None:
+    defaults = Settings()
+    found = systems(CONTEXT)
+    chunked, one = (
+        found[name].daemons(URL)[1][0].environment for name in ("outbox", "outbox-single")
     )
+    assert chunked["OUTBOX_MESSAGE_OPERATIONS"] == str(defaults.message_operations)
+    assert chunked["OUTBOX_PREFETCH"] == str(defaults.prefetch)
     assert one["OUTBOX_MESSAGE_OPERATIONS"] == "1"
-    assert chunked["OUTBOX_MESSAGE_OPERATIONS"] == "12"
     # Names of its own: the two never share a database or a queue.
-    assert chunked["OUTBOX_QUEUE"] == f"bench.e2e.{CONTEXT.run_name}.outbox-chunked.q"
+    assert one["OUTBOX_QUEUE"] == f"bench.e2e.{CONTEXT.run_name}.outbox-single.q"
+    told = systems(CONTEXT, OutboxSettings(chunk_operations=12, prefetch=64))["outbox"]
+    environment = told.daemons(URL)[1][0].environment
+    assert environment["OUTBOX_MESSAGE_OPERATIONS"] == "12"
+    assert environment["OUTBOX_PREFETCH"] == "64"
 
 
 def test_the_in_transaction_outbox_runs_the_same_daemons_on_names_of_its_own() -> None:
@@ -69,7 +76,7 @@ def test_the_in_transaction_outbox_runs_the_same_daemons_on_names_of_its_own() -
     own, in_transaction = (
         found[name].daemons(URL)[1][0].environment for name in ("outbox", "outbox-in-transaction")
     )
-    assert in_transaction["OUTBOX_MESSAGE_OPERATIONS"] == own["OUTBOX_MESSAGE_OPERATIONS"] == "1"
+    assert in_transaction["OUTBOX_MESSAGE_OPERATIONS"] == own["OUTBOX_MESSAGE_OPERATIONS"]
     assert in_transaction["OUTBOX_QUEUE"] == (
         f"bench.e2e.{CONTEXT.run_name}.outbox-in-transaction.q"
     )

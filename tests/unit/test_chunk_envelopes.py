@@ -10,7 +10,7 @@ import uuid
 import pydantic
 import pytest
 
-from dispatcher.publisher import chunks, encode, encode_chunk
+from dispatcher.publisher import chunk_size, chunks, encode, encode_chunk
 from outbox.broker import (
     CHUNK_BODY_START,
     CHUNK_MESSAGE_TYPE,
@@ -133,9 +133,27 @@ def test_a_size_of_one_is_one_message_per_row() -> None:
     assert [[r.id for r in chunk] for chunk in chunks([row(1), row(2)], 1)] == [[1], [2]]
 
 
+@pytest.mark.parametrize(
+    ("batch", "most", "size"),
+    [
+        # The outbox keeps up: each decision its own message.
+        (1, 16, 1),
+        (4, 16, 1),
+        # A backlog forms: chunks grow with it, spread over at least four messages.
+        (5, 16, 2),
+        (20, 8, 5),
+        (64, 16, 16),
+        (200, 16, 16),
+        (200, 1, 1),
+    ],
+)
+def test_chunks_grow_with_the_backlog_up_to_the_setting(batch: int, most: int, size: int) -> None:
+    assert chunk_size(batch, most) == size
+
+
 @pytest.mark.parametrize("size", [0, MAX_MESSAGE_OPERATIONS + 1])
 def test_a_chunk_size_one_message_cannot_carry_is_refused(size: int) -> None:
-    assert Settings().message_operations == 1
+    assert Settings().message_operations == 16
     with pytest.raises(pydantic.ValidationError, match="message_operations"):
         Settings(message_operations=size)
 

@@ -101,8 +101,13 @@ def test_every_delivery_result_and_dead_letter_reason_is_primed_and_used() -> No
             results.add(result)
             if len(call.args) > 1 and (reason := literal(call.args[1])) is not None:
                 reasons.add(reason)
-        if attribute == "_dead_letter" and (reason := literal(call.args[-1])) is not None:
+        if attribute == "dead_letter" and (reason := literal(call.args[-1])) is not None:
             reasons.add(reason)
+    results |= {
+        value
+        for _, metric, arguments in labels_calls()
+        if metric == "deliveries" and arguments and (value := literal(arguments[0])) is not None
+    }
 
     assert results == set(telemetry.DELIVERY_RESULTS)
     assert reasons == set(telemetry.DEAD_LETTER_REASONS)
