@@ -183,8 +183,15 @@ class Settings(BaseSettings):
         description="the tools modules, comma-separated: each exposes `registry` or "
         "`build_registry()`",
     )
+    # 64, measured (docs/benchmarks.md, 2026-12-04 afternoon): on this project's 2-core
+    # machine the default's drain was 2,846 ops/s at 16, 4,127 at 64 and 4,912 at 256;
+    # 64 keeps most of that with a quarter of 256's operations in hand.
     prefetch: int = Field(
-        default=16, ge=1, le=1000, description="deliveries a consumer works on at once"
+        default=64,
+        ge=1,
+        le=1000,
+        description="messages a consumer holds unacknowledged at once (each one operation, "
+        "or a chunk of up to OUTBOX_MESSAGE_OPERATIONS)",
     )
     # 20 s: the transaction deadlines derive from it, and a slow but working database
     # (a busy machine, a slow disk, a failover's first seconds) must finish well inside
