@@ -162,6 +162,17 @@ class Settings(BaseSettings):
         description="most operations the dispatcher puts in one broker message: one each "
         "while it keeps up, more as a backlog forms (1: always one each)",
     )
+    # 10 ms, measured (docs/benchmarks.md, "2026-12-04, afternoon"): at 460 decisions/s
+    # it took 25% off the CPU per operation for a p50 within the run's noise. Only
+    # while decisions come closer together than this: a lone one is claimed at once.
+    dispatch_gather_ms: int = Field(
+        default=10,
+        ge=0,
+        le=100,
+        description="milliseconds the dispatcher waits, when woken less than this after "
+        "its previous wake, before it claims, so that a forming burst shares one batch "
+        "(0: never)",
+    )
     poll_interval: float = Field(
         default=1.0, description="seconds between scans when no notification arrives"
     )

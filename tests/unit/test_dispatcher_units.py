@@ -301,3 +301,48 @@ async def test_a_lane_that_fails_ends_the_drain_with_its_error(
         await dispatcher._drain_available(
             cast(Any, ["lane-1", "lane-2"]), cast(Any, None), _Tally()
         )
+
+
+@pytest.mark.parametrize(
+    ("gather_ms", "notified", "stopping", "previous_wake_ago", "waited"),
+    [
+        # Woken by a decision soon after the last wake: a burst is forming, it gathers.
+        (5, True, False, 0.001, [0.005]),
+        # A lone decision (the last wake long ago, or none yet) is claimed at once.
+        (5, True, False, 10.0, []),
+        (5, True, False, None, []),
+        # Never when off, after a poll that nothing notified, or while stopping.
+        (0, True, False, 0.001, []),
+        (5, False, False, 0.001, []),
+        (5, True, True, 0.001, []),
+    ],
+)
+async def test_a_dispatcher_woken_in_a_burst_gathers_it_before_it_claims(
+    monkeypatch: pytest.MonkeyPatch,
+    gather_ms: int,
+    notified: bool,
+    stopping: bool,
+    previous_wake_ago: float | None,
+    waited: list[float],
+) -> None:
+    dispatcher = Dispatcher(Settings(dispatch_gather_ms=gather_ms))
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    if previous_wake_ago is not None:
+        dispatcher._last_wake = asyncio.get_running_loop().time() - previous_wake_ago
+    if notified:
+        dispatcher._wake.set()
+    if stopping:
+        dispatcher.stop()
+
+    await dispatcher._gather()
+
+    assert slept == waited
+
+
+def test_the_dispatcher_gathers_10_ms_by_default() -> None:
+    assert Settings().dispatch_gather_ms == 10
