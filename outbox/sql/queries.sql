@@ -630,22 +630,30 @@ WHERE waiting_since IS NOT NULL AND tool_name = ANY(%(tools)b::text[])
   AND state IN ('prepared', 'outcome_unknown', 'in_flight')
 
 -- name: release_waiting_operations
--- The provider is back: every waiting operation of these tools is due again within the spread (drawn at random, so the provider is not met by all of them at once), the prepared ones with a fresh outbox row. Held leases are left alone; their holders are calling already.
-WITH released AS (
-    UPDATE operations
-    SET next_attempt_at = clock_timestamp() + random() * %(spread)s::interval
+-- The provider is back: every waiting operation of these tools stops waiting (the provider answered, so a later failure starts a wait of its own, and the outage tolerance counts from there) and is due again within the spread (drawn at random, so the provider is not met by all of them at once), the prepared ones with a fresh outbox row; one due sooner keeps its time. Held leases are left alone; their holders are calling already. Returns how many were made due.
+WITH waiting AS (
+    SELECT id, next_attempt_at > clock_timestamp() + %(spread)s::interval AS later
+    FROM operations
     WHERE waiting_since IS NOT NULL
       AND tool_name = ANY(%(tools)b::text[])
       AND state IN ('prepared', 'outcome_unknown')
       AND lease_owner IS NULL
-      AND next_attempt_at > clock_timestamp() + %(spread)s::interval
-    RETURNING id, state, tool_name, tool_version, next_attempt_at
+    FOR UPDATE
+), released AS (
+    UPDATE operations o
+    SET next_attempt_at = CASE WHEN w.later
+                               THEN clock_timestamp() + random() * %(spread)s::interval
+                               ELSE o.next_attempt_at END,
+        waiting_since = NULL
+    FROM waiting w
+    WHERE o.id = w.id
+    RETURNING o.id, o.state, o.tool_name, o.tool_version, o.next_attempt_at, w.later
 ), queued AS (
     INSERT INTO outbox (operation_id, routing_key, available_at)
     SELECT id, tool_name || '.v' || tool_version, next_attempt_at
-    FROM released WHERE state = 'prepared'
+    FROM released WHERE state = 'prepared' AND later
 )
-SELECT count(*) AS released FROM released
+SELECT count(*) FILTER (WHERE later) AS released FROM released
 
 -- name: nominate_probe
 -- A provider's probe is due: the waiting operation of these tools due soonest becomes due now (a prepared one with a fresh outbox row), so that a call goes out to find the provider back, unless one of them is due within a second already. Returns the operation it nominated.

@@ -381,6 +381,13 @@ def test_the_consumer_executes_reconciles_and_escalates(
     closed = run(consumer, closing)
     assert closed is not None
     assert closed.closed
+    # The answer ended their wait: a later failure starts a wait of its own, and the
+    # outage tolerance counts from there, not from before this outage.
+    assert execute_admin(
+        roles_database,
+        "SELECT count(*) FROM operations WHERE id = ANY(%s) AND waiting_since IS NOT NULL",
+        ([held.id, lost.id],),
+    ) == [(0,)]
     assert execute_admin(roles_database, "SELECT name FROM provider_events ORDER BY id") == [
         ("provider.unavailable",),
         ("provider.available",),
