@@ -32,6 +32,12 @@ T = TypeVar("T")
 APPLICATION_NAME = "outbox-consumer"
 
 
+WORK_CONNECTIONS = 16
+"""The most connections a consumer's deliveries write on at once (the pool adds six for
+the reconciler and the loops beside): the claims and committed outcomes of a burst share
+one transaction each, so more buys nothing but a share of Postgres's max_connections."""
+
+
 class Database:
     """The pool the worker and the reconciler share, what they read once from it, and
     how much work the consumer takes on while it keeps up (:attr:`pacing`)."""
@@ -55,9 +61,12 @@ class Database:
             hard_seconds=self.bounds.hard_transaction,
             on_slow=self._slow,
             # A burst's claim and its outcomes each take one transaction, and the
-            # reconciler one more: a few connections stay open, more open on demand.
+            # reconciler one more: a few connections stay open, more open on demand, at
+            # most as many as the work in hand needs up to WORK_CONNECTIONS (a prefetch
+            # of 64 chunks would otherwise hold 70 connections per consumer process, and
+            # three consumers a default Postgres's 100).
             idle=4,
-            most=settings.prefetch + 6,
+            most=min(settings.prefetch, WORK_CONNECTIONS) + 6,
         )
         self.limit_changed = asyncio.Event()
         """Set when :attr:`pacing` moved: the consumer applies it as its prefetch."""
