@@ -90,6 +90,22 @@ BEGIN
 END;
 $$;
 
+-- Nobody but the schema's owner creates objects in it. A role that may could define an
+-- operator or a function that fits an expression better than the built-in one; the
+-- functions of schema.sql never look one up here (their search_path holds pg_catalog
+-- alone), and this takes away what PostgreSQL 14 and older grant every role in public.
+-- A role that still holds CREATE by name is one outbox migrate --roles names and stops
+-- for (outbox/migrate.py), unless told to go on.
+DO $$
+BEGIN
+    EXECUTE format(
+        'REVOKE CREATE ON SCHEMA %I FROM PUBLIC, outbox_agent, outbox_dispatcher, '
+        'outbox_consumer, outbox_operator, outbox_callbacks',
+        current_schema()
+    );
+END;
+$$;
+
 -- Start from nothing on every outbox table, then grant: an older roles.sql's wider
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.

@@ -225,11 +225,11 @@ BEGIN
         -- A provider's result is replaced, never refused: the effect it reports happened,
         -- and refusing the write would lose the record of it.
         IF jsonb_typeof(NEW.result) <> 'object' THEN
-            NEW.result := outbox_unreadable('not_an_object', octet_length(NEW.result::text));
+            NEW.result := @schema@.outbox_unreadable('not_an_object', octet_length(NEW.result::text));
         ELSIF octet_length(NEW.result::text) > 65536 THEN
-            NEW.result := outbox_unreadable('too_large', octet_length(NEW.result::text));
-        ELSIF outbox_json_too_deep(NEW.result) THEN
-            NEW.result := outbox_unreadable('too_deep', octet_length(NEW.result::text));
+            NEW.result := @schema@.outbox_unreadable('too_large', octet_length(NEW.result::text));
+        ELSIF @schema@.outbox_json_too_deep(NEW.result) THEN
+            NEW.result := @schema@.outbox_unreadable('too_deep', octet_length(NEW.result::text));
         END IF;
     END IF;
     IF (NEW.provider_reference IS DISTINCT FROM OLD.provider_reference
@@ -238,13 +238,13 @@ BEGIN
        OR (NEW.last_error_class IS DISTINCT FROM OLD.last_error_class
            AND NEW.last_error_class !~ '^[a-z0-9][a-z0-9_.-]{0,63}$')
        OR (NEW.lease_expires_at IS DISTINCT FROM OLD.lease_expires_at
-           AND NOT outbox_plausible_time(NEW.lease_expires_at))
+           AND NOT @schema@.outbox_plausible_time(NEW.lease_expires_at))
        OR (NEW.next_attempt_at IS DISTINCT FROM OLD.next_attempt_at
-           AND NOT outbox_plausible_time(NEW.next_attempt_at))
+           AND NOT @schema@.outbox_plausible_time(NEW.next_attempt_at))
        OR (NEW.first_attempt_at IS DISTINCT FROM OLD.first_attempt_at
-           AND NOT outbox_plausible_time(NEW.first_attempt_at))
+           AND NOT @schema@.outbox_plausible_time(NEW.first_attempt_at))
        OR (NEW.waiting_since IS DISTINCT FROM OLD.waiting_since
-           AND NOT outbox_plausible_time(NEW.waiting_since)) THEN
+           AND NOT @schema@.outbox_plausible_time(NEW.waiting_since)) THEN
         RAISE EXCEPTION 'operation %: a reference, lease owner, error class or time outside its bounds', OLD.id
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_values_bounded';
     END IF;
@@ -277,7 +277,7 @@ BEGIN
     -- consumer refuses anything larger than record_decision would have accepted).
     IF jsonb_typeof(NEW.input) IS DISTINCT FROM 'object'
        OR octet_length(NEW.input::text) > 1048576
-       OR outbox_json_too_deep(NEW.input) THEN
+       OR @schema@.outbox_json_too_deep(NEW.input) THEN
         RAISE EXCEPTION 'a tool input must be a JSON object of at most 1048576 bytes (jsonb text) nested at most 64 deep'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_input_bounded';
     END IF;
@@ -321,7 +321,7 @@ BEGIN
     IF EXISTS (SELECT 1 FROM appended a
                WHERE jsonb_typeof(a.attributes) IS DISTINCT FROM 'object'
                   OR octet_length(a.attributes::text) > 65536
-                  OR outbox_json_too_deep(a.attributes)) THEN
+                  OR @schema@.outbox_json_too_deep(a.attributes)) THEN
         RAISE EXCEPTION 'event attributes must be a JSON object of at most 65536 bytes (jsonb text) nested at most 64 deep'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_attributes_bounded';
     END IF;
@@ -688,7 +688,7 @@ CREATE TRIGGER approvals_guard
 CREATE OR REPLACE FUNCTION outbox_approval_event() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO operation_events (operation_id, name, attributes)
+    INSERT INTO @schema@.operation_events (operation_id, name, attributes)
     VALUES (NEW.operation_id,
             CASE NEW.decision WHEN 'granted' THEN 'operation.approval_granted'
                               ELSE 'operation.approval_denied' END,
@@ -733,7 +733,8 @@ BEGIN
                 USING ERRCODE = 'check_violation', CONSTRAINT = 'outbox_row_bounded';
         END IF;
     END IF;
-    IF NOT outbox_plausible_time(NEW.available_at) OR NOT outbox_plausible_time(NEW.published_at)
+    IF NOT @schema@.outbox_plausible_time(NEW.available_at)
+       OR NOT @schema@.outbox_plausible_time(NEW.published_at)
        OR length(NEW.last_error) > 1000 THEN
         RAISE EXCEPTION 'an outbox row is available and published within 30 days and keeps at most 1000 characters of its last error'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'outbox_row_bounded';
@@ -760,8 +761,9 @@ CREATE TRIGGER outbox_guard_update
 -- The agent's one write path (roles.sql grants outbox_agent EXECUTE on it and no INSERT
 -- on operations or outbox): a prepared operation, its outbox row and its
 -- operation.prepared event, in one statement; no row back when (run_id, decision_key)
--- is taken. It runs as the tables' owner with a search_path pinned to this schema, so
--- a caller's objects cannot stand in for the tables. What it cannot check (that the
+-- is taken. It runs as the tables' owner with a search_path pinned to pg_catalog and
+-- every table named with its schema, so no caller's object can stand in for a table,
+-- a function or an operator. What it cannot check (that the
 -- fingerprint and the approval flag match the input) the consumer recomputes before
 -- any effect; what it writes is bounded by the tables' triggers like any other write.
 -- The event's attributes are its own, from its arguments: the caller chooses none of
@@ -779,17 +781,18 @@ LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
     RETURN QUERY
     WITH operation AS (
-        INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version,
-                                side_effect, input, input_fingerprint, requires_approval)
+        INSERT INTO @schema@.operations (id, run_id, decision_key, tool_name, tool_version,
+                                         side_effect, input, input_fingerprint,
+                                         requires_approval)
         VALUES (p_id, p_run_id, p_decision_key, p_tool_name, p_tool_version,
                 p_side_effect, p_input, p_input_fingerprint, p_requires_approval)
         ON CONFLICT (run_id, decision_key) DO NOTHING
         RETURNING *
     ), queued AS (
-        INSERT INTO outbox (operation_id, routing_key, headers)
+        INSERT INTO @schema@.outbox (operation_id, routing_key, headers)
         SELECT o.id, o.tool_name || '.v' || o.tool_version, p_headers FROM operation o
     ), event AS (
-        INSERT INTO operation_events (operation_id, name, attributes)
+        INSERT INTO @schema@.operation_events (operation_id, name, attributes)
         SELECT o.id, 'operation.prepared',
                jsonb_build_object('tool', o.tool_name, 'tool_version', o.tool_version,
                                   'run_id', o.run_id)
@@ -893,30 +896,31 @@ DECLARE
     earlier record;
 BEGIN
     IF p_operation_id IS NOT NULL THEN
-        SELECT o.id INTO matched FROM operations o WHERE o.id = p_operation_id FOR SHARE;
+        SELECT o.id INTO matched FROM @schema@.operations o WHERE o.id = p_operation_id FOR SHARE;
     END IF;
     IF matched IS NULL AND p_provider_reference IS NOT NULL THEN
-        SELECT o.id INTO matched FROM operations o
+        SELECT o.id INTO matched FROM @schema@.operations o
         WHERE o.provider_reference = p_provider_reference
         ORDER BY o.created_at, o.id
         LIMIT 1
         FOR SHARE;
     END IF;
-    INSERT INTO callbacks AS c (provider, event_id, status, named_operation_id, operation_id,
-                                provider_reference, payload_digest, outcome)
+    INSERT INTO @schema@.callbacks AS c (provider, event_id, status, named_operation_id,
+                                         operation_id, provider_reference, payload_digest,
+                                         outcome)
     VALUES (p_provider, p_event_id, p_status, p_operation_id, matched, p_provider_reference,
             p_payload_digest, CASE WHEN matched IS NULL THEN 'unmatched' END)
     ON CONFLICT (provider, event_id) DO NOTHING
     RETURNING c.id INTO recorded;
     IF recorded IS NULL THEN
         SELECT c.id, c.operation_id, c.payload_digest INTO earlier
-        FROM callbacks c WHERE c.provider = p_provider AND c.event_id = p_event_id;
+        FROM @schema@.callbacks c WHERE c.provider = p_provider AND c.event_id = p_event_id;
         RETURN QUERY SELECT earlier.id, 'duplicate'::text, earlier.operation_id,
                             earlier.payload_digest = p_payload_digest;
         RETURN;
     END IF;
     IF matched IS NOT NULL THEN
-        INSERT INTO operation_events (operation_id, name, attributes)
+        INSERT INTO @schema@.operation_events (operation_id, name, attributes)
         VALUES (matched, 'operation.callback_received',
                 jsonb_strip_nulls(jsonb_build_object(
                     'callback', recorded, 'provider', p_provider, 'status', p_status,
@@ -930,11 +934,17 @@ $$;
 REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text) FROM PUBLIC;
 
 -- Pin the search_path of every function of this schema that has a body parsed at run
--- time (plpgsql, or SQL in quotes): its unqualified names resolve in pg_catalog (always
--- searched first), then this schema, and in pg_temp last, where a caller's temporary
--- table can shadow nothing. Functions with SQL-standard bodies were bound when they were
--- created and need no pin. tests/integration/test_hostile_values.py walks pg_proc for
--- any function this misses.
+-- time (plpgsql, or SQL in quotes) to pg_catalog and then pg_temp, where no function or
+-- operator is ever looked up and a caller's temporary table can shadow nothing. This
+-- schema is not on it: a role that may create objects here (PostgreSQL 14 and older let
+-- every role create in public) could otherwise define an operator or function that fits
+-- an expression better than the built-in one (text || integer) and have it run as the
+-- caller, the tables' owner for a SECURITY DEFINER function. So every name a body
+-- resolves at run time in this schema is written qualified, @schema@.operations, and
+-- outbox/schema.py puts the schema's quoted name in place of @schema@ when it applies
+-- this file (version 10). Functions with SQL-standard bodies were bound when they were
+-- created and need no pin. tests/integration/hostile_values walks pg_proc for any
+-- function this misses and for any unqualified name in a body.
 DO $$
 DECLARE
     unpinned regprocedure;
@@ -946,8 +956,7 @@ BEGIN
           AND p.proname LIKE 'outbox\_%'
           AND p.prosqlbody IS NULL
     LOOP
-        EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp',
-                       unpinned, current_schema());
+        EXECUTE format('ALTER FUNCTION %s SET search_path = pg_catalog, pg_temp', unpinned);
     END LOOP;
 END;
 $$;
@@ -1022,3 +1031,4 @@ INSERT INTO outbox_schema_version (version) VALUES (6) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (7) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (9) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO NOTHING;

@@ -23,6 +23,9 @@ class MigrationReport:
     schema_version: int
     roles: tuple[str, ...] = ()
     """The group roles granted, when roles.sql was applied."""
+    schema_creators: tuple[str, ...] = ()
+    """Roles other than the schema's owner still allowed to create in it, which
+    ``allow_schema_creators`` let the migration finish with."""
 
 
 def ensure_database(url: str) -> bool:
@@ -51,9 +54,19 @@ def _unreachable(url: str, failure: psycopg.OperationalError) -> ConfigurationEr
     )
 
 
-def migrate(url: str, *, roles: bool = False) -> MigrationReport:
+def migrate(
+    url: str, *, roles: bool = False, allow_schema_creators: bool = False
+) -> MigrationReport:
+    """Create the database when missing and apply ``schema.sql`` (and ``roles.sql``).
+
+    With ``roles``, a role other than the schema's owner that may still create objects
+    in it (granted by name, which roles.sql does not take away) stops the migration
+    before it commits, unless ``allow_schema_creators``: such a role could define what
+    a careless query of the application's own resolves to.
+    """
     created = ensure_database(url)
     granted: tuple[str, ...] = ()
+    creators: tuple[str, ...] = ()
     try:
         # One transaction for both files: the grants never name a table that is not
         # there yet, and a failure leaves neither half applied.
@@ -61,6 +74,9 @@ def migrate(url: str, *, roles: bool = False) -> MigrationReport:
             version = schema.apply_schema(connection)
             if roles:
                 granted = schema.apply_roles(connection)
+                creators = schema.schema_creators(connection)
+                if creators and not allow_schema_creators:
+                    raise SchemaCreatorsRefused(creators)
     except psycopg.OperationalError as failure:
         raise _unreachable(libpq_url(url), failure) from None
     return MigrationReport(
@@ -68,7 +84,22 @@ def migrate(url: str, *, roles: bool = False) -> MigrationReport:
         created_database=created,
         schema_version=version,
         roles=granted,
+        schema_creators=creators,
     )
+
+
+class SchemaCreatorsRefused(ConfigurationError):
+    """``outbox migrate --roles`` found roles besides the schema's owner that may create
+    objects in it; nothing was committed."""
+
+    def __init__(self, creators: tuple[str, ...]) -> None:
+        self.creators = creators
+        super().__init__(
+            f"roles other than the schema's owner may create objects in it: "
+            f"{', '.join(creators)}. Nothing was applied. Revoke it (REVOKE CREATE ON "
+            "SCHEMA <schema> FROM <role>, for each role or the group it holds it through), "
+            "or run again with --allow-schema-creators to apply the migration anyway"
+        )
 
 
 async def declare_broker_topology(settings: Settings) -> Topology:

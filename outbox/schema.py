@@ -19,12 +19,19 @@ import psycopg
 import psycopg.errors
 import psycopg.sql
 
-from outbox.errors import DatabaseError, wrap_database_errors
+from outbox.errors import ConfigurationError, DatabaseError, wrap_database_errors
 from outbox.sql import roles_sql, schema_sql
 from outbox.store.runner import AsyncConnection, AsyncStore, Plan, Step, Store
 
 # pg_advisory_xact_lock key shared by every migrating process ("outbox" in ASCII).
 _MIGRATION_LOCK = 0x6F7574626F78
+
+# The version schema.sql brings a database to (its last outbox_schema_version row).
+SCHEMA_VERSION = 10
+
+# What schema.sql writes where a function body names an object of the schema being
+# migrated; apply_schema puts that schema's quoted name in its place.
+SCHEMA_PLACEHOLDER = "@schema@"
 
 # The NOLOGIN group roles roles.sql creates, one per component.
 ROLES = (
@@ -40,12 +47,22 @@ def apply_schema(connection: psycopg.Connection[Any]) -> int:
     """Apply ``schema.sql`` in the connection's transaction; returns the schema version.
 
     Concurrent callers queue on an advisory lock, so two migrations never interleave.
+    The schema is the connection's ``current_schema()``: the functions' bodies name its
+    objects with it, since their pinned search_path holds only ``pg_catalog``.
     """
     runner = Store(connection, require_transaction=False)
     runner.run(_take_migration_lock())
+    ddl = schema_ddl(connection, runner.run(_current_schema()))
     with wrap_database_errors("apply_schema"):
-        connection.execute(schema_sql().encode())
+        connection.execute(ddl.encode())
     return runner.run(_schema_version()) or 0
+
+
+def schema_ddl(connection: psycopg.Connection[Any], schema: str) -> str:
+    """``schema.sql`` for ``schema``: its quoted name wherever a function body names one
+    of the schema's objects (:data:`SCHEMA_PLACEHOLDER`)."""
+    quoted = psycopg.sql.Identifier(schema).as_string(connection)
+    return schema_sql().replace(SCHEMA_PLACEHOLDER, quoted)
 
 
 def apply_roles(connection: psycopg.Connection[Any]) -> tuple[str, ...]:
@@ -59,6 +76,13 @@ def apply_roles(connection: psycopg.Connection[Any]) -> tuple[str, ...]:
     with wrap_database_errors("apply_roles"):
         connection.execute(roles_sql().encode())
     return ROLES
+
+
+def schema_creators(connection: psycopg.Connection[Any]) -> tuple[str, ...]:
+    """The roles besides the schema's owner (its members, superusers) that may create
+    objects in the connection's schema, after :func:`apply_roles` revoked it from PUBLIC
+    and the groups: each holds it by name, or through a role that does."""
+    return Store(connection, require_transaction=False).run(_schema_creators())
 
 
 def schema_version(connection: psycopg.Connection[Any]) -> int | None:
@@ -111,6 +135,22 @@ def database_exists(connection: psycopg.Connection[Any], name: str) -> bool:
 
 def _take_migration_lock() -> Plan[None]:
     yield Step("take_migration_lock", {"key": _MIGRATION_LOCK})
+
+
+def _current_schema() -> Plan[str]:
+    rows = yield Step("current_schema", {})
+    schema: str | None = rows[0]["schema"]
+    if schema is None:
+        raise ConfigurationError(
+            "this connection has no schema to migrate: none of its search_path exists "
+            "(create the schema, or set search_path in the database URL's options)"
+        )
+    return schema
+
+
+def _schema_creators() -> Plan[tuple[str, ...]]:
+    rows = yield Step("schema_creators", {})
+    return tuple(str(row["role"]) for row in rows)
 
 
 def _schema_version() -> Plan[int | None]:

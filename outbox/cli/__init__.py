@@ -89,7 +89,7 @@ BROKER_SETTINGS = (
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     url = settings.libpq_url
-    report = migrate(url, roles=args.roles)
+    report = migrate(url, roles=args.roles, allow_schema_creators=args.allow_schema_creators)
     if report.created_database:
         print(f"database {report.database!r} did not exist: created it")
     print(f"schema version {report.schema_version} is applied to {redact_url(url)}")
@@ -97,6 +97,12 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
         print(
             f"roles {', '.join(report.roles)} are granted what their components run; "
             "GRANT each to the login role that component connects as"
+        )
+    if report.schema_creators:
+        print(
+            "warning: roles other than the schema's owner may still create objects in it: "
+            f"{', '.join(report.schema_creators)} (--allow-schema-creators)",
+            file=sys.stderr,
         )
     if args.broker:
         topology = run_async(declare_broker_topology(settings))
@@ -207,7 +213,14 @@ def configure_migrate(commands: Commands) -> None:
         help="also apply roles.sql in the same transaction: create the NOLOGIN group roles "
         "outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator and "
         "outbox_callbacks if missing "
-        "(needs CREATEROLE the first time) and grant each exactly what its component runs",
+        "(needs CREATEROLE the first time) and grant each exactly what its component runs; "
+        "revoke CREATE on the schema from PUBLIC, and stop if another role still holds it",
+    )
+    parser.add_argument(
+        "--allow-schema-creators",
+        action="store_true",
+        help="with --roles: finish even when roles other than the schema's owner may "
+        "create objects in it (named in a warning)",
     )
     parser.set_defaults(handler=cmd_migrate)
 

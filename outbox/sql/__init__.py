@@ -56,7 +56,9 @@ def _without_trailing_comments(text: str) -> str:
 
 
 def schema_sql() -> str:
-    """The DDL: the copy packaged in a wheel, else ``schema.sql`` at the repository root."""
+    """The DDL: the copy packaged in a wheel, else ``schema.sql`` at the repository root.
+    As written, with ``@schema@`` where :func:`outbox.schema.apply_schema` puts the
+    migrated schema's name."""
     return _root_sql("schema.sql")
 
 

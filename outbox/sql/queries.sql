@@ -1006,6 +1006,20 @@ SELECT current_user AS login,
 -- Queue behind any other migration of this database until this transaction ends (outbox.schema passes the shared key).
 SELECT pg_advisory_xact_lock(%(key)s)
 
+-- name: current_schema
+-- The schema this connection creates objects in: the first of its search_path that exists (NULL when none does).
+SELECT current_schema() AS schema
+
+-- name: schema_creators
+-- Roles other than the schema's owner, its members and superusers that may still create objects in the schema this connection migrates (held by name or through a group).
+SELECT r.rolname AS role
+FROM pg_roles r, pg_namespace n
+WHERE n.oid = current_schema()::regnamespace
+  AND NOT r.rolsuper
+  AND NOT pg_has_role(r.oid, n.nspowner, 'MEMBER')
+  AND has_schema_privilege(r.oid, n.oid, 'CREATE')
+ORDER BY r.rolname
+
 -- name: has_schema_version_table
 -- Whether the schema's version table exists; asks the catalog, so it works on an empty database.
 SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
@@ -1015,7 +1029,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1023,6 +1037,8 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_record_callback') IS NOT NULL
        AND to_regclass('provider_health') IS NOT NULL
        AND to_regclass('provider_calls') IS NOT NULL
+       AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
+            FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2
             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
             WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'

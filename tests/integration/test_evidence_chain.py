@@ -456,7 +456,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     )
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_schema.apply_schema(connection) == 9
+        assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
     with psycopg.connect(database_url) as connection:
         assert outbox_schema.schema_is_current(connection)
 
@@ -477,7 +477,7 @@ def test_migrating_a_version_4_database_chains_its_events_in_id_order(
     ops.move(second, S.OUTCOME_UNKNOWN)
     chains = execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
     with psycopg.connect(database_url) as connection:
-        assert outbox_schema.apply_schema(connection) == 9
+        assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
     assert (
         execute_admin(database_url, "SELECT id, seq, prev_hash, hash FROM operation_events")
         == chains

@@ -29,7 +29,7 @@ def test_applying_the_schema_again_is_harmless(
 
     for _ in range(2):
         with psycopg.connect(database_url) as connection:
-            assert outbox_schema.apply_schema(connection) == 9
+            assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
 
     assert execute_admin(database_url, SCHEMA_OBJECTS) == before
     assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(1,)]
@@ -38,8 +38,8 @@ def test_applying_the_schema_again_is_harmless(
 def test_schema_version_is_none_on_an_empty_database(empty_database_url: str) -> None:
     with psycopg.connect(empty_database_url) as connection:
         assert outbox_schema.schema_version(connection) is None
-        assert outbox_schema.apply_schema(connection) == 9
-        assert outbox_schema.schema_version(connection) == 9
+        assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
+        assert outbox_schema.schema_version(connection) == outbox_schema.SCHEMA_VERSION
 
 
 def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> None:
@@ -52,7 +52,7 @@ def test_a_database_without_version_4_is_told_to_migrate(database_url: str) -> N
         assert not outbox_schema.schema_is_current(connection)
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_schema.apply_schema(connection) == 9
+        assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
     with psycopg.connect(database_url) as connection:
         assert outbox_schema.schema_is_current(connection)
 
@@ -76,7 +76,7 @@ def test_a_database_without_version_9_is_told_to_migrate_and_migrates(
         assert not outbox_schema.schema_is_current(connection)
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_schema.apply_schema(connection) == 9
+        assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
     with psycopg.connect(database_url) as connection:
         assert outbox_schema.schema_is_current(connection)
 
@@ -87,7 +87,7 @@ def test_a_version_7_database_loses_its_redundant_run_index(database_url: str) -
     execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 8")
 
     with psycopg.connect(database_url) as connection:
-        assert outbox_schema.apply_schema(connection) == 9
+        assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
 
     assert execute_admin(database_url, "SELECT to_regclass('operations_run')") == [(None,)]
     # What the run filter reads instead: the unique (run_id, decision_key) index.

@@ -152,6 +152,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "take_migration_lock",
         "has_schema_version_table",
         "schema_version",
+        "current_schema",
+        "schema_creators",
     },
     CHAOS: {"terminate_backends", "session_snapshot"},
     CONSOLE: {"console_login", "console_operations_page", "console_operation_approvals"},

@@ -4,7 +4,9 @@ event ids, backdated or future times.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import psycopg
 import psycopg.errors
@@ -40,21 +42,14 @@ def test_every_function_of_the_schema_pins_its_search_path(database_url: str) ->
         "SELECT p.proname, p.prosqlbody IS NOT NULL, p.proconfig FROM pg_proc p "
         "WHERE p.pronamespace = current_schema()::regnamespace ORDER BY 1",
     )
-    schema = execute_admin(database_url, "SELECT current_schema()")[0][0]
 
     unpinned = []
     for name, standard_body, config in rows:
         if standard_body:
             continue  # bound at creation: no name in it is looked up at run time
-        paths = [
-            c.removeprefix("search_path=") for c in config or [] if c.startswith("search_path=")
-        ]
-        elements = [e.strip() for e in paths[0].split(",")] if paths else []
-        if (
-            not elements
-            or elements[-1] != "pg_temp"
-            or not set(elements) <= {schema, "pg_catalog", "pg_temp"}
-        ):
+        # Not the schema itself: a role that may create there could define an operator
+        # that fits an expression better than the built-in one.
+        if "search_path=pg_catalog, pg_temp" not in (config or []):
             unpinned.append(name)
     assert {name for name, *_ in rows} >= {
         "outbox_guard_transition",
@@ -65,6 +60,82 @@ def test_every_function_of_the_schema_pins_its_search_path(database_url: str) ->
         "outbox_guard_callback",
     }
     assert unpinned == []
+
+
+STRING_LITERAL = re.compile(r"'(?:[^']|'')*'")
+LINE_COMMENT = re.compile(r"--[^\n]*")
+
+
+def test_no_function_body_names_an_object_of_the_schema_without_its_schema(
+    database_url: str,
+) -> None:
+    # Their search_path holds pg_catalog alone, so an unqualified table or function of
+    # the schema would fail at run time, on whichever path first reaches it.
+    names = {
+        name
+        for (name,) in execute_admin(
+            database_url,
+            "SELECT c.relname FROM pg_class c "
+            "WHERE c.relnamespace = current_schema()::regnamespace "
+            "AND c.relkind IN ('r', 'v', 'S', 'p') "
+            "UNION SELECT p.proname FROM pg_proc p "
+            "WHERE p.pronamespace = current_schema()::regnamespace",
+        )
+    }
+    bodies = execute_admin(
+        database_url,
+        "SELECT p.proname, p.prosrc FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
+        "WHERE p.pronamespace = current_schema()::regnamespace AND l.lanname = 'plpgsql'",
+    )
+    unqualified = re.compile(r"(?<![.\w\"])(" + "|".join(sorted(names)) + r")\b")
+
+    found = {}
+    for function, body in bodies:
+        code = STRING_LITERAL.sub("''", LINE_COMMENT.sub("", body))
+        named = sorted(set(unqualified.findall(code)))
+        if named:
+            found[function] = named
+    assert {"operations", "operation_events", "outbox_plausible_time"} <= names
+    assert len(bodies) >= 10
+    assert found == {}
+
+
+def test_an_operator_created_in_the_schema_never_runs_as_the_tables_owner(
+    login: Login, database_url: str, registry: Registry
+) -> None:
+    # Where every role may create in the schema (PostgreSQL 14 and older by default, and
+    # databases upgraded with pg_upgrade), as granted here to one agent login: text ||
+    # integer fits this operator better than the built-in text || anynonarray, and
+    # outbox_record_decision (SECURITY DEFINER) writes the routing key with exactly that.
+    agent = login(AGENT)
+    schema = execute_admin(database_url, "SELECT current_schema()")[0][0]
+    execute_admin(
+        database_url,
+        f'GRANT CREATE ON SCHEMA "{schema}" TO "{urlsplit(agent).username}"',
+    )
+    with psycopg.connect(agent, autocommit=True) as connection:
+        connection.execute(f'CREATE TABLE "{schema}".hijacked (ran_as text, login text)')
+        connection.execute(f'GRANT INSERT ON "{schema}".hijacked TO PUBLIC')
+        connection.execute(
+            f'CREATE FUNCTION "{schema}".hijack(a text, b integer) RETURNS text '
+            "LANGUAGE plpgsql AS $$ BEGIN "
+            f'INSERT INTO "{schema}".hijacked VALUES (current_user, session_user); '
+            "RETURN a || b::text; END $$"
+        )
+        connection.execute(
+            f'CREATE OPERATOR "{schema}".|| (LEFTARG = text, RIGHTARG = integer, '
+            f'FUNCTION = "{schema}".hijack)'
+        )
+        # The operator works, for whoever calls it in their own statements.
+        assert connection.execute("SELECT 'a' || 1").fetchone() == ("a1",)
+        connection.execute(f'TRUNCATE "{schema}".hijacked')
+
+    operation = record_as(agent, registry, refund())
+
+    assert execute_admin(database_url, "SELECT ran_as, login FROM hijacked") == []
+    assert execute_admin(
+        database_url, "SELECT routing_key FROM outbox WHERE operation_id = %s", (operation.id,)
+    ) == [("send_refund.v1",)]
 
 
 def test_no_login_may_create_a_temporary_table(login: Login) -> None:

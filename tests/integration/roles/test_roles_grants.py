@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import psycopg.errors
@@ -15,9 +16,11 @@ import pytest
 
 from outbox import schema as outbox_schema
 from outbox.errors import SchemaMissing
+from outbox.migrate import SchemaCreatorsRefused, migrate
 from outbox.sql import QUERIES, roles_sql
 
 from support.db_helpers import execute_admin
+from support.logins import Login
 from support.roles_cases import (
     AGENT,
     CALLBACKS,
@@ -218,14 +221,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
         "WHERE c.relname = ANY(%s) GROUP BY c.relname, c.relacl::text ORDER BY c.relname",
         (list(TABLES),),
     )
-    first = subprocess.run(
-        [OUTBOX, "migrate", "--roles", "--database-url", database_url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ.copy(),
-        check=False,
-    )
+    first = outbox_migrate("--roles", "--database-url", database_url)
     granted = execute_admin(database_url, *acl)
     second = subprocess.run(
         [OUTBOX, "migrate", "--roles"],
@@ -239,7 +235,7 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
     assert first.returncode == 0, first.stderr
     assert second.returncode == 0, second.stderr
     for result in (first, second):
-        assert "schema version 9 is applied" in result.stdout
+        assert f"schema version {outbox_schema.SCHEMA_VERSION} is applied" in result.stdout
         assert (
             "roles outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator, "
             "outbox_callbacks are granted" in result.stdout
@@ -253,5 +249,63 @@ def test_migrate_with_roles_applies_twice_and_changes_nothing_the_second_time(
 def test_the_schema_still_applies_twice_after_the_roles(roles_database: str) -> None:
     for _ in range(2):
         with psycopg.connect(roles_database) as connection:
-            assert outbox_schema.apply_schema(connection) == 9
+            assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
             outbox_schema.apply_roles(connection)
+
+
+def outbox_migrate(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [OUTBOX, "migrate", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+        check=False,
+    )
+
+
+PUBLIC_MAY_CREATE = (
+    "SELECT count(*) FROM pg_namespace n, aclexplode(n.nspacl) a "
+    "WHERE n.oid = current_schema()::regnamespace AND a.grantee = 0 "
+    "AND a.privilege_type = 'CREATE'"
+)
+
+
+def test_migrate_with_roles_takes_create_on_the_schema_from_every_role(
+    database_url: str,
+) -> None:
+    # As PostgreSQL 14 and older leave public: every role may create in it.
+    schema = execute_admin(database_url, "SELECT current_schema()")[0][0]
+    execute_admin(database_url, f'GRANT CREATE ON SCHEMA "{schema}" TO PUBLIC')
+    assert execute_admin(database_url, PUBLIC_MAY_CREATE) == [(1,)]
+
+    report = migrate(database_url, roles=True)
+
+    assert execute_admin(database_url, PUBLIC_MAY_CREATE) == [(0,)]
+    assert report.schema_creators == ()
+
+
+def test_migrate_with_roles_stops_for_a_login_that_may_create_in_the_schema(
+    login: Login, database_url: str
+) -> None:
+    agent = urlsplit(login(AGENT)).username
+    assert agent is not None
+    schema = execute_admin(database_url, "SELECT current_schema()")[0][0]
+    execute_admin(database_url, f'GRANT CREATE ON SCHEMA "{schema}" TO PUBLIC, "{agent}"')
+
+    with pytest.raises(SchemaCreatorsRefused, match=agent) as refused:
+        migrate(database_url, roles=True)
+    assert refused.value.creators == (agent,)
+    # Nothing was committed: PUBLIC still holds what the migration would have revoked.
+    assert execute_admin(database_url, PUBLIC_MAY_CREATE) == [(1,)]
+
+    cli = outbox_migrate("--roles", "--database-url", database_url)
+    assert cli.returncode != 0
+    assert agent in cli.stderr
+    assert "--allow-schema-creators" in cli.stderr
+
+    allowed = outbox_migrate("--roles", "--allow-schema-creators", "--database-url", database_url)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "warning: roles other than the schema's owner may still create" in allowed.stderr
+    assert agent in allowed.stderr
+    assert execute_admin(database_url, PUBLIC_MAY_CREATE) == [(0,)]
