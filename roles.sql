@@ -110,8 +110,8 @@ $$;
 -- grant does not survive a migration, and PUBLIC (every role, present and future)
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
-    outbox_deployment, operation_event_heads, operation_status, callbacks, provider_health,
-    provider_events, provider_calls
+    outbox_schema_applied, outbox_deployment, operation_event_heads, operation_status,
+    callbacks, provider_health, provider_events, provider_calls
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant

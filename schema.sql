@@ -2,11 +2,23 @@
 --
 -- Applied by `outbox migrate` and by the test suite, always inside one transaction
 -- that first takes an advisory lock, so concurrent migrations queue up. Every
--- statement is idempotent: applying this file twice changes nothing.
+-- statement is idempotent: applying this file twice changes nothing. Not for psql:
+-- outbox/schema.py puts the schema's name where this file writes @schema@.
 
 CREATE TABLE IF NOT EXISTS outbox_schema_version (
     version     integer PRIMARY KEY,
     applied_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Version 10: the SHA-256 of the text of this file as it was last applied (with the
+-- schema's name in it). outbox migrate reads it first and, when it is this file's and
+-- the schema is current, applies nothing: a re-run takes no lock on any table, where
+-- the ALTER TABLEs below would each wait for ACCESS EXCLUSIVE behind any open
+-- transaction and every later reader and writer would queue behind them.
+CREATE TABLE IF NOT EXISTS outbox_schema_applied (
+    singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    digest      text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+    applied_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
 -- One row per agent decision: the business operation whose effect we own.

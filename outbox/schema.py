@@ -13,6 +13,8 @@ with :mod:`psycopg.sql`.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -43,19 +45,52 @@ ROLES = (
 )
 
 
-def apply_schema(connection: psycopg.Connection[Any]) -> int:
+def apply_schema(connection: psycopg.Connection[Any], *, lock_timeout: float | None = None) -> int:
     """Apply ``schema.sql`` in the connection's transaction; returns the schema version.
 
     Concurrent callers queue on an advisory lock, so two migrations never interleave.
     The schema is the connection's ``current_schema()``: the functions' bodies name its
     objects with it, since their pinned search_path holds only ``pg_catalog``.
+
+    When this very file (its SHA-256, schema name included) was the last applied and the
+    schema is current, nothing is applied and no table is locked. Otherwise each
+    statement waits at most ``lock_timeout`` seconds for its lock, when given, and then
+    raises :class:`~outbox.errors.DatabaseError` (its ``driver_error`` a
+    ``LockNotAvailable``) for the caller to try again (:func:`outbox.migrate.migrate`
+    does, and names who held the lock).
     """
     runner = Store(connection, require_transaction=False)
     runner.run(_take_migration_lock())
     ddl = schema_ddl(connection, runner.run(_current_schema()))
+    digest = hashlib.sha256(ddl.encode()).hexdigest()
+    if runner.run(_applied_digest()) == digest and runner.run(_schema_is_current()):
+        return runner.run(_schema_version()) or 0
+    if lock_timeout is not None:
+        runner.run(_set_lock_timeout(lock_timeout))
     with wrap_database_errors("apply_schema"):
         connection.execute(ddl.encode())
+    runner.run(_record_digest(digest))
     return runner.run(_schema_version()) or 0
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """A session holding a lock on one of the schema's tables."""
+
+    pid: int
+    role: str
+    state: str
+    seconds: int
+    """How long its transaction has been open (or its session, outside one)."""
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} (role {self.role}, {self.state}, for {self.seconds} s)"
+
+
+def schema_lock_holders(connection: psycopg.Connection[Any]) -> tuple[LockHolder, ...]:
+    """The other sessions holding a lock on a table of the connection's schema, longest
+    open first (at most five): who a migration that timed out waited for."""
+    return Store(connection, require_transaction=False).run(_schema_lock_holders())
 
 
 def schema_ddl(connection: psycopg.Connection[Any], schema: str) -> str:
@@ -146,6 +181,35 @@ def _current_schema() -> Plan[str]:
             "(create the schema, or set search_path in the database URL's options)"
         )
     return schema
+
+
+def _applied_digest() -> Plan[str | None]:
+    rows = yield Step("has_schema_digest_table", {})
+    if not rows[0]["present"]:
+        return None
+    rows = yield Step("applied_schema_digest", {})
+    return str(rows[0]["digest"]) if rows else None
+
+
+def _record_digest(digest: str) -> Plan[None]:
+    yield Step("record_schema_digest", {"digest": digest})
+
+
+def _set_lock_timeout(seconds: float) -> Plan[None]:
+    yield Step("set_lock_timeout", {"lock_timeout": f"{max(1, round(seconds * 1000))}ms"})
+
+
+def _schema_lock_holders() -> Plan[tuple[LockHolder, ...]]:
+    rows = yield Step("schema_lock_holders", {})
+    return tuple(
+        LockHolder(
+            pid=int(row["pid"]),
+            role=str(row["role"]),
+            state=str(row["state"] or "unknown"),
+            seconds=int(row["seconds"] or 0),
+        )
+        for row in rows
+    )
 
 
 def _schema_creators() -> Plan[tuple[str, ...]]:

@@ -25,6 +25,7 @@ from outbox.cli.arguments import (
     add_tools_flag,
     positive_int,
     positive_int_up_to,
+    positive_seconds,
     seconds,
     settings_from,
 )
@@ -42,7 +43,7 @@ from outbox.connections import command_transaction
 from outbox.errors import OutboxError
 from outbox.loading import load_registry, module_list
 from outbox.metrics import version
-from outbox.migrate import declare_broker_topology, migrate
+from outbox.migrate import LOCK_TIMEOUT_SECONDS, LOCK_TRIES, declare_broker_topology, migrate
 from outbox.operator import commands as operator_commands
 from outbox.operator import dlq, render
 from outbox.operator.views import (
@@ -67,6 +68,7 @@ __all__ = [
     "main",
     "positive_int",
     "positive_int_up_to",
+    "positive_seconds",
     "run_async",
     "run_command",
     "run_parsed",
@@ -89,7 +91,13 @@ BROKER_SETTINGS = (
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     url = settings.libpq_url
-    report = migrate(url, roles=args.roles, allow_schema_creators=args.allow_schema_creators)
+    report = migrate(
+        url,
+        roles=args.roles,
+        allow_schema_creators=args.allow_schema_creators,
+        lock_timeout=args.lock_timeout,
+        lock_tries=args.lock_tries,
+    )
     if report.created_database:
         print(f"database {report.database!r} did not exist: created it")
     print(f"schema version {report.schema_version} is applied to {redact_url(url)}")
@@ -199,7 +207,8 @@ def configure_migrate(commands: Commands) -> None:
         "migrate",
         help="create the database if missing and apply schema.sql (idempotent)",
         description="Create the database if it does not exist, then apply schema.sql. "
-        "Safe to run any number of times, from any number of machines at once.",
+        "Safe to run any number of times, from any number of machines at once; on a "
+        "schema that is current it applies nothing and locks no table.",
     )
     add_setting_flags(parser, "database_url", *BROKER_SETTINGS)
     parser.add_argument(
@@ -215,6 +224,23 @@ def configure_migrate(commands: Commands) -> None:
         "outbox_callbacks if missing "
         "(needs CREATEROLE the first time) and grant each exactly what its component runs; "
         "revoke CREATE on the schema from PUBLIC, and stop if another role still holds it",
+    )
+    parser.add_argument(
+        "--lock-timeout",
+        type=positive_seconds,
+        default=LOCK_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="when the schema changes, how long each statement waits for a table's lock "
+        "before letting go and trying again; readers and writers of that table queue "
+        f"behind it meanwhile (default {LOCK_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--lock-tries",
+        type=positive_int_up_to(100),
+        default=LOCK_TRIES,
+        metavar="N",
+        help="how many times to try before failing with the sessions that held the lock "
+        f"(default {LOCK_TRIES})",
     )
     parser.add_argument(
         "--allow-schema-creators",

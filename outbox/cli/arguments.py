@@ -133,6 +133,15 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type for a wait that must end: seconds, more than 0 (a lock_timeout of
+    0 would wait forever) and at most an hour."""
+    value = seconds(text)
+    if not 0.001 <= value <= 3600:
+        raise argparse.ArgumentTypeError("must be between 0.001 and 3600 seconds")
+    return value
+
+
 # Far beyond any sensible grant or look-back; it keeps `now() ± duration` inside what
 # Python and Postgres timestamps can hold.
 MAX_DURATION = timedelta(days=3650)

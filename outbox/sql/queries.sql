@@ -1020,6 +1020,37 @@ WHERE n.oid = current_schema()::regnamespace
   AND has_schema_privilege(r.oid, n.oid, 'CREATE')
 ORDER BY r.rolname
 
+-- name: has_schema_digest_table
+-- Whether the table of the applied schema.sql's digest exists (version 10 and later).
+SELECT to_regclass('outbox_schema_applied') IS NOT NULL AS present
+
+-- name: applied_schema_digest
+-- The SHA-256 of schema.sql as it was last applied to this schema, if recorded.
+SELECT digest FROM outbox_schema_applied
+
+-- name: record_schema_digest
+-- Remember the SHA-256 of the schema.sql just applied, so that applying it again can take nothing.
+INSERT INTO outbox_schema_applied (digest) VALUES (%(digest)s)
+ON CONFLICT (singleton) DO UPDATE SET digest = EXCLUDED.digest, applied_at = clock_timestamp()
+
+-- name: set_lock_timeout
+-- How long each statement of this transaction waits for a lock before it gives up (SQLSTATE 55P03).
+SELECT set_config('lock_timeout', %(lock_timeout)s, true)
+
+-- name: schema_lock_holders
+-- Other sessions holding a lock on a table of this schema, longest transaction first: who a migration waited for.
+SELECT DISTINCT a.pid, a.usename AS role, a.state,
+       floor(extract(epoch FROM clock_timestamp() - coalesce(a.xact_start, a.backend_start)))::bigint AS seconds
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+JOIN pg_class c ON c.oid = l.relation
+WHERE l.granted AND l.locktype = 'relation'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND c.relnamespace = current_schema()::regnamespace
+  AND a.pid <> pg_backend_pid()
+ORDER BY seconds DESC, a.pid
+LIMIT 5
+
 -- name: has_schema_version_table
 -- Whether the schema's version table exists; asks the catalog, so it works on an empty database.
 SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present

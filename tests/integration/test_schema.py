@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import psycopg
 import pytest
 import sqlalchemy as sa
 
 from outbox import Registry, record_decision
 from outbox import schema as outbox_schema
+from outbox.migrate import SchemaBusy, migrate
 from outbox.sql import schema_sql
 
 from support.db_helpers import execute_admin
@@ -85,6 +89,7 @@ def test_a_version_7_database_loses_its_redundant_run_index(database_url: str) -
     # As a version-7 database looks: it still has the index on run_id alone.
     execute_admin(database_url, "CREATE INDEX operations_run ON operations (run_id)")
     execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 8")
+    execute_admin(database_url, "DROP TABLE outbox_schema_applied")  # new in version 10
 
     with psycopg.connect(database_url) as connection:
         assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION
@@ -194,3 +199,72 @@ def test_the_schema_text_is_the_repository_file() -> None:
 
     root_schema = Path(__file__).resolve().parents[2] / "schema.sql"
     assert schema_sql() == root_schema.read_text(encoding="utf-8")
+
+
+@pytest.fixture
+def open_transaction(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """An analyst's psql: a transaction that read operations and stays open, holding
+    its ACCESS SHARE lock until the test ends."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SELECT count(*) FROM operations").fetchone()
+        yield connection
+        connection.rollback()
+
+
+def test_migrating_a_current_schema_again_locks_no_table(
+    database_url: str, open_transaction: psycopg.Connection[Any]
+) -> None:
+    # One try of a fifth of a second: any statement that wanted a table's lock would end
+    # the migration with SchemaBusy.
+    report = migrate(database_url, lock_timeout=0.2, lock_tries=1)
+
+    assert report.schema_version == outbox_schema.SCHEMA_VERSION
+    assert open_transaction.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_schema_change_behind_an_open_transaction_gives_up_and_names_who_holds_it(
+    database_url: str, open_transaction: psycopg.Connection[Any]
+) -> None:
+    # As a database migrated with an earlier schema.sql looks: its digest is not this one.
+    execute_admin(database_url, "UPDATE outbox_schema_applied SET digest = repeat('0', 64)")
+    holder = open_transaction.info.backend_pid
+
+    with pytest.raises(SchemaBusy) as busy:
+        migrate(database_url, lock_timeout=0.2, lock_tries=2)
+
+    assert holder in [session.pid for session in busy.value.holders]
+    assert f"pid {holder} (role postgres, idle in transaction, for " in str(busy.value)
+    assert "Nothing was applied" in str(busy.value)
+    # Nothing committed, and the tables never stayed locked: a new reader goes through.
+    assert execute_admin(database_url, "SELECT digest FROM outbox_schema_applied") == [("0" * 64,)]
+    assert execute_admin(database_url, "SELECT count(*) FROM operations") == [(0,)]
+
+    open_transaction.rollback()
+    migrate(database_url, lock_timeout=0.2, lock_tries=2)
+    (digest,) = execute_admin(database_url, "SELECT digest FROM outbox_schema_applied")[0]
+    assert digest != "0" * 64
+
+
+def test_a_version_9_database_pinned_to_its_schema_is_told_to_migrate_and_migrates(
+    database_url: str,
+) -> None:
+    # Version 9 pinned every function to the schema itself, where a role that may
+    # create there can define a better-fitting operator.
+    execute_admin(
+        database_url,
+        "ALTER FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb, "
+        "text, boolean, jsonb) SET search_path = public, pg_temp",
+    )
+    execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 10")
+    execute_admin(database_url, "DROP TABLE outbox_schema_applied")
+    with psycopg.connect(database_url) as connection:
+        assert not outbox_schema.schema_is_current(connection)
+
+    assert migrate(database_url).schema_version == outbox_schema.SCHEMA_VERSION
+
+    with psycopg.connect(database_url) as connection:
+        assert outbox_schema.schema_is_current(connection)
+    assert execute_admin(
+        database_url,
+        "SELECT proconfig FROM pg_proc WHERE proname = 'outbox_record_decision'",
+    ) == [(["search_path=pg_catalog, pg_temp"],)]

@@ -11,6 +11,7 @@ from outbox.cli import (
     build_parser,
     positive_int,
     positive_int_up_to,
+    positive_seconds,
     run_command,
     settings_from,
 )
@@ -88,6 +89,22 @@ def test_a_bounded_count_names_its_bounds() -> None:
     for text in ("0", "5"):
         with pytest.raises(argparse.ArgumentTypeError, match="between 1 and 4"):
             up_to_four(text)
+
+
+@pytest.mark.parametrize("text", ["0", "0.0001", "-1", "3601", "nan", "inf", "soon"])
+def test_a_lock_wait_must_end(text: str) -> None:
+    # A lock_timeout of 0 is Postgres's "wait forever": what --lock-timeout is there to stop.
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_seconds(text)
+
+
+def test_migrate_takes_a_lock_wait_in_seconds_and_a_number_of_tries() -> None:
+    arguments = build_parser().parse_args(
+        ["migrate", "--lock-timeout", "0.25", "--lock-tries", "3"]
+    )
+    assert (arguments.lock_timeout, arguments.lock_tries) == (0.25, 3)
+    defaults = build_parser().parse_args(["migrate"])
+    assert (defaults.lock_timeout, defaults.lock_tries) == (1.0, 10)
 
 
 def test_a_configuration_refusal_exits_2_with_one_line(
