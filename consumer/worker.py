@@ -65,7 +65,7 @@ from outbox.broker import (
 )
 from outbox.broker import connect as connect_to_broker
 from outbox.contracts import Registry
-from outbox.daemon import Daemon, is_transient_database_error
+from outbox.daemon import Daemon, database_failure_fields, is_transient_database_error
 from outbox.errors import (
     ConfigurationError,
     SchemaMissing,
@@ -214,6 +214,7 @@ class Consumer(Daemon):
                     attempt=backoff.failures,
                     error=type(error).__name__,
                     retry_in=round(delay, 2),
+                    **database_failure_fields(error, self.settings),
                 )
                 await self._sleep(delay)
                 continue

@@ -26,12 +26,18 @@ from prometheus_client import CollectorRegistry, Counter
 
 from outbox.backoff import Backoff
 from outbox.broker import BrokerUnavailable
-from outbox.errors import TransientDatabaseError
+from outbox.errors import (
+    ConfigurationError,
+    TransientDatabaseError,
+    connect_advice,
+    connect_failure,
+)
 from outbox.failover import ServerTracker
 from outbox.logs import log_fields
 from outbox.observability import serve_http
 from outbox.settings import Settings
 from outbox.signals import Stoppable
+from outbox.urls import database_name
 
 T = TypeVar("T")
 Peer = Literal["database", "broker"]
@@ -185,6 +191,11 @@ class Daemon(Stoppable):
                 peer=peer,
                 attempt=state.attempt_number,
                 error=type(error).__name__,
+                **(
+                    database_failure_fields(error, self.settings)
+                    if peer == "database" and error
+                    else {}
+                ),
             )
 
         def give_up(state: tenacity.RetryCallState) -> bool:
@@ -201,6 +212,23 @@ class Daemon(Stoppable):
         )
         connected: T = await retrying(connect)
         return connected
+
+
+def database_failure_fields(error: BaseException, settings: Settings) -> dict[str, str]:
+    """Why a daemon could not connect to Postgres, for its retry line: which database,
+    the cause in our words (never libpq's text, which can quote the URL) and, when
+    waiting will not fix it, what to do."""
+    cause = connect_failure(error)
+    fields = {"database": _database_named(settings), "cause": cause}
+    advice = connect_advice(cause)
+    return {**fields, "do": advice} if advice else fields
+
+
+def _database_named(settings: Settings) -> str:
+    try:
+        return database_name(settings.libpq_url)
+    except ConfigurationError:
+        return "(none named)"
 
 
 def freeze_startup_heap() -> None:

@@ -215,10 +215,34 @@ _CONNECT_CAUSES = tuple(
 )
 
 
+# What to do about a cause connect_failure names, where the daemon cannot fix it by
+# waiting: said once in each retry line beside the cause.
+_CONNECT_ADVICE = {
+    "the database does not exist": (
+        "create it with `outbox migrate` (it creates a missing database), or correct the "
+        "database name in OUTBOX_DATABASE_URL"
+    ),
+    "the user (role) does not exist": (
+        "create the login role, or correct the user in OUTBOX_DATABASE_URL"
+    ),
+    "password authentication failed": "correct the password in OUTBOX_DATABASE_URL",
+    "the user may not connect to this database": "GRANT CONNECT ON DATABASE to the user",
+}
+
+
 def connect_failure(error: BaseException) -> str:
     """Why connecting to Postgres failed, in words fit for any log line or message."""
+    driver_error = getattr(error, "driver_error", None)
+    if isinstance(driver_error, BaseException):
+        error = driver_error
     text = str(error)
     for pattern, cause in _CONNECT_CAUSES:
         if pattern.search(text):
             return cause
     return type(error).__name__
+
+
+def connect_advice(cause: str) -> str | None:
+    """What an operator does about a cause :func:`connect_failure` named, when waiting
+    will not fix it; None when it may (a server restarting, a network away)."""
+    return _CONNECT_ADVICE.get(cause)

@@ -8,7 +8,6 @@ should be). :mod:`outbox.settings` validates its URL settings with these.
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -157,27 +156,54 @@ def libpq_url(url: str) -> str:
     return urlunsplit(parts)
 
 
-_QUERY_PASSWORD = re.compile(r"(?i)((?:^|&)password=)[^&]*")
+# The libpq connection parameters whose value is a secret: the password, and the one
+# that unlocks the client's SSL key. (sslkey, passfile and the like name files.)
+SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
+def _is_secret_parameter(name: str) -> bool:
+    """Whether a query parameter's name is a secret one, as libpq reads it (percent-
+    decoded) or in any spelling that decodes to one: case and further percent-encoding
+    cost nothing to hide as well."""
+    for _ in range(5):
+        decoded = unquote(name)
+        if decoded.strip().lower() in SECRET_PARAMETERS:
+            return True
+        if decoded == name:
+            return False
+        name = decoded
+    return True  # encoded five times over: hidden rather than read further
+
+
+def _redacted_parameters(query: str) -> str:
+    """``query`` (``a=1&password=x``) with the value of every secret parameter hidden."""
+    pieces = []
+    for piece in query.split("&"):
+        name, equals, _ = piece.partition("=")
+        pieces.append(f"{name}=***" if equals and _is_secret_parameter(name) else piece)
+    return "&".join(pieces)
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, fit for a log line or an error message."""
+    """The URL with its password and every secret libpq parameter (:data:`SECRET_PARAMETERS`,
+    however spelled) replaced, fit for a log line or an error message."""
     parts = urlsplit(url)
-    if parts.password is None and "@" in url.partition("://")[2]:
+    if parts.password is None and "@" not in parts.netloc and "@" in url.partition("://")[2]:
         # An unencoded "#", "?" or "/" in the password ends urlsplit's netloc early, but
         # libpq reads credentials up to the "@": hide everything from the user's ":" to
-        # the last "@" rather than print the tail of a password.
+        # the last "@" rather than print the tail of a password. (An "@" in a query
+        # value, after a netloc that has its own, is not one of those.)
         scheme, _, rest = url.partition("://")
         credentials, _, host = rest.rpartition("@")
         if ":" in credentials:
             return f"{scheme}://{credentials.split(':', 1)[0]}:***@{redact_url(host)}"
-    query = _QUERY_PASSWORD.sub(r"\1***", parts.query)
-    if parts.password is None and query == parts.query:
+    query, fragment = _redacted_parameters(parts.query), _redacted_parameters(parts.fragment)
+    if parts.password is None and (query, fragment) == (parts.query, parts.fragment):
         return url
     if parts.password is not None:
         netloc = parts.netloc.rsplit("@", 1)[1]
         parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
-    return urlunsplit(parts._replace(query=query))
+    return urlunsplit(parts._replace(query=query, fragment=fragment))
 
 
 def database_name(url: str) -> str:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -90,6 +94,41 @@ async def test_a_consumer_waits_for_a_database_that_does_not_answer(
         consumer.stop()
         await asyncio.wait_for(task, timeout=REFUSES_WITHIN)
     assert not records_of(caplog, "consumer.session_ready")  # it never went on to consume
+
+
+@pytest.mark.parametrize("daemon", ["dispatcher", "consumer"])
+async def test_a_daemon_on_a_database_that_does_not_exist_names_it_and_says_what_to_do(
+    postgres_server_url: str,
+    registry: Registry,
+    caplog: pytest.LogCaptureFixture,
+    daemon: str,
+) -> None:
+    missing = f"outbox_missing_{uuid.uuid4().hex[:12]}"
+    url = urlunsplit(urlsplit(postgres_server_url)._replace(path=f"/{missing}"))
+    settings = unreachable(database_url=SecretStr(url))
+    running: Dispatcher | Consumer = (
+        Dispatcher(settings) if daemon == "dispatcher" else Consumer(settings, registry)
+    )
+    task = asyncio.create_task(running.run())
+    try:
+
+        async def told() -> bool:
+            assert not task.done(), f"the {daemon} gave up on a database that may be created"
+            return logged(
+                caplog,
+                f"{daemon}.connect_retry",
+                peer="database",
+                database=missing,
+                cause="the database does not exist",
+            )
+
+        await eventually(told, within=REFUSES_WITHIN, what=f"the {daemon} to name the database")
+    finally:
+        running.stop()
+        await asyncio.wait_for(task, timeout=REFUSES_WITHIN)
+    (line,) = {getattr(r, "do", None) for r in records_of(caplog, f"{daemon}.connect_retry")}
+    assert line is not None
+    assert "outbox migrate" in line
 
 
 async def test_a_least_privilege_consumer_passes_the_schema_check(
@@ -227,3 +266,44 @@ async def test_a_dispatcher_whose_metrics_port_is_taken_says_so_in_one_line() ->
         dispatcher = Dispatcher(unreachable(metrics_port=port))
         with pytest.raises(ConfigurationError, match="--metrics-port 0"):
             await asyncio.wait_for(dispatcher.run(), timeout=REFUSES_WITHIN)
+
+
+# --- secrets in a database URL ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("parameter", "libpq_reads_it"),
+    [("sslpassword", True), ("pass%77ord", True), ("PASSWORD", False), ("ssl%2570assword", False)],
+)
+def test_outbox_migrate_never_prints_a_secret_parameter_of_the_url(
+    database_url: str, postgres_server_url: str, parameter: str, libpq_reads_it: bool
+) -> None:
+    canary = f"Canary{uuid.uuid4().hex}"
+    outbox = str(Path(sys.executable).parent / "outbox")
+
+    def migrate_at(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [outbox, "migrate", "--database-url", f"{url}?{parameter}={canary}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=os.environ.copy(),
+            check=False,
+        )
+
+    applied = migrate_at(database_url)
+    closed = urlunsplit(urlsplit(postgres_server_url)._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    refused = migrate_at(closed)
+
+    assert canary not in applied.stdout + applied.stderr
+    assert canary not in refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    if libpq_reads_it:
+        # Applied, and then refused for the closed port: each names where, not the secret.
+        assert applied.returncode == 0, applied.stderr
+        assert f"{parameter}=***" in applied.stdout
+        assert f"{parameter}=***" in refused.stderr
+    else:
+        # A name libpq does not take: refused before anything is shown of the URL.
+        assert applied.returncode != 0
+        assert "libpq cannot read this URL" in refused.stderr
