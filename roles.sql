@@ -9,7 +9,8 @@
 -- need, and nothing more:
 --
 --   outbox_agent       record_decision: insert_decision (EXECUTE on outbox_record_decision,
---                      its only write path), get_operation_by_decision_key,
+--                      its only write path), report_agent_completed (EXECUTE on
+--                      outbox_report_agent_completed), get_operation_by_decision_key,
 --                      fingerprint_key; await_outcome: listen_operation_changes,
 --                      operation_outcomes; check_approval: latest_approval
 --   outbox_dispatcher  claim_outbox_batch, mark_outbox_published, mark_outbox_failed,
@@ -20,7 +21,8 @@
 --                      transition_operation, requeue_stale_prepared,
 --                      claim_reconciliation_batch, lease_for_reconciliation,
 --                      defer_reconciliation, escalate_undeliverable,
---                      reject_denied_operations, fingerprint_key, execution_gauges
+--                      reject_denied_operations, fingerprint_key, execution_gauges,
+--                      chain_agent_reports (EXECUTE on outbox_chain_agent_reports)
 --   outbox_operator    the `outbox ops` and `outbox approvals` commands and `outbox
 --                      console` (console_operations_page, console_operation_approvals,
 --                      console_login): reads, plus transition_operation (resolve) and
@@ -111,7 +113,7 @@ $$;
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
     outbox_schema_applied, outbox_deployment, operation_event_heads, operation_status,
-    callbacks, provider_health, provider_events, provider_calls
+    callbacks, provider_health, provider_events, provider_calls, agent_reports
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
@@ -144,6 +146,11 @@ REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, t
 -- And this one records provider callbacks, so only the callbacks role.
 REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text)
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator;
+-- The agent reports through this one; the consumer's reconciler chains what it wrote.
+REVOKE ALL ON FUNCTION outbox_report_agent_completed(uuid, jsonb)
+    FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator, outbox_callbacks;
+REVOKE ALL ON FUNCTION outbox_chain_agent_reports(integer)
+    FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_operator, outbox_callbacks;
 
 -- No temporary tables for anyone by default in this database: a temporary table is
 -- searched before any schema for a relation, and so is the one object every login can
@@ -160,11 +167,8 @@ $$;
 -- The agent service records decisions through outbox_record_decision (SECURITY
 -- DEFINER: a prepared operation, its outbox row and its operation.prepared event, and
 -- nothing else) and reads them back; it holds no INSERT on operations or outbox, so it
--- cannot write an operation any other way. Its INSERT on operation_events serves
--- agent.completed only (the operation_events_by_role trigger refuses any other name),
--- and names only the columns an append chooses: the chain trigger draws the id, the
--- sequence number, the hashes and the time. No UPDATE or DELETE anywhere: an agent can
--- decide, never execute, settle or erase.
+-- cannot write an operation any other way. It appends to no chain (below). No UPDATE or
+-- DELETE anywhere: an agent can decide, never execute, settle or erase.
 GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
     text, boolean, jsonb) TO outbox_agent;
 -- What await_outcome and record_decision read back, through the operation_status view
@@ -173,7 +177,11 @@ GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer
 -- the table itself only what check_approval compares: the id and the fingerprint.
 GRANT SELECT ON operation_status TO outbox_agent;
 GRANT SELECT (id, input_fingerprint) ON operations TO outbox_agent;
-GRANT INSERT (operation_id, name, attributes) ON operation_events TO outbox_agent;
+-- What the agent says of an operation its login recorded (agent.completed) goes through
+-- outbox_report_agent_completed, never into operation_events: an append there locks the
+-- operation's chain head until the agent's transaction ends, and the agent's
+-- transaction is the agent's. The consumer's reconciler chains the reports.
+GRANT EXECUTE ON FUNCTION outbox_report_agent_completed(uuid, jsonb) TO outbox_agent;
 -- await_outcome tells "waiting for a person's approval" from "running" by the latest
 -- approval decision, and check_approval reports whether a grant lets the effect run.
 -- Not who decided: a person's name is the operators' to read. Reading only: a grant is
@@ -213,6 +221,9 @@ GRANT SELECT ON outbox TO outbox_consumer;
 GRANT INSERT (operation_id, routing_key, available_at) ON outbox TO outbox_consumer;
 GRANT SELECT ON operation_events TO outbox_consumer;
 GRANT INSERT (operation_id, name, attributes) ON operation_events TO outbox_consumer;
+-- The reconciler moves the agents' reports into their chains (as the owner: the words
+-- are the agent's, and the consumer chooses none of them).
+GRANT EXECUTE ON FUNCTION outbox_chain_agent_reports(integer) TO outbox_consumer;
 GRANT SELECT ON approvals TO outbox_consumer;
 -- The provider breaker (outbox/breaker.py): the consumer keeps its row (creating it at
 -- a provider's first failure, locking it to decide) and appends its outages; it never

@@ -71,6 +71,10 @@ ALTER TABLE operations ADD COLUMN IF NOT EXISTS effect_possible boolean NOT NULL
 -- spends no attempt and no lookup; the contract's outage_tolerance, counted from here,
 -- is what hands it to a person. Cleared by any answer the provider gives.
 ALTER TABLE operations ADD COLUMN IF NOT EXISTS waiting_since timestamptz;
+-- Version 10: the login that recorded the decision (outbox_record_decision writes its
+-- session_user). An agent reports only on the operations its own login recorded. No
+-- default: adding the column rewrites nothing.
+ALTER TABLE operations ADD COLUMN IF NOT EXISTS recorded_by name;
 CREATE INDEX IF NOT EXISTS operations_waiting
     ON operations (tool_name) WHERE waiting_since IS NOT NULL;
 
@@ -202,11 +206,11 @@ BEGIN
     -- nobody, whatever their grants, may change it after the decision was recorded.
     IF (NEW.id, NEW.run_id, NEW.decision_key, NEW.tool_name, NEW.tool_version,
         NEW.side_effect, NEW.input, NEW.input_fingerprint, NEW.requires_approval,
-        NEW.created_at)
+        NEW.created_at, NEW.recorded_by)
        IS DISTINCT FROM
        (OLD.id, OLD.run_id, OLD.decision_key, OLD.tool_name, OLD.tool_version,
         OLD.side_effect, OLD.input, OLD.input_fingerprint, OLD.requires_approval,
-        OLD.created_at) THEN
+        OLD.created_at, OLD.recorded_by) THEN
         RAISE EXCEPTION 'operation %: its recorded intent (input, fingerprint, tool, side effect, approval requirement) cannot change', OLD.id
             USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operations_intent_frozen';
     END IF;
@@ -795,9 +799,10 @@ BEGIN
     WITH operation AS (
         INSERT INTO @schema@.operations (id, run_id, decision_key, tool_name, tool_version,
                                          side_effect, input, input_fingerprint,
-                                         requires_approval)
+                                         requires_approval, recorded_by)
         VALUES (p_id, p_run_id, p_decision_key, p_tool_name, p_tool_version,
-                p_side_effect, p_input, p_input_fingerprint, p_requires_approval)
+                p_side_effect, p_input, p_input_fingerprint, p_requires_approval,
+                session_user)
         ON CONFLICT (run_id, decision_key) DO NOTHING
         RETURNING *
     ), queued AS (
@@ -944,6 +949,102 @@ END;
 $$;
 -- A new function is executable by PUBLIC; roles.sql grants this one to outbox_callbacks.
 REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text) FROM PUBLIC;
+
+-- Version 10: what an agent says of an operation (agent.completed) waits here until a
+-- consumer chains it. An append to the chain locks the operation's head until its
+-- transaction ends, and an agent's transaction is the agent's: open as long as it
+-- likes, around as many operations as it likes. So no agent login appends to the chain
+-- (roles.sql grants it no INSERT on operation_events); it reports through
+-- outbox_report_agent_completed, which writes a row here and locks nothing a daemon
+-- takes, and outbox_chain_agent_reports, run by the consumer's reconciler in a short
+-- transaction of its own, moves committed reports into their chains. The report is
+-- bounded as the event is (a JSON object of keys agent.<name>, at most 4096 bytes).
+CREATE TABLE IF NOT EXISTS agent_reports (
+    id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    operation_id  uuid NOT NULL,
+    attributes    jsonb NOT NULL CHECK (jsonb_typeof(attributes) = 'object'
+                                        AND octet_length(attributes::text) <= 4096
+                                        AND NOT outbox_json_too_deep(attributes)),
+    reported_at   timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS agent_reports_operation ON agent_reports (operation_id);
+
+-- An agent reports only on an operation its own login recorded (or, for the owner and
+-- operators, any), at most 16 times an operation, counting what is chained and what
+-- waits. The per-operation advisory lock makes the count exact across concurrent
+-- reports; it is held to the caller's commit and stops nobody but another report on
+-- the same operation.
+CREATE OR REPLACE FUNCTION outbox_report_agent_completed(p_operation_id uuid,
+                                                        p_attributes jsonb)
+RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    recorder name;
+    reported bigint;
+BEGIN
+    -- What the chain's own checks (operation_events_by_role) will ask of the event, asked
+    -- here first: a report the chain refused would stop every report behind it.
+    IF jsonb_typeof(p_attributes) IS DISTINCT FROM 'object'
+       OR octet_length(p_attributes::text) > 4096
+       OR @schema@.outbox_json_too_deep(p_attributes)
+       OR EXISTS (SELECT 1 FROM jsonb_object_keys(p_attributes) AS k (key)
+                  WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$') THEN
+        RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
+    END IF;
+    SELECT o.recorded_by INTO recorder FROM @schema@.operations o WHERE o.id = p_operation_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no operation % to report on', p_operation_id
+            USING ERRCODE = 'foreign_key_violation', CONSTRAINT = 'agent_reports_operation';
+    END IF;
+    IF recorder IS DISTINCT FROM session_user
+       AND NOT pg_has_role(session_user, (SELECT c.relowner FROM pg_class c
+                                          WHERE c.oid = '@schema@.operations'::regclass),
+                           'MEMBER')
+       AND (to_regrole('outbox_operator') IS NULL
+            OR NOT pg_has_role(session_user, 'outbox_operator', 'MEMBER')) THEN
+        RAISE EXCEPTION 'operation % was recorded by another login: an agent reports only on its own', p_operation_id
+            USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'agent_reports_own_operations';
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended('outbox.agent_reports:' || p_operation_id::text, 0));
+    IF (SELECT count(*) FROM @schema@.agent_reports r WHERE r.operation_id = p_operation_id)
+       + (SELECT count(*) FROM @schema@.operation_events e
+          WHERE e.operation_id = p_operation_id AND e.name = 'agent.completed') >= 16 THEN
+        RAISE EXCEPTION 'operation % has its 16 agent reports already', p_operation_id
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'agent_reports_bounded';
+    END IF;
+    INSERT INTO @schema@.agent_reports (operation_id, attributes)
+    VALUES (p_operation_id, p_attributes)
+    RETURNING id INTO reported;
+    RETURN reported;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_report_agent_completed(uuid, jsonb) FROM PUBLIC;
+
+-- Move up to p_limit committed reports into their operations' chains, oldest first, as
+-- the tables' owner (so the events are the agent's words, not the caller's); returns
+-- how many. SKIP LOCKED: two reconcilers never move one report twice, and neither
+-- waits for the other. Each head is locked for this short transaction only.
+CREATE OR REPLACE FUNCTION outbox_chain_agent_reports(p_limit integer) RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    moved integer;
+BEGIN
+    WITH taken AS (
+        DELETE FROM @schema@.agent_reports r
+        WHERE r.id IN (SELECT q.id FROM @schema@.agent_reports q ORDER BY q.id
+                       LIMIT greatest(1, least(p_limit, 1000)) FOR UPDATE SKIP LOCKED)
+        RETURNING r.id, r.operation_id, r.attributes
+    ), chained AS (
+        INSERT INTO @schema@.operation_events (operation_id, name, attributes)
+        SELECT t.operation_id, 'agent.completed', t.attributes FROM taken t ORDER BY t.id
+        RETURNING 1
+    )
+    SELECT count(*) INTO moved FROM chained;
+    RETURN moved;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_chain_agent_reports(integer) FROM PUBLIC;
 
 -- Pin the search_path of every function of this schema that has a body parsed at run
 -- time (plpgsql, or SQL in quotes) to pg_catalog and then pg_temp, where no function or

@@ -177,9 +177,12 @@ class Reconciler(Stoppable):
         return requeued
 
     async def reconcile_once(self) -> int:
-        """One pass: the callbacks inbox, then unknown outcomes and expired leases;
-        returns how many callbacks and operations it took up."""
+        """One pass: the callbacks inbox, the agents' reports, then unknown outcomes and
+        expired leases; returns how many callbacks, reports and operations it took up."""
         applied_first = await self.callbacks.apply_pending()
+        # The agents' reports, in a transaction of their own: the heads they lock are
+        # held for one statement, never for an agent's transaction.
+        chained = await self.database.run_alone(store.chain_agent_reports(self.pacing.limit))
         # At most once per provider_health_refresh: a reconciler run on its own (without
         # the consumer's loop) still sees the breakers.
         await self.providers.refresh()
@@ -206,7 +209,7 @@ class Reconciler(Stoppable):
         applied.count(self.metrics)
         if lookups:
             await asyncio.gather(*(self._look_up(*lookup) for lookup in lookups))
-        return applied_first + len(candidates)
+        return applied_first + chained + len(candidates)
 
     async def _triage(
         self,

@@ -740,6 +740,14 @@ LIMIT %(limit)s
 
 -- ==== outbox.store.callbacks: the provider callbacks inbox (written by outbox_callbacks, applied by the consumer, read by operators)
 
+-- name: report_agent_completed
+-- What an agent says of an operation its login recorded (agent.completed), through the agent's write path (outbox_report_agent_completed in schema.sql): a report waiting to be chained, which locks no chain head.
+SELECT outbox_report_agent_completed(%(operation_id)s, %(attributes)s) AS report_id
+
+-- name: chain_agent_reports
+-- Move up to this many committed agent reports into their operations' chains as agent.completed events (outbox_chain_agent_reports in schema.sql); how many.
+SELECT outbox_chain_agent_reports(%(limit)s) AS chained
+
 -- name: record_callback
 -- Record one verified callback through the callbacks role's one write path (outbox_record_callback in schema.sql): recorded, duplicate (with whether the body was the same) or unmatched, and the operation it names.
 SELECT callback_id, result, matched_operation_id AS operation_id, same_payload
@@ -1060,7 +1068,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1068,6 +1076,7 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_record_callback') IS NOT NULL
        AND to_regclass('provider_health') IS NOT NULL
        AND to_regclass('provider_calls') IS NOT NULL
+       AND to_regproc('outbox_chain_agent_reports') IS NOT NULL
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2

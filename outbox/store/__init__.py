@@ -75,6 +75,7 @@ from outbox.store.operations import (
     DeliveryClaim,
     NewDecision,
     append_event,
+    chain_agent_reports,
     claim,
     claim_deliveries,
     claim_many,
@@ -86,6 +87,7 @@ from outbox.store.operations import (
     get_operation,
     outbox_rows,
     record_decision,
+    report_agent_completed,
     transition,
 )
 from outbox.store.operator import (
@@ -173,6 +175,7 @@ __all__ = [
     "backend_activity",
     "book_provider_call",
     "callbacks_of",
+    "chain_agent_reports",
     "check_approval",
     "claim",
     "claim_callback_batch",
@@ -221,6 +224,7 @@ __all__ = [
     "record_provider_answer",
     "record_provider_failure",
     "reject_denied_operations",
+    "report_agent_completed",
     "requeue_stale_prepared",
     "resolve_operation",
     "take_provider_call",

@@ -466,6 +466,25 @@ def outbox_rows(operation_id: UUID) -> Plan[list[OutboxRow]]:
     return [OutboxRow.model_validate(row) for row in rows]
 
 
+def report_agent_completed(operation_id: UUID, attributes: Mapping[str, Any]) -> Plan[int]:
+    """What an agent says of an operation its own login recorded: keys ``agent.<name>``,
+    at most 4096 bytes, 16 reports an operation. It waits, locking nothing a daemon
+    takes, until the consumer's reconciler chains it as ``agent.completed``
+    (:func:`chain_agent_reports`); returns the report's id."""
+    rows = yield Step(
+        "report_agent_completed",
+        {"operation_id": operation_id, "attributes": Jsonb(dict(attributes))},
+    )
+    return int(rows[0]["report_id"])
+
+
+def chain_agent_reports(limit: int) -> Plan[int]:
+    """Move up to ``limit`` committed agent reports into their operations' chains, in
+    this transaction (keep it short: each head stays locked to its end); how many."""
+    rows = yield Step("chain_agent_reports", {"limit": limit})
+    return int(rows[0]["chained"])
+
+
 def append_event(
     operation: Operation, name: EventName, attributes: Mapping[str, lifecycle.Scalar]
 ) -> Plan[None]:

@@ -162,7 +162,11 @@ class Writes:
             "INSERT INTO operation_events (operation_id, name, attributes) "
             "VALUES (%s, %s, %s::jsonb)"
         )
-        self.attempt(AGENT, event, (target, "agent.completed", value))
+        # Its report of the operation, as the value itself and inside its own namespace;
+        # the reconciler chains what is kept while the daemons run below.
+        report = "SELECT outbox_report_agent_completed(%s, %s::jsonb)"
+        self.attempt(AGENT, report, (target, value))
+        self.attempt(AGENT, report, (target, '{"agent.note": ' + value + "}"))
         # The consumer: an event, a result, a reference, a queued row, a time.
         self.attempt(CONSUMER, event, (target, "operation.requeued", value))
         self.attempt(
@@ -219,7 +223,11 @@ def settled(database_url: str) -> Callable[[], Any]:
         rows = await asyncio.to_thread(
             execute_admin, database_url, "SELECT state FROM operations GROUP BY state"
         )
-        return {S(state) for (state,) in rows} <= ENDINGS
+        # And every agent report kept is in its chain: none stopped the ones behind it.
+        waiting = await asyncio.to_thread(
+            execute_admin, database_url, "SELECT count(*) FROM agent_reports"
+        )
+        return {S(state) for (state,) in rows} <= ENDINGS and waiting == [(0,)]
 
     return check
 

@@ -68,6 +68,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "operation_outcomes",
         "operation_outcomes_changed",
         "latest_approval",
+        # agent.completed, reported without a lock on any chain head.
+        "report_agent_completed",
     },
     DISPATCHER: {
         "listen_outbox_pending",
@@ -120,6 +122,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "share_provider_health",
         "take_provider_call",
         "give_back_provider_call",
+        # The reconciler chains the agents' reports.
+        "chain_agent_reports",
     },
     OPERATOR: {
         "list_operation_summaries",

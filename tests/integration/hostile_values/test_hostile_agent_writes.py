@@ -169,13 +169,13 @@ def test_the_agents_events_are_its_own_words_and_bounded(
 
     error = refused(
         login(AGENT),
-        "INSERT INTO operation_events (operation_id, name, attributes) "
-        "VALUES (%s, 'agent.completed', %s::jsonb)",
+        "SELECT outbox_report_agent_completed(%s, %s::jsonb)",
         (operation.id, attributes),
     )
 
     assert isinstance(error, psycopg.errors.CheckViolation)
     assert [n for n, _ in events_of(database_url, operation.id)] == ["operation.prepared"]
+    assert execute_admin(database_url, "SELECT count(*) FROM agent_reports") == [(0,)]
 
 
 # --- approvals: a grant writes its event, at the database's clock, for at most 7 days --

@@ -130,6 +130,11 @@ def test_the_agent_records_decisions_and_reads_them_back(
             run_id="r",
             decision_key="large",
         )
+    # What it says of its own operation waits for the reconciler, outside the chain.
+    with psycopg.connect(agent) as connection:
+        Store(connection).run(
+            outbox_store.report_agent_completed(first.operation.id, {"agent.outcome": "ok"})
+        )
     running = await_outcome_sync(agent, first, timeout=0)
     waiting = asyncio.run(await_outcome(agent, large, timeout=0))
     with psycopg.connect(agent) as connection:
@@ -279,6 +284,9 @@ def test_the_consumer_executes_reconciles_and_escalates(
             )
         )
     gave_up = advance(consumer, run(consumer, outbox_store.get_operation(unknown.id)), S.ESCALATED)
+    # It chains what the agents reported (one, by the owner here, on the stale one).
+    run(roles_database, outbox_store.report_agent_completed(stale.id, {"agent.outcome": "x"}))
+    assert run(consumer, outbox_store.chain_agent_reports(10)) == 1
     # A burst of deliveries: loaded, claimed and committed together.
     burst = new_operation(roles_database, registry)
     assert run(consumer, outbox_store.find_operations([burst.id])) == {burst.id: burst}

@@ -96,7 +96,6 @@ _QUEUE = frozenset({"operation_id", "routing_key", "available_at"})
 COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
     AGENT: {
         ("operations", "SELECT"): frozenset({"id", "input_fingerprint"}),
-        ("operation_events", "INSERT"): _APPEND,
         ("approvals", "SELECT"): frozenset(
             {"id", "operation_id", "intent_hash", "decision", "expires_at", "created_at"}
         ),

@@ -15,13 +15,15 @@ from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 
 from consumer.worker import Consumer
-from outbox import Operation, Registry, Settings
+from outbox import Operation, Registry, Settings, record_decision
 from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.errors import DatabaseError
 from outbox.models import ApprovalDecision
+from outbox.store.runner import Store
 
+from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value
 from support.logins import Login
 from support.roles_cases import (
@@ -321,7 +323,7 @@ def test_no_role_not_even_the_owner_inserts_an_operation_that_looks_executed(
 @pytest.mark.parametrize(
     "name", ["operation.resolved", "operation.committed", "operation.prepared"]
 )
-def test_the_agent_appends_no_event_but_its_own(
+def test_the_agent_appends_no_event_at_all(
     login: Login, roles_database: str, seeded: dict[str, Operation], name: str
 ) -> None:
     agent = login(AGENT)
@@ -329,7 +331,7 @@ def test_the_agent_appends_no_event_but_its_own(
 
     with (
         psycopg.connect(agent) as connection,
-        pytest.raises(psycopg.errors.InsufficientPrivilege, match="may not append"),
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"),
     ):
         connection.execute(
             "INSERT INTO operation_events (operation_id, name, attributes) VALUES (%s, %s, %s)",
@@ -339,46 +341,108 @@ def test_the_agent_appends_no_event_but_its_own(
     assert snapshot(roles_database) == before
 
 
-def test_the_agent_may_append_agent_completed(
-    login: Login, roles_database: str, seeded: dict[str, Operation]
+def recorded_by(login_url: str, registry: Registry) -> Operation:
+    """A refund decided as ``login_url``'s user, in its own transaction."""
+    with psycopg.connect(login_url) as connection:
+        return record_decision(
+            connection, registry, "send_refund", {"payment_id": "p", "amount_cents": 1}, run_id="r"
+        ).operation
+
+
+def test_the_agent_reports_on_its_own_operation_and_the_reconciler_chains_it(
+    login: Login, roles_database: str, registry: Registry
 ) -> None:
     agent = login(AGENT)
-
+    own = recorded_by(agent, registry)
     with psycopg.connect(agent) as connection:
-        connection.execute(
-            "INSERT INTO operation_events (operation_id, name) VALUES (%s, 'agent.completed')",
-            (seeded["waiting"].id,),
+        Store(connection).run(
+            outbox_store.report_agent_completed(own.id, {"agent.outcome": "refund_confirmed"})
         )
+    # Not in the chain yet: it waits for a consumer, and holds no head meanwhile.
+    names = [e.name for e in run(roles_database, outbox_store.events(own.id))]
+    assert names == ["operation.prepared"]
 
-    names = [e.name for e in run(roles_database, outbox_store.events(seeded["waiting"].id))]
-    assert names[-1] == "agent.completed"
+    assert run(login(CONSUMER), outbox_store.chain_agent_reports(100)) == 1
 
-
-def test_the_agent_appends_to_the_evidence_chain_without_choosing_its_link(
-    login: Login, roles_database: str, seeded: dict[str, Operation]
-) -> None:
-    """The chain trigger runs as the owner: the agent needs no grant on the heads, and no
-    INSERT of a role names the link (its grant is on the columns an append chooses); the
-    trigger writes the real one."""
-    agent = login(AGENT)
-
-    with psycopg.connect(agent) as connection:
-        with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            connection.execute(
-                "INSERT INTO operation_events (operation_id, name, seq, prev_hash, hash) "
-                "VALUES (%s, 'agent.completed', 1, NULL, '\\x00')",
-                (seeded["waiting"].id,),
-            )
-        connection.rollback()
-        connection.execute(
-            "INSERT INTO operation_events (operation_id, name) VALUES (%s, 'agent.completed')",
-            (seeded["waiting"].id,),
-        )
-
-    report = run(roles_database, outbox_store.verify_chain(seeded["waiting"].id))
+    events = run(roles_database, outbox_store.events(own.id))
+    assert [e.name for e in events] == ["operation.prepared", "agent.completed"]
+    assert events[-1].attributes == {"agent.outcome": "refund_confirmed"}
+    report = run(roles_database, outbox_store.verify_chain(own.id))
     assert report.intact
-    events = run(roles_database, outbox_store.events(seeded["waiting"].id))
-    assert report.events_checked == len(events)
+    assert report.events_checked == 2
+    assert run(login(CONSUMER), outbox_store.chain_agent_reports(100)) == 0
+
+
+def test_the_agent_reports_only_on_what_its_own_login_recorded(
+    login: Login, roles_database: str, seeded: dict[str, Operation]
+) -> None:
+    # Recorded by the tables' owner, not by this login.
+    agent = login(AGENT)
+
+    with (
+        psycopg.connect(agent) as connection,
+        pytest.raises(DatabaseError, match="agent_reports_own_operations"),
+    ):
+        Store(connection).run(
+            outbox_store.report_agent_completed(seeded["waiting"].id, {"agent.outcome": "x"})
+        )
+    with (
+        psycopg.connect(agent) as connection,
+        pytest.raises(DatabaseError, match="agent_reports_operation"),
+    ):
+        Store(connection).run(
+            outbox_store.report_agent_completed(uuid.uuid4(), {"agent.outcome": "x"})
+        )
+
+    assert execute_admin(roles_database, "SELECT count(*) FROM agent_reports") == [(0,)]
+
+
+def test_an_operation_takes_sixteen_agent_reports_at_most(
+    login: Login, roles_database: str, registry: Registry
+) -> None:
+    agent = login(AGENT)
+    own = recorded_by(agent, registry)
+    for number in range(16):
+        with psycopg.connect(agent) as connection:
+            Store(connection).run(outbox_store.report_agent_completed(own.id, {"agent.n": number}))
+        if number == 7:  # some chained, some waiting: both count
+            run(login(CONSUMER), outbox_store.chain_agent_reports(100))
+
+    with (
+        psycopg.connect(agent) as connection,
+        pytest.raises(DatabaseError, match="agent_reports_bounded"),
+    ):
+        Store(connection).run(outbox_store.report_agent_completed(own.id, {"agent.n": 16}))
+
+    run(login(CONSUMER), outbox_store.chain_agent_reports(100))
+    names = [e.name for e in run(roles_database, outbox_store.events(own.id))]
+    assert names.count("agent.completed") == 16
+
+
+def test_an_agent_transaction_left_open_holds_no_operation_back(
+    login: Login, roles_database: str, registry: Registry
+) -> None:
+    # Before version 10 an agent's INSERT of agent.completed, left open, locked the
+    # operation's chain head: every transition of it waited, and a consumer's lease ran
+    # out. Now the report locks nothing a daemon takes.
+    agent = login(AGENT)
+    own = recorded_by(agent, registry)
+    with psycopg.connect(agent) as held:
+        Store(held).run(outbox_store.report_agent_completed(own.id, {"agent.outcome": "x"}))
+        # The agent's transaction stays open while the consumer claims and moves it,
+        # with a lock_timeout that turns any wait into an error.
+        with psycopg.connect(login(CONSUMER)) as consumer:
+            consumer.execute("SET lock_timeout = '2s'")
+            claimed = Store(consumer).run(
+                outbox_store.claim(own.id, owner="worker-1", lease=timedelta(seconds=30))
+            )
+            assert claimed is not None
+        assert run(login(CONSUMER), outbox_store.chain_agent_reports(100)) == 0  # not committed
+        held.rollback()
+
+    assert execute_admin(
+        roles_database, "SELECT state FROM operations WHERE id = %s", (own.id,)
+    ) == [("in_flight",)]
 
 
 @pytest.mark.parametrize("group", outbox_schema.ROLES)
