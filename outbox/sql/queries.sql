@@ -174,6 +174,18 @@ FROM operation_events
 WHERE operation_id = %(operation_id)s
 ORDER BY id
 
+-- name: last_escalations
+-- The latest move to escalated of each of these operations, with its reason and time: one backward index scan per operation that stops at the first, whatever the timeline's length.
+SELECT o.id AS operation_id, last.reason, last.created_at
+FROM unnest(%(ids)b::uuid[]) AS o (id)
+CROSS JOIN LATERAL (
+    SELECT e.attributes->>'reason' AS reason, e.created_at
+    FROM operation_events e
+    WHERE e.operation_id = o.id AND e.name = 'operation.escalated'
+    ORDER BY e.id DESC
+    LIMIT 1
+) AS last
+
 -- name: list_outbox_rows
 -- The outbox rows of one operation, oldest first.
 SELECT id, operation_id, routing_key, headers, created_at, available_at, published_at,

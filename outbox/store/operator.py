@@ -99,6 +99,17 @@ def list_operation_summaries(
     return [OperationSummary.from_row(row) for row in rows]
 
 
+def last_escalations(
+    operation_ids: list[UUID],
+) -> Plan[dict[UUID, tuple[str | None, datetime]]]:
+    """Each operation's latest move to ``escalated``: its reason (None when it wrote
+    none) and time, in one round trip; operations never escalated are absent."""
+    if not operation_ids:
+        return {}
+    rows = yield Step("last_escalations", {"ids": operation_ids})
+    return {row["operation_id"]: (row["reason"], row["created_at"]) for row in rows}
+
+
 def operations_with_prefix(hex_prefix: str) -> Plan[list[UUID]]:
     """At most two operation ids that start with ``hex_prefix`` (lowercase hex digits,
     no dashes): one when a short id names a single operation, two when it is ambiguous.

@@ -41,12 +41,12 @@ def test_migrate_creates_a_missing_database_then_is_a_no_op(missing_database_url
 
     assert first.returncode == 0, first.stderr
     assert "did not exist: created it" in first.stdout
-    assert "schema version 9 is applied" in first.stdout
+    assert f"schema version {outbox_schema.SCHEMA_VERSION} is applied" in first.stdout
     assert second.returncode == 0, second.stderr
     assert "created" not in second.stdout
-    assert "schema version 9 is applied" in second.stdout
+    assert f"schema version {outbox_schema.SCHEMA_VERSION} is applied" in second.stdout
     with psycopg.connect(missing_database_url) as connection:
-        assert outbox_schema.schema_version(connection) == 9
+        assert outbox_schema.schema_version(connection) == outbox_schema.SCHEMA_VERSION
 
 
 def test_migrate_against_an_unreachable_server_fails_clearly_without_the_password() -> None:

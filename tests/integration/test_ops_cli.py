@@ -180,6 +180,30 @@ def test_a_list_of_escalations_says_why_each_waits_and_for_how_long(cli: Cli, op
     assert "ESCALATED BECAUSE" not in cli.ok("ops", "list")
 
 
+def test_the_escalation_shown_is_the_latest_and_reads_no_timeline(
+    cli: Cli, ops: Ops, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An escalated operation whose timeline runs on past its escalation (an agent's
+    # reports, callbacks): the listing reads its newest escalation alone, never the whole
+    # timeline, which made one page of 100,000 events take seconds and hundreds of MB.
+    escalated = ops.escalated_at_claim("tampered", check="fingerprint_mismatch")
+    execute_admin(
+        database_url,
+        "INSERT INTO operation_events (operation_id, name, attributes) "
+        "SELECT %s, 'agent.completed', jsonb_build_object('agent.n', n) "
+        "FROM generate_series(1, 500) AS n",
+        (escalated.id,),
+    )
+
+    def no_timelines(operation_id: object) -> object:
+        raise AssertionError("the escalations listing read a whole timeline")
+
+    monkeypatch.setattr(outbox_store, "events", no_timelines)
+    (listed_row,) = listed(cli, "--state", "escalated")
+
+    assert listed_row["escalation"]["reason"] == "tampered"
+
+
 def test_list_refuses_a_malformed_since(cli: Cli) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli("ops", "list", "--since", "yesterday")

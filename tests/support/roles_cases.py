@@ -127,6 +127,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     OPERATOR: {
         "list_operation_summaries",
+        # The reason and time of each escalated operation's latest escalation.
+        "last_escalations",
         # `ops show op_74ca7733`: the short id the console prints.
         "operation_ids_in_range",
         "get_operation",

@@ -163,6 +163,7 @@ STORE = [
     "fingerprint_key",
     "get_operation",
     "give_back_provider_call",
+    "last_escalations",
     "lease_for_reconciliation",
     "list_callbacks",
     "list_operation_summaries",
