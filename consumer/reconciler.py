@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import traceback
@@ -36,7 +37,7 @@ from outbox.bounds import is_unreadable
 from outbox.breaker import Failure, Go, Hold, Probe, could_not_reach
 from outbox.contracts import Registry, ToolContract
 from outbox.daemon import is_transient_database_error
-from outbox.errors import IllegalTransition, OutboxError, ToolNotRegistered
+from outbox.errors import DatabaseError, IllegalTransition, OutboxError, ToolNotRegistered
 from outbox.metrics import ConsumerMetrics
 from outbox.models import Callback, Operation
 from outbox.outcomes import (
@@ -85,6 +86,7 @@ class Reconciler(Stoppable):
             settings, registry, metrics, database, worker_id=worker_id
         )
         self.callbacks = Callbacks(registry, metrics, database, batch=settings.reconcile_batch)
+        self._report_refusal_said_at = -math.inf
         self.pacing = AIMDLimit(
             most=settings.reconcile_batch,
             on_change=lambda limit: metrics.limit.labels("reconcile_batch").set(limit),
@@ -180,9 +182,7 @@ class Reconciler(Stoppable):
         """One pass: the callbacks inbox, the agents' reports, then unknown outcomes and
         expired leases; returns how many callbacks, reports and operations it took up."""
         applied_first = await self.callbacks.apply_pending()
-        # The agents' reports, in a transaction of their own: the heads they lock are
-        # held for one statement, never for an agent's transaction.
-        chained = await self.database.run_alone(store.chain_agent_reports(self.pacing.limit))
+        chained = await self._chain_agent_reports()
         # At most once per provider_health_refresh: a reconciler run on its own (without
         # the consumer's loop) still sees the breakers.
         await self.providers.refresh()
@@ -210,6 +210,28 @@ class Reconciler(Stoppable):
         if lookups:
             await asyncio.gather(*(self._look_up(*lookup) for lookup in lookups))
         return applied_first + chained + len(candidates)
+
+    async def _chain_agent_reports(self) -> int:
+        """Move the agents' committed reports into their chains, in a transaction of its
+        own: the heads it locks are held for one statement, never for an agent's
+        transaction. A refusal (a database migrated without `outbox migrate --roles`
+        since version 10, whose consumer may not run the function) is said, once a
+        minute at most, and costs the pass nothing else: reports wait, unknown outcomes
+        do not."""
+        try:
+            return await self.database.run_alone(store.chain_agent_reports(self.pacing.limit))
+        except DatabaseError as error:
+            if is_transient_database_error(error):
+                raise
+            if time.monotonic() >= self._report_refusal_said_at + 60:
+                self._report_refusal_said_at = time.monotonic()
+                log(
+                    logging.ERROR,
+                    "consumer.agent_reports_refused",
+                    "the agents' reports could not be chained; run outbox migrate --roles",
+                    error=type(error).__name__,
+                )
+            return 0
 
     async def _triage(
         self,

@@ -26,6 +26,7 @@ from outbox.store.runner import Store
 from support.db_helpers import execute_admin
 from support.dispatch_helpers import counter_value
 from support.logins import Login
+from support.logs import logged
 from support.roles_cases import (
     AGENT,
     CALLBACKS,
@@ -549,3 +550,36 @@ def test_nobody_rewrites_a_recorded_intent(
         )
 
     assert snapshot(roles_database) == before
+
+
+async def test_a_consumer_that_may_not_chain_reports_still_reconciles(
+    login: Login,
+    roles_database: str,
+    registry: Registry,
+    settings: Settings,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent, consumer_user = login(AGENT), login(CONSUMER)
+    own = recorded_by(agent, registry)
+    with psycopg.connect(agent) as connection:
+        Store(connection).run(outbox_store.report_agent_completed(own.id, {"agent.outcome": "x"}))
+    unknown = advance(roles_database, new_operation(roles_database, registry), S.IN_FLIGHT)
+    unknown = advance(roles_database, unknown, S.OUTCOME_UNKNOWN)
+    # As a database migrated to version 10 without --roles looks to its consumer.
+    execute_admin(
+        roles_database,
+        "REVOKE EXECUTE ON FUNCTION outbox_chain_agent_reports(integer) FROM outbox_consumer",
+    )
+    consumer = Consumer(
+        settings.model_copy(update={"database_url": SecretStr(consumer_user)}), registry
+    )
+    try:
+        await consumer.reconciler.reconcile_once()
+    finally:
+        await consumer.close()
+
+    assert logged(caplog, "consumer.agent_reports_refused")
+    assert execute_admin(roles_database, "SELECT count(*) FROM agent_reports") == [(1,)]
+    # The pass went on to the unknown outcome: looked up and settled, not left behind.
+    after = run(roles_database, outbox_store.get_operation(unknown.id))
+    assert after.state is not S.OUTCOME_UNKNOWN or after.reconcile_attempts > 0
