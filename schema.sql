@@ -162,6 +162,20 @@ RETURN jsonb_build_object(
     'outbox.unreadable', jsonb_build_object('reason', p_reason, 'bytes', p_bytes)
 );
 
+-- Whether a value is not what an agent may say (agent.completed's attributes, and a
+-- report that waits to become one): a JSON object within 4096 bytes (jsonb text) and 64
+-- levels, every key agent.<name>. The one statement of the rule: the events' trigger,
+-- the agent's report function and the reports' table all ask it.
+CREATE OR REPLACE FUNCTION outbox_agent_words_refused(p_value jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE
+    WHEN jsonb_typeof(p_value) IS DISTINCT FROM 'object' THEN true
+    ELSE octet_length(p_value::text) > 4096
+         OR outbox_json_too_deep(p_value)
+         OR EXISTS (SELECT 1 FROM jsonb_object_keys(p_value) AS k (key)
+                    WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$')
+END;
+
 -- A timestamp a role may write: finite, and one Python can hold (year 1 to 9999) with
 -- room to spare; none of the runtime's waits is longer than 30 days.
 --
@@ -342,10 +356,8 @@ BEGIN
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_attributes_bounded';
     END IF;
     IF EXISTS (SELECT 1 FROM appended a
-               WHERE a.name = 'agent.completed' AND (
-                   octet_length(a.attributes::text) > 4096
-                   OR EXISTS (SELECT 1 FROM jsonb_object_keys(a.attributes) AS k (key)
-                              WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$'))) THEN
+               WHERE a.name = 'agent.completed'
+                 AND @schema@.outbox_agent_words_refused(a.attributes)) THEN
         RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
     END IF;
@@ -958,13 +970,11 @@ REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text
 -- outbox_report_agent_completed, which writes a row here and locks nothing a daemon
 -- takes, and outbox_chain_agent_reports, run by the consumer's reconciler in a short
 -- transaction of its own, moves committed reports into their chains. The report is
--- bounded as the event is (a JSON object of keys agent.<name>, at most 4096 bytes).
+-- bounded as the event is (outbox_agent_words_refused).
 CREATE TABLE IF NOT EXISTS agent_reports (
     id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     operation_id  uuid NOT NULL,
-    attributes    jsonb NOT NULL CHECK (jsonb_typeof(attributes) = 'object'
-                                        AND octet_length(attributes::text) <= 4096
-                                        AND NOT outbox_json_too_deep(attributes)),
+    attributes    jsonb NOT NULL CHECK (NOT outbox_agent_words_refused(attributes)),
     reported_at   timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX IF NOT EXISTS agent_reports_operation ON agent_reports (operation_id);
@@ -984,11 +994,7 @@ DECLARE
 BEGIN
     -- What the chain's own checks (operation_events_by_role) will ask of the event, asked
     -- here first: a report the chain refused would stop every report behind it.
-    IF jsonb_typeof(p_attributes) IS DISTINCT FROM 'object'
-       OR octet_length(p_attributes::text) > 4096
-       OR @schema@.outbox_json_too_deep(p_attributes)
-       OR EXISTS (SELECT 1 FROM jsonb_object_keys(p_attributes) AS k (key)
-                  WHERE k.key !~ '^agent\.[a-z][a-z0-9_]{0,63}$') THEN
+    IF @schema@.outbox_agent_words_refused(p_attributes) THEN
         RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
     END IF;

@@ -52,9 +52,9 @@ def test_the_schemas_numbers_are_the_ones_python_enforces() -> None:
     assert f"$.**{{{MAX_JSON_DEPTH}}}" in _function("outbox_json_too_deep")
     assert f"> {MAX_STORED_INPUT_TEXT}" in _function("outbox_guard_birth")
     assert f"> {MAX_ATTRIBUTES_TEXT}" in _function("outbox_guard_event_names")
-    assert f"> {MAX_AGENT_ATTRIBUTES_TEXT}" in _function("outbox_guard_event_names")
+    assert f"> {MAX_AGENT_ATTRIBUTES_TEXT}" in _function("outbox_agent_words_refused")
     assert bounds.AGENT_ATTRIBUTE_KEY.pattern.replace("\\", "") in _function(
-        "outbox_guard_event_names"
+        "outbox_agent_words_refused"
     ).replace("\\", "")
     assert f"> {MAX_RESULT_TEXT}" in _function("outbox_guard_transition")
     assert f"> {MAX_PROVIDER_REFERENCE}" in _function("outbox_guard_transition")
