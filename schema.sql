@@ -902,17 +902,36 @@ CREATE TRIGGER callbacks_guard
     BEFORE INSERT OR UPDATE ON callbacks
     FOR EACH ROW EXECUTE FUNCTION outbox_guard_callback();
 
+-- Version 11: the key of the advisory lock that orders a callback's recording against
+-- the reconciler's decision on its operation (below). One statement of it, so the
+-- function that records and the queries that decide (claim_reconciliation_batch,
+-- lock_operation in outbox/sql/queries.sql) cannot disagree.
+CREATE OR REPLACE FUNCTION outbox_callback_lock_key(p_operation_id uuid) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN hashtextextended('outbox.callback:' || p_operation_id::text, 0);
+
 -- The callbacks role's one write path (roles.sql grants outbox_callbacks EXECUTE on it
 -- and nothing else). Finds the operation the callback names, by id or else by the
--- provider's reference, and takes a share lock on its row until the caller commits: the
--- reconciler decides with that row locked, so a callback either lands before a decision
--- (which then includes it) or waits for it (and is applied to what it wrote), and the
--- reconciler's SKIP LOCKED scan passes over an operation whose callback is being
--- recorded. Then the inbox row, once per (provider, event id): a redelivery writes
--- nothing and says whether it carried the same body. A matched callback is also an
--- operation.callback_received event in that operation's chain, with attributes this
--- function builds from its own arguments. It moves no operation. Every value is bounded
--- by the table's checks; the times are the database's.
+-- provider's reference, then the inbox row, once per (provider, event id): a redelivery
+-- writes nothing and says whether it carried the same body. It moves no operation, and
+-- every value is bounded by the table's checks; the times are the database's.
+--
+-- Version 11: it locks nothing a daemon's write waits for. The caller's transaction is
+-- the caller's, open as long as it likes, so it neither takes the operation's row (a
+-- share lock there stopped the consumer recording an attempt's outcome until the
+-- caller committed) nor appends to the chain (the head stays locked to the commit):
+-- the operation.callback_received event is chained when the consumer applies the
+-- callback (outbox_chain_callback, below), in the consumer's own short transaction.
+-- What keeps the reconciler from deciding around a callback being recorded is a
+-- shared advisory lock on the operation (outbox_callback_lock_key), held to the
+-- caller's commit: the reconciler's scan (claim_reconciliation_batch) passes over an
+-- operation whose key another session holds, and decides it once the callback
+-- committed, with it. Nobody waits for that lock. This function only tries it: held
+-- exclusively, the reconciler is deciding, and the callback, committed now or later,
+-- is applied to what the decision wrote, as one that came a moment later would be.
+-- And any login may take an advisory lock, so the scan passes over a held key for at
+-- most 10 s of the operation being due: past that, a holder is a stuck or hostile
+-- session, not a callback being recorded.
 CREATE OR REPLACE FUNCTION outbox_record_callback(
     p_provider text, p_event_id text, p_status text, p_operation_id uuid,
     p_provider_reference text, p_payload_digest text
@@ -925,14 +944,16 @@ DECLARE
     earlier record;
 BEGIN
     IF p_operation_id IS NOT NULL THEN
-        SELECT o.id INTO matched FROM @schema@.operations o WHERE o.id = p_operation_id FOR SHARE;
+        SELECT o.id INTO matched FROM @schema@.operations o WHERE o.id = p_operation_id;
     END IF;
     IF matched IS NULL AND p_provider_reference IS NOT NULL THEN
         SELECT o.id INTO matched FROM @schema@.operations o
         WHERE o.provider_reference = p_provider_reference
         ORDER BY o.created_at, o.id
-        LIMIT 1
-        FOR SHARE;
+        LIMIT 1;
+    END IF;
+    IF matched IS NOT NULL THEN
+        PERFORM pg_try_advisory_xact_lock_shared(@schema@.outbox_callback_lock_key(matched));
     END IF;
     INSERT INTO @schema@.callbacks AS c (provider, event_id, status, named_operation_id,
                                          operation_id, provider_reference, payload_digest,
@@ -948,19 +969,38 @@ BEGIN
                             earlier.payload_digest = p_payload_digest;
         RETURN;
     END IF;
-    IF matched IS NOT NULL THEN
-        INSERT INTO @schema@.operation_events (operation_id, name, attributes)
-        VALUES (matched, 'operation.callback_received',
-                jsonb_strip_nulls(jsonb_build_object(
-                    'callback', recorded, 'provider', p_provider, 'status', p_status,
-                    'provider_reference', p_provider_reference)));
-    END IF;
     RETURN QUERY SELECT recorded, CASE WHEN matched IS NULL THEN 'unmatched' ELSE 'recorded' END,
                         matched, true;
 END;
 $$;
--- A new function is executable by PUBLIC; roles.sql grants this one to outbox_callbacks.
 REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text) FROM PUBLIC;
+
+-- Version 11: a matched callback enters its operation's chain as an
+-- operation.callback_received event when the consumer applies it (sets its outcome,
+-- once: outbox_guard_callback), in the consumer's transaction, before what it does to
+-- the operation. Built from the inbox row, which nobody can change, so the consumer
+-- chains what the provider reported and nothing it chose; as the tables' owner, since
+-- the consumer may not append that event itself (operation_events_by_role).
+CREATE OR REPLACE FUNCTION outbox_chain_callback() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    INSERT INTO @schema@.operation_events (operation_id, name, attributes)
+    VALUES (NEW.operation_id, 'operation.callback_received',
+            jsonb_strip_nulls(jsonb_build_object(
+                'callback', NEW.id, 'provider', NEW.provider, 'status', NEW.status,
+                'provider_reference', NEW.provider_reference,
+                'received_at', NEW.received_at)));
+    RETURN NULL;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_chain_callback() FROM PUBLIC;
+
+DROP TRIGGER IF EXISTS callbacks_chain_received ON callbacks;
+CREATE TRIGGER callbacks_chain_received
+    AFTER UPDATE OF outcome ON callbacks
+    FOR EACH ROW
+    WHEN (OLD.outcome IS NULL AND NEW.outcome IS NOT NULL AND NEW.operation_id IS NOT NULL)
+    EXECUTE FUNCTION outbox_chain_callback();
 
 -- Version 10: what an agent says of an operation (agent.completed) waits here until a
 -- consumer chains it. An append to the chain locks the operation's head until its
@@ -1151,3 +1191,4 @@ INSERT INTO outbox_schema_version (version) VALUES (7) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (9) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (11) ON CONFLICT (version) DO NOTHING;

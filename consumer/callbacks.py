@@ -148,6 +148,13 @@ class Callbacks:
         decision: CallbackDecision,
         applied: Applied,
     ) -> Operation:
+        if callback.outcome is None:
+            # First: marking it applied chains its operation.callback_received event
+            # (the callbacks_chain_received trigger), so the timeline shows the callback
+            # before what it did. A success applied earlier as evidence that now
+            # contradicts a lookup keeps the outcome it was given: written once.
+            await runner.run(store.mark_callback(callback, decision.outcome))
+            applied.outcomes[(contract.name, decision.outcome)] += 1
         if decision.contradiction is not None:
             attributes: dict[str, str | int | None] = {
                 "reason": decision.contradiction,
@@ -174,9 +181,4 @@ class Callbacks:
             applied.moved.append(operation)
             if operation.state is S.ESCALATED:
                 applied.escalated[contract.name] += 1
-        if callback.outcome is None:
-            # A success applied earlier as evidence that now contradicts a lookup keeps the
-            # outcome it was given: an outcome is written once.
-            await runner.run(store.mark_callback(callback, decision.outcome))
-            applied.outcomes[(contract.name, decision.outcome)] += 1
         return operation

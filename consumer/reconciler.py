@@ -193,8 +193,9 @@ class Reconciler(Stoppable):
             runner = await AsyncStore.on(connection)
             await self.database.remember_fingerprint_key(runner)
             candidates = await runner.run(store.claim_reconciliation_batch(self.pacing.limit))
-            # Read after the rows were locked: a callback recorded from here on waits for
-            # this transaction, one recorded before it is decided with.
+            # Read after the rows were locked: a callback committed before is decided
+            # with, one being recorded kept its operation out of this batch (for its
+            # first 10 s due), one committed from here on is applied to what this writes.
             callbacks = await self.callbacks.pending_of(runner, candidates) if candidates else {}
             for operation in candidates:
                 try:
@@ -485,7 +486,7 @@ class Reconciler(Stoppable):
         self, runner: AsyncStore, operation: Operation, contract: ToolContract[Any]
     ) -> Callback | None:
         """A success callback of the contract's provider for ``operation``, read after its
-        row is locked: one recorded from here on waits for this transaction."""
+        row is locked: one committed from here on is applied to what this decides."""
         await runner.run(store.lock_operation(operation.id))
         callbacks = (await runner.run(store.callbacks_of([operation.id]))).get(operation.id, [])
         for callback in callbacks:

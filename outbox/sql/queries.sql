@@ -362,16 +362,23 @@ LISTEN outbox_pending
 -- ==== outbox.store.reconcile: the reconciler's leases, lookups and endings
 
 -- name: claim_reconciliation_batch
--- Lock unknown outcomes due for a lookup and in-flight operations whose lease expired, skipping rows others hold.
-SELECT *
-FROM operations
-WHERE (state = 'outcome_unknown'
-       AND next_attempt_at <= clock_timestamp()
-       AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp()))
-   OR (state = 'in_flight' AND lease_expires_at < clock_timestamp())
+-- Lock unknown outcomes due for a lookup and in-flight operations whose lease expired, skipping rows others hold and, for their first 10 s due, operations whose callback is being recorded (another session holds their callback lock: outbox_record_callback in schema.sql). The callback lock is taken here, exclusively, to the transaction's end.
+WITH due AS MATERIALIZED (
+    SELECT *
+    FROM operations
+    WHERE (state = 'outcome_unknown'
+           AND next_attempt_at <= clock_timestamp()
+           AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp()))
+       OR (state = 'in_flight' AND lease_expires_at < clock_timestamp())
+    ORDER BY next_attempt_at
+    LIMIT %(limit)s
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+SELECT * FROM due
+WHERE pg_try_advisory_xact_lock(outbox_callback_lock_key(id))
+   OR greatest(next_attempt_at, coalesce(lease_expires_at, next_attempt_at))
+      < clock_timestamp() - interval '10 seconds'
 ORDER BY next_attempt_at
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED
 
 -- name: lease_for_reconciliation
 -- Take a reconciler's lease on an unknown outcome: a new fencing token, so a slower reconciler's late write fails; rising with the clock as claim_operations' does, so a failover cannot hand it out twice.
@@ -448,7 +455,7 @@ WITH frontier AS (
       )
     ORDER BY o.next_attempt_at
     LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
+    FOR NO KEY UPDATE OF o SKIP LOCKED
 ), queued AS (
     INSERT INTO outbox (operation_id, routing_key)
     SELECT id, tool_name || '.v' || tool_version FROM stale
@@ -489,7 +496,7 @@ WITH stale AS (
       AND evidence.last_refusal > evidence.last_requeue
     ORDER BY o.next_attempt_at
     LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
+    FOR NO KEY UPDATE OF o SKIP LOCKED
 ), moved AS (
     UPDATE operations o
     SET state = 'escalated', last_error_class = 'undeliverable'
@@ -522,7 +529,7 @@ WITH denied AS (
       AND latest.created_at < clock_timestamp() - %(grace)s::interval
     ORDER BY latest.created_at
     LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
+    FOR NO KEY UPDATE OF o SKIP LOCKED
 ), moved AS (
     UPDATE operations o
     SET state = 'rejected', last_error_class = 'approval_denied'
@@ -650,7 +657,7 @@ WITH waiting AS (
       AND tool_name = ANY(%(tools)b::text[])
       AND state IN ('prepared', 'outcome_unknown')
       AND lease_owner IS NULL
-    FOR UPDATE
+    FOR NO KEY UPDATE
 ), released AS (
     UPDATE operations o
     SET next_attempt_at = CASE WHEN w.later
@@ -680,7 +687,7 @@ WITH nominated AS (
           AND lease_owner IS NULL
         ORDER BY next_attempt_at
         LIMIT 1
-        FOR UPDATE SKIP LOCKED
+        FOR NO KEY UPDATE SKIP LOCKED
     )
       AND next_attempt_at > clock_timestamp() + interval '1 second'
     RETURNING id, state, tool_name, tool_version, next_attempt_at
@@ -777,7 +784,7 @@ WHERE c.applied_at IS NULL
   AND o.tool_name || '.v' || o.tool_version = ANY(%(tools)b::text[])
 ORDER BY c.id
 LIMIT %(limit)s
-FOR UPDATE OF c, o SKIP LOCKED
+FOR NO KEY UPDATE OF c, o SKIP LOCKED
 
 -- name: operation_callbacks
 -- Every callback recorded for these operations, in the order they came: what the reconciler consults before it decides, and what `ops show` lists.
@@ -794,8 +801,8 @@ WHERE id = %(id)s AND outcome IS NULL
 RETURNING id
 
 -- name: lock_operation
--- Lock one operation's row until the transaction ends, and read it: a decision that must see every callback committed before it (the next statement's snapshot) and block every one recorded after.
-SELECT * FROM operations WHERE id = %(id)s FOR UPDATE
+-- Lock one operation's row until the transaction ends, and read it, for a decision that must see every callback committed before it (the next statement's snapshot). Waits for no callback being recorded (a callback's row references the operation, which locks its key only, not the row against this lock): one committed after this read is applied to what the decision writes, as a later one would be.
+SELECT * FROM operations WHERE id = %(id)s FOR NO KEY UPDATE
 
 -- name: list_callbacks
 -- Callbacks for `outbox callbacks list`, newest first: all, or only those unmatched, not yet applied or contradicted, of one provider.
@@ -1080,7 +1087,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1089,6 +1096,7 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regclass('provider_health') IS NOT NULL
        AND to_regclass('provider_calls') IS NOT NULL
        AND to_regproc('outbox_chain_agent_reports') IS NOT NULL
+       AND to_regproc('outbox_chain_callback') IS NOT NULL
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2

@@ -1,7 +1,8 @@
-"""The provider callbacks inbox: the callbacks role records a verified callback (and its
-evidence event) through one database function; the consumer claims the callbacks it can
-apply, reads an operation's callbacks under the operation's lock, and records what it
-did with each; operators list them. docs/design.md section 5, "Callbacks"."""
+"""The provider callbacks inbox: the callbacks role records a verified callback through
+one database function, which locks nothing a daemon's write waits for; the consumer
+claims the callbacks it can apply, reads an operation's callbacks under the operation's
+lock, and records what it did with each (which chains the callback's evidence event);
+operators list them. docs/design.md section 5, "Callbacks"."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class CallbackReceipt:
 
 def record_callback(provider: str, report: CallbackReport, digest: str) -> Plan[CallbackReceipt]:
     """Record a verified callback once by (provider, event id), with the operation it
-    names, as evidence in that operation's chain; a redelivery changes nothing."""
+    names; a redelivery changes nothing. It enters that operation's chain when the
+    consumer applies it (:func:`mark_callback`)."""
     rows = yield Step(
         "record_callback",
         {
@@ -75,15 +77,18 @@ def callbacks_of(operation_ids: Sequence[UUID]) -> Plan[dict[UUID, list[Callback
 
 
 def mark_callback(callback: Callback, outcome: CallbackOutcome) -> Plan[None]:
-    """Record what was done with ``callback``; raises :class:`IllegalTransition` if
-    another process applied it first."""
+    """Record what was done with ``callback``, which appends its
+    ``operation.callback_received`` event to its operation's chain (a trigger, as the
+    tables' owner); raises :class:`IllegalTransition` if another process applied it
+    first."""
     rows = yield Step("apply_callback", {"id": callback.id, "outcome": str(outcome)})
     if not rows:
         raise IllegalTransition(f"callback {callback.id} was applied by another process first")
 
 
 def lock_operation(operation_id: UUID) -> Plan[Operation | None]:
-    """The operation, its row locked until this transaction ends."""
+    """The operation, its row locked until this transaction ends (no callback being
+    recorded holds it back)."""
     rows = yield Step("lock_operation", {"id": operation_id})
     return Operation.model_validate(rows[0]) if rows else None
 

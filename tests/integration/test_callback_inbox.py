@@ -1,13 +1,14 @@
 """The callbacks inbox (schema version 7): a verified callback is recorded once, by its
 provider's event id, through outbox_record_callback; it names its operation by id or by
-the provider's reference, leaves evidence in that operation's chain and moves nothing;
-one for no operation is kept as unmatched. docs/design.md section 5, "Callbacks"."""
+the provider's reference, moves nothing and enters that operation's chain when the
+consumer applies it; one for no operation is kept as unmatched. docs/design.md section
+5, "Callbacks"."""
 
 from __future__ import annotations
 
 import hashlib
-import threading
 import uuid
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -16,12 +17,12 @@ import pytest
 from outbox import Operation, OperationState, Registry
 from outbox import store as outbox_store
 from outbox.callback_policy import CallbackReport, CallbackStatus
-from outbox.errors import DatabaseError
+from outbox.errors import DatabaseError, IllegalTransition
+from outbox.models import CallbackOutcome
 from outbox.store import CallbackReceipt, Plan, Store
 
 from support.db_helpers import execute_admin
 from support.ops_helpers import Ops
-from support.waiting import eventually_sync
 
 S = OperationState
 
@@ -70,6 +71,16 @@ def inbox(url: str) -> list[tuple[Any, ...]]:
     )
 
 
+def apply(url: str, operation_id: uuid.UUID) -> None:
+    """What the consumer does once it has applied each of an operation's callbacks:
+    record the outcome (evidence, here), which chains the callback's event."""
+    with psycopg.connect(url) as connection:
+        store = Store(connection)
+        for callback in store.run(outbox_store.callbacks_of([operation_id]))[operation_id]:
+            if callback.outcome is None:
+                store.run(outbox_store.mark_callback(callback, CallbackOutcome.EVIDENCE))
+
+
 def event_names(url: str, operation_id: uuid.UUID) -> list[str]:
     return [event.name for event in run(url, outbox_store.events(operation_id))]
 
@@ -97,16 +108,41 @@ def test_a_callback_is_recorded_once_as_evidence_and_moves_nothing(
         None,
         False,
     )
+    # Recorded, it is in the inbox only: the chain takes it when the consumer applies it.
+    assert event_names(database_url, operation.id) == ["operation.prepared"]
+    assert run(database_url, outbox_store.get_operation(operation.id)).state is S.PREPARED
+
+    apply(database_url, operation.id)
+
     events = run(database_url, outbox_store.events(operation.id))
     assert events[-1].name == "operation.callback_received"
+    received_at = events[-1].attributes.pop("received_at")
     assert events[-1].attributes == {
         "callback": receipt.callback_id,
         "provider": "payments",
         "status": "committed",
         "provider_reference": "re_1",
     }
+    [callback] = run(database_url, outbox_store.callbacks_of([operation.id]))[operation.id]
+    assert datetime.fromisoformat(received_at) == callback.received_at
     assert run(database_url, outbox_store.get_operation(operation.id)).state is S.PREPARED
     assert run(database_url, outbox_store.verify_chain(operation.id)).intact
+
+
+def test_a_callback_enters_the_chain_once_when_it_is_applied(
+    database_url: str, registry: Registry
+) -> None:
+    operation = new_operation(database_url, registry)
+    record(database_url, operation.id)
+    apply(database_url, operation.id)
+    names = event_names(database_url, operation.id)
+
+    [callback] = run(database_url, outbox_store.callbacks_of([operation.id]))[operation.id]
+    with pytest.raises(IllegalTransition):
+        run(database_url, outbox_store.mark_callback(callback, CallbackOutcome.SETTLED))
+
+    assert event_names(database_url, operation.id) == names
+    assert names.count("operation.callback_received") == 1
 
 
 def test_a_redelivered_callback_is_a_duplicate_and_changes_nothing(
@@ -176,6 +212,7 @@ def test_a_callback_names_its_operation_by_the_providers_reference(
     receipt = record(database_url, None, reference="re_found", status=CallbackStatus.REJECTED)
 
     assert (receipt.result, receipt.operation_id) == ("recorded", operation.id)
+    apply(database_url, operation.id)
     assert event_names(database_url, operation.id)[-1] == "operation.callback_received"
 
 
@@ -194,41 +231,27 @@ def test_an_operations_callbacks_are_read_in_the_order_they_came(
     ]
 
 
-def test_a_callback_waits_for_the_transaction_that_holds_its_operation(
+def test_a_callback_waits_for_no_transaction_that_holds_its_operation(
     database_url: str, registry: Registry
 ) -> None:
-    """The lock protocol: the reconciler decides with the row locked; a callback that
-    comes meanwhile waits for that decision, and is recorded after it, never lost and
-    never decided around."""
+    """The lock protocol since version 11: the reconciler decides with the row locked
+    (FOR NO KEY UPDATE, as every daemon locks an operation); a callback that comes
+    meanwhile is recorded at once, without waiting, and applied after the decision, to
+    what it wrote: never lost, never decided around."""
     operation = new_operation(database_url, registry)
-    receipts: list[CallbackReceipt] = []
     with psycopg.connect(database_url) as holder:
-        holder.execute("SELECT 1 FROM operations WHERE id = %s FOR UPDATE", (operation.id,))
-        recorder = threading.Thread(
-            target=lambda: receipts.append(record(database_url, operation.id)), daemon=True
-        )
-        recorder.start()
-        eventually_sync(
-            lambda: (
-                execute_admin(
-                    database_url,
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                )
-                == [(1,)]
-            ),
-            within=10,
-            what="the callback to wait for the operation's row",
-        )
-        assert receipts == []
+        locked = Store(holder).run(outbox_store.lock_operation(operation.id))
+        assert locked is not None
+        receipt = record(database_url, operation.id)  # would hang before version 11
+        assert receipt.result == "recorded"
         Store(holder).run(
             outbox_store.transition(
                 operation.id, source=S.PREPARED, target=S.ESCALATED, error_class="undeliverable"
             )
         )
-    recorder.join(timeout=10)
 
-    assert [receipt.result for receipt in receipts] == ["recorded"]
+    apply(database_url, operation.id)
+
     assert event_names(database_url, operation.id)[-2:] == [
         "operation.escalated",
         "operation.callback_received",

@@ -536,9 +536,10 @@ async def test_a_callback_during_the_call_confirms_what_the_worker_records(
 
     assert world.ops.get(operation.id).state is S.COMMITTED
     assert world.outcomes(operation.id) == ["confirmed"]
+    # Chained when applied: after the worker's record, which it confirms.
     assert world.ops.event_names(operation.id)[-2:] == [
-        "operation.callback_received",
         "operation.committed",
+        "operation.callback_received",
     ]
 
 
@@ -553,8 +554,9 @@ async def test_a_callback_during_a_call_whose_answer_is_lost_settles_it(world: W
 
     settled = world.ops.get(operation.id)
     assert (settled.state, settled.provider_reference) == (S.COMMITTED, "re_cb")
-    assert world.ops.event_names(operation.id)[-2:] == [
+    assert world.ops.event_names(operation.id)[-3:] == [
         "operation.outcome_unknown",
+        "operation.callback_received",
         "operation.reconciled",
     ]
     assert world.events(operation.id)[-1][1]["method"] == "callback"
@@ -577,8 +579,12 @@ async def test_a_callback_for_a_worker_that_died_is_applied_once_its_lease_expir
 
     assert world.ops.get(operation.id).state is S.COMMITTED
     names = world.ops.event_names(operation.id)
-    assert names[-2:] == ["operation.outcome_unknown", "operation.reconciled"]
-    assert world.events(operation.id)[-2][1]["reason"] == "lease_expired"
+    assert names[-3:] == [
+        "operation.outcome_unknown",
+        "operation.callback_received",
+        "operation.reconciled",
+    ]
+    assert world.events(operation.id)[-3][1]["reason"] == "lease_expired"
     assert world.events(operation.id)[-1][1]["method"] == "callback"
 
 
@@ -600,6 +606,29 @@ async def test_a_callback_being_recorded_is_never_decided_around(
 
     assert world.ops.get(operation.id).state is S.COMMITTED
     assert "operation.escalated" not in world.ops.event_names(operation.id)
+
+
+@pytest.mark.parametrize(("due_for", "decided"), [(0, False), (30, True)])
+async def test_a_callback_lock_held_by_any_login_holds_the_reconciler_back_ten_seconds_at_most(
+    world: World, login: Login, due_for: int, decided: bool
+) -> None:
+    """Any login may take an advisory lock, the callback lock's key included (an agent
+    login, here, for as long as its session lives): the reconciler passes over the
+    operation only while it has been due under 10 s, then decides without it."""
+    operation = world.unknown("open_ticket", due=True)
+    execute_admin(
+        world.database_url,
+        "UPDATE operations SET next_attempt_at = now() - %s * interval '1 second' WHERE id = %s",
+        (due_for, operation.id),
+    )
+    with psycopg.connect(login("outbox_agent"), autocommit=True) as agent:
+        agent.execute("SELECT pg_advisory_lock(outbox_callback_lock_key(%s))", (operation.id,))
+        await world.reconcile()
+
+        state = world.ops.get(operation.id).state
+    assert (state is not S.OUTCOME_UNKNOWN) is decided
+    if decided:
+        assert state is S.ESCALATED  # open_ticket's contract: no lookup, to a person
 
 
 async def test_an_unknown_outcome_past_its_wait_escalates_and_a_late_callback_is_evidence(

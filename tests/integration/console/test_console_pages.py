@@ -21,7 +21,7 @@ from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.console.app import Console
 from outbox.errors import ReadOnlyDatabase
-from outbox.models import Operation
+from outbox.models import CallbackOutcome, Operation
 from outbox.store import OperationFilter, Store
 
 from support.console_cases import S
@@ -199,15 +199,24 @@ def test_the_operation_page_shows_its_provider_callbacks_escaped(
     )
     receipt = ops.run(outbox_store.record_callback("payments", report, "f" * 64))
 
-    html = logged_in(browser).get(f"/operations/{op.display_id}").text
+    console = logged_in(browser)
+    html = console.get(f"/operations/{op.display_id}").text
 
     timeline = html.split('id="timeline"')[1].split("</table>")[0]
-    assert "operation.callback_received" in timeline
+    assert "operation.callback_received" not in timeline  # chained when applied
     table = html.split('id="callbacks"')[1].split("</table>")[0]
     assert f"<td>{receipt.callback_id}</td>" in table
     assert "evt_console" in table
     assert "not applied yet" in table
     assert CANARY not in html  # a provider's text is escaped, never markup
+
+    # Applied (evidence, for an escalated operation), it is in the timeline too.
+    [callback] = ops.run(outbox_store.callbacks_of([op.id]))[op.id]
+    ops.run(outbox_store.mark_callback(callback, CallbackOutcome.EVIDENCE))
+    html = console.get(f"/operations/{op.display_id}").text
+    timeline = html.split('id="timeline"')[1].split("</table>")[0]
+    assert "operation.callback_received" in timeline
+    assert CANARY not in html
     assert "re_&lt;script&gt;" in table
 
 

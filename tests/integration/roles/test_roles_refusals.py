@@ -19,8 +19,9 @@ from outbox import Operation, Registry, Settings, record_decision
 from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
+from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.errors import DatabaseError
-from outbox.models import ApprovalDecision
+from outbox.models import ApprovalDecision, CallbackOutcome
 from outbox.store.runner import Store
 
 from support.db_helpers import execute_admin
@@ -444,6 +445,64 @@ def test_an_agent_transaction_left_open_holds_no_operation_back(
     assert execute_admin(
         roles_database, "SELECT state FROM operations WHERE id = %s", (own.id,)
     ) == [("in_flight",)]
+
+
+def test_a_callbacks_transaction_left_open_holds_no_operation_back(
+    login: Login, roles_database: str, registry: Registry
+) -> None:
+    # Before version 11 outbox_record_callback took a share lock on the operation's row
+    # and appended operation.callback_received in the caller's transaction: a callbacks
+    # login that left it open stopped the consumer recording the attempt's outcome
+    # (its lease ran out) and every append to that operation's chain. Now the
+    # recording locks nothing a daemon's write waits for, and the event is chained when
+    # the consumer applies the callback.
+    operation = new_operation(roles_database, registry)
+    with psycopg.connect(login(CONSUMER)) as consumer:
+        claimed = Store(consumer).run(
+            outbox_store.claim(operation.id, owner="worker-1", lease=timedelta(seconds=30))
+        )
+    assert claimed is not None
+    report = CallbackReport(
+        event_id="evt_held", status=CallbackStatus.COMMITTED, operation_id=operation.id
+    )
+    with psycopg.connect(login(CALLBACKS)) as held:
+        receipt = Store(held).run(outbox_store.record_callback("payments", report, "0" * 64))
+        assert receipt.result == "recorded"
+        # The callbacks transaction stays open while the consumer records the outcome
+        # and locks the row as the reconciler does, with a lock_timeout that turns any
+        # wait into an error.
+        with psycopg.connect(login(CONSUMER)) as consumer:
+            consumer.execute("SET lock_timeout = '2s'")
+            moved = Store(consumer).run(
+                outbox_store.transition(
+                    operation.id,
+                    source=S.IN_FLIGHT,
+                    target=S.COMMITTED,
+                    lease_token=claimed.lease_token,
+                    provider_reference="re_held",
+                )
+            )
+            assert moved.state is S.COMMITTED
+            locked = Store(consumer).run(outbox_store.lock_operation(operation.id))
+            assert locked is not None
+        held.commit()
+
+    names = [e.name for e in run(roles_database, outbox_store.events(operation.id))]
+    assert names[-1] == "operation.committed"
+    assert "operation.callback_received" not in names  # chained when applied
+    with psycopg.connect(login(CONSUMER)) as consumer:
+        store = Store(consumer)
+        [pending] = store.run(
+            outbox_store.claim_callback_batch(
+                [f"{operation.tool_name}.v{operation.tool_version}"], 10
+            )
+        )
+        store.run(outbox_store.mark_callback(pending, CallbackOutcome.CONFIRMED))
+    events = run(roles_database, outbox_store.events(operation.id))
+    assert events[-1].name == "operation.callback_received"
+    assert events[-1].attributes["callback"] == receipt.callback_id
+    assert events[-1].attributes["status"] == "committed"
+    assert run(roles_database, outbox_store.verify_chain(operation.id)).intact
 
 
 @pytest.mark.parametrize("group", outbox_schema.ROLES)
