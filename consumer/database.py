@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import psycopg
@@ -47,6 +47,7 @@ class Database:
         settings: Settings,
         metrics: ConsumerMetrics | None = None,
         tracker: ServerTracker | None = None,
+        on_lock_wait: Callable[[tuple[store.LockHolder, ...]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -60,6 +61,7 @@ class Database:
             transaction_seconds=self.bounds.transaction,
             hard_seconds=self.bounds.hard_transaction,
             on_slow=self._slow,
+            on_lock_wait=on_lock_wait,
             # A burst's claim and its outcomes each take one transaction, and the
             # reconciler one more: a few connections stay open, more open on demand, at
             # most as many as the work in hand needs up to WORK_CONNECTIONS (a prefetch

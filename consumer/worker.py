@@ -107,7 +107,10 @@ class Consumer(Daemon):
         self.metrics = metrics or ConsumerMetrics.create()
         prime_metrics(self.metrics, registry)
         self.database = Database(
-            settings, self.metrics, self.server_tracker(self.metrics.database_failovers)
+            settings,
+            self.metrics,
+            self.server_tracker(self.metrics.database_failovers),
+            on_lock_wait=self.lock_waits(),
         )
         # One copy of the providers' breakers for the deliveries and the reconciler.
         self.providers = Providers(

@@ -81,6 +81,11 @@ PROBE_SECONDS = 2.0
 # state changed this recently: the client is sending its next statement. One that has
 # waited longer waits for a client that does not hear it.
 RECENT_STATE_SECONDS = 1.0
+# A transaction still running this long into its deadline is asked whether it waits for
+# a lock, and whom for: the daemon's log names that session (its pid and role) while the
+# wait goes on, before a lock_timeout ends it with an error that only blames the
+# database.
+LOCK_WAIT_REPORT_SECONDS = 1.0
 
 
 class TransactionDeadlineExceeded(TransientDatabaseError):
@@ -237,18 +242,29 @@ class LivenessProbe:
         state, idle_for = backends.get(pid, ("gone", 0.0))
         return is_working(state, idle_for, recent=recent)
 
+    async def blockers(self, pid: int) -> tuple[store.LockHolder, ...]:
+        """The sessions backend ``pid`` waits for, if it waits for a lock; none when it
+        waits for nothing, or when the server does not answer in time."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await (await self._store()).run(store.lock_blockers(pid))
+        except Exception:
+            await self.close()
+            return ()
+
     async def _look(self) -> dict[int, tuple[str, float]]:
         try:
             async with asyncio.timeout(self.timeout):
-                if self._connection is None or self._connection.closed:
-                    self._connection = await self._connect()
-                    await self._connection.set_autocommit(True)
-                return await (
-                    await store.AsyncStore.on(self._connection, require_transaction=False)
-                ).run(store.backend_activity())
+                return await (await self._store()).run(store.backend_activity())
         except BaseException:
             await self.close()
             raise
+
+    async def _store(self) -> store.AsyncStore:
+        if self._connection is None or self._connection.closed:
+            self._connection = await self._connect()
+            await self._connection.set_autocommit(True)
+        return await store.AsyncStore.on(self._connection, require_transaction=False)
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -277,9 +293,14 @@ async def deadline(
     hard: float | None = None,
     probe: LivenessProbe | None = None,
     on_slow: Callable[[str], None] | None = None,
+    on_lock_wait: Callable[[tuple[store.LockHolder, ...]], None] | None = None,
 ) -> AsyncIterator[None]:
     """Run the body with ``connection`` cut when ``seconds`` pass; a body that fails
     after the cut raises :class:`TransactionDeadlineExceeded`.
+
+    With a ``probe``, ``on_lock_wait`` hears whom the transaction waits for if, still
+    running :data:`LOCK_WAIT_REPORT_SECONDS` in, it waits for a lock (once a
+    transaction).
 
     With a ``probe`` and a ``hard`` deadline past ``seconds``, the soft deadline cuts
     only a silent link: a transaction the server is working on runs on until ``hard``,
@@ -299,7 +320,12 @@ async def deadline(
     async def watch() -> None:
         nonlocal cut
         started = time.monotonic()
-        await asyncio.sleep(seconds)
+        if probe is not None and on_lock_wait is not None and seconds > LOCK_WAIT_REPORT_SECONDS:
+            await asyncio.sleep(LOCK_WAIT_REPORT_SECONDS)
+            blockers = await probe.blockers(pid)
+            if blockers:
+                on_lock_wait(blockers)
+        await asyncio.sleep(max(0.0, seconds - (time.monotonic() - started)))
         reason = SLOW_SILENT
         if probe is not None and hard > seconds:
             reason = SLOW_OVERRAN
@@ -378,11 +404,13 @@ class SessionPool:
         most: int,
         hard_seconds: float | None = None,
         on_slow: Callable[[str], None] | None = None,
+        on_lock_wait: Callable[[tuple[store.LockHolder, ...]], None] | None = None,
     ) -> None:
         self._connect = connect
         self._transaction_seconds = transaction_seconds
         self._hard_seconds = hard_seconds
         self._on_slow = on_slow
+        self._on_lock_wait = on_lock_wait
         # Only a pool that may let a slow transaction run on needs to ask about it.
         self.probe = (
             LivenessProbe(connect)
@@ -428,6 +456,7 @@ class SessionPool:
                     hard=self._hard_seconds,
                     probe=self.probe,
                     on_slow=self._on_slow,
+                    on_lock_wait=self._on_lock_wait,
                 ):
                     yield connection
             except Exception as error:

@@ -37,6 +37,7 @@ from outbox.logs import log_fields
 from outbox.observability import serve_http
 from outbox.settings import Settings
 from outbox.signals import Stoppable
+from outbox.store import LockHolder
 from outbox.urls import database_name
 
 T = TypeVar("T")
@@ -87,6 +88,11 @@ def failed_peer(error: BaseException) -> Peer:
     return "broker" if isinstance(error, TRANSIENT_BROKER_ERRORS) else "database"
 
 
+# A daemon names the sessions its transactions wait for once in this long, however many
+# of its transactions wait for the same ones.
+LOCK_WAIT_REPEAT_SECONDS = 10.0
+
+
 class Daemon(Stoppable):
     """The frame both daemons run in. A subclass names itself (``name`` prefixes every
     action it logs), picks its default metrics port and its logger, and says when it is
@@ -112,6 +118,31 @@ class Daemon(Stoppable):
     def log(self, level: int, event: str, text: str, **fields: object) -> None:
         """One line as data: action ``<name>.<event>``, ``text`` for a person."""
         log_fields(self.logger, level, f"{self.name}.{event}", text, **fields)
+
+    def lock_waits(self) -> Callable[[tuple[LockHolder, ...]], None]:
+        """What a transaction of this daemon waiting for a lock says: one line naming
+        the sessions it waits for (pid, role, state, how long), at most once every
+        :data:`LOCK_WAIT_REPEAT_SECONDS` for the same ones, however many of its
+        transactions wait for them."""
+        said: dict[frozenset[int], float] = {}
+
+        def waiting(blockers: tuple[LockHolder, ...]) -> None:
+            pids = frozenset(holder.pid for holder in blockers)
+            now = time.monotonic()
+            if now - said.get(pids, -LOCK_WAIT_REPEAT_SECONDS) < LOCK_WAIT_REPEAT_SECONDS:
+                return
+            for key in [key for key, at in said.items() if now - at >= LOCK_WAIT_REPEAT_SECONDS]:
+                del said[key]
+            said[pids] = now
+            self.log(
+                logging.WARNING,
+                "lock_wait",
+                "a transaction waits for a lock another session holds",
+                waiting_for="; ".join(str(holder) for holder in blockers),
+                do="end or commit that session's transaction; its role names who opened it",
+            )
+
+        return waiting
 
     def server_tracker(self, failovers: Counter) -> ServerTracker:
         """Follows the server this daemon's new database connections reach: a move to

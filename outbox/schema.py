@@ -14,7 +14,6 @@ with :mod:`psycopg.sql`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -23,6 +22,8 @@ import psycopg.sql
 
 from outbox.errors import ConfigurationError, DatabaseError, wrap_database_errors
 from outbox.sql import roles_sql, schema_sql
+from outbox.store.gauges import LockHolder as LockHolder
+from outbox.store.gauges import schema_lock_holders as schema_lock_holders_plan
 from outbox.store.runner import AsyncConnection, AsyncStore, Plan, Step, Store
 
 # pg_advisory_xact_lock key shared by every migrating process ("outbox" in ASCII).
@@ -73,24 +74,10 @@ def apply_schema(connection: psycopg.Connection[Any], *, lock_timeout: float | N
     return runner.run(_schema_version()) or 0
 
 
-@dataclass(frozen=True)
-class LockHolder:
-    """A session holding a lock on one of the schema's tables."""
-
-    pid: int
-    role: str
-    state: str
-    seconds: int
-    """How long its transaction has been open (or its session, outside one)."""
-
-    def __str__(self) -> str:
-        return f"pid {self.pid} (role {self.role}, {self.state}, for {self.seconds} s)"
-
-
 def schema_lock_holders(connection: psycopg.Connection[Any]) -> tuple[LockHolder, ...]:
     """The other sessions holding a lock on a table of the connection's schema, longest
     open first (at most five): who a migration that timed out waited for."""
-    return Store(connection, require_transaction=False).run(_schema_lock_holders())
+    return Store(connection, require_transaction=False).run(schema_lock_holders_plan())
 
 
 def schema_ddl(connection: psycopg.Connection[Any], schema: str) -> str:
@@ -197,19 +184,6 @@ def _record_digest(digest: str) -> Plan[None]:
 
 def _set_lock_timeout(seconds: float) -> Plan[None]:
     yield Step("set_lock_timeout", {"lock_timeout": f"{max(1, round(seconds * 1000))}ms"})
-
-
-def _schema_lock_holders() -> Plan[tuple[LockHolder, ...]]:
-    rows = yield Step("schema_lock_holders", {})
-    return tuple(
-        LockHolder(
-            pid=int(row["pid"]),
-            role=str(row["role"]),
-            state=str(row["state"] or "unknown"),
-            seconds=int(row["seconds"] or 0),
-        )
-        for row in rows
-    )
 
 
 def _schema_creators() -> Plan[tuple[str, ...]]:

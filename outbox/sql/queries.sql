@@ -824,6 +824,15 @@ SELECT pid, coalesce(state, 'unknown') AS state,
 FROM pg_stat_activity
 WHERE usename = current_user AND pid <> pg_backend_pid()
 
+-- name: lock_blockers
+-- Whom a backend waits for, if it waits for a lock: each blocking session's pid and role, with its state and how long its transaction has been open where this login may read them (NULL otherwise), longest open first. Empty when it waits for nothing.
+SELECT b.pid, b.usename AS role, b.state,
+       floor(extract(epoch FROM clock_timestamp() - b.xact_start))::bigint AS seconds
+FROM pg_stat_activity b
+WHERE b.pid = ANY(pg_blocking_pids(%(pid)s))
+ORDER BY b.xact_start NULLS LAST, b.pid
+LIMIT 5
+
 -- name: execution_gauges
 -- The age of the oldest operation ready to execute (prepared, due, its message published, its latest event not an approval wait or denial) and how many wait for an approval.
 SELECT

@@ -68,7 +68,13 @@ from outbox.store.dispatch import (
     outbox_backlog,
 )
 from outbox.store.evidence import BrokenLink, ChainReport, verify_chain
-from outbox.store.gauges import ExecutionBacklog, backend_activity, execution_gauges
+from outbox.store.gauges import (
+    ExecutionBacklog,
+    LockHolder,
+    backend_activity,
+    execution_gauges,
+    lock_blockers,
+)
 from outbox.store.operations import (
     ClaimedDelivery,
     ConfirmedEffect,
@@ -157,6 +163,7 @@ __all__ = [
     "ExecutionBacklog",
     "FailedPublish",
     "HealthChange",
+    "LockHolder",
     "NewDecision",
     "OperationFilter",
     "OperationPage",
@@ -203,6 +210,7 @@ __all__ = [
     "list_operation_summaries",
     "listen_operation_changes",
     "listen_outbox_pending",
+    "lock_blockers",
     "lock_operation",
     "mark_callback",
     "mark_outbox_failed",

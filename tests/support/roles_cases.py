@@ -79,8 +79,10 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "outbox_backlog",
         "operations_by_state",
         "delete_published_outbox_rows",
-        # The liveness probe of a transaction past its soft deadline.
+        # The liveness probe of a transaction past its soft deadline, and whom one that
+        # waits for a lock waits for.
         "backend_activity",
+        "lock_blockers",
     },
     CONSUMER: {
         "get_operation",
@@ -101,6 +103,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "schema_is_current",
         "execution_gauges",
         "backend_activity",
+        "lock_blockers",
         # Applying provider callbacks (consumer/callbacks.py).
         "claim_callback_batch",
         "operation_callbacks",

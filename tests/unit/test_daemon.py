@@ -17,7 +17,13 @@ from prometheus_client import CollectorRegistry
 from outbox.backoff import Backoff, exponential_delay
 from outbox.broker import BrokerUnavailable
 from outbox.contracts import RetryPolicy
-from outbox.daemon import Daemon, failed_peer, is_transient, is_transient_database_error
+from outbox.daemon import (
+    LOCK_WAIT_REPEAT_SECONDS,
+    Daemon,
+    failed_peer,
+    is_transient,
+    is_transient_database_error,
+)
 from outbox.errors import (
     ConfigurationError,
     DatabaseError,
@@ -27,8 +33,9 @@ from outbox.errors import (
     wrap_database_errors,
 )
 from outbox.settings import Settings
+from outbox.store import LockHolder
 
-from support.logs import logged
+from support.logs import logged, records_of
 
 TRANSIENT = [
     (TransientDatabaseError("x"), "database"),
@@ -219,3 +226,28 @@ async def test_serving_logs_the_start_with_its_fields_and_the_stop(
 
     assert logged(caplog, "scripted.started", queue="q", metrics_port=port)
     assert logged(caplog, "scripted.stopped", worker=daemon.worker_id)
+
+
+def test_a_lock_wait_names_its_blockers_once_every_ten_seconds_for_the_same_ones(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.WARNING)
+    clock = [1000.0]
+    monkeypatch.setattr("outbox.daemon.time.monotonic", lambda: clock[0])
+    waiting = Scripted([]).lock_waits()
+    analyst = LockHolder(pid=41, role="analyst", state="idle in transaction", seconds=61)
+    migration = LockHolder(pid=42, role="postgres", state="active", seconds=3)
+
+    waiting((analyst,))
+    waiting((analyst,))  # a second transaction waiting for the same session
+    waiting((analyst, migration))  # another set of sessions: said at once
+    clock[0] += LOCK_WAIT_REPEAT_SECONDS
+    waiting((analyst,))
+
+    said = [str(getattr(r, "waiting_for", "")) for r in records_of(caplog, "scripted.lock_wait")]
+    assert said == [
+        "pid 41 (role analyst, idle in transaction, for 61 s)",
+        "pid 41 (role analyst, idle in transaction, for 61 s); "
+        "pid 42 (role postgres, active, for 3 s)",
+        "pid 41 (role analyst, idle in transaction, for 61 s)",
+    ]

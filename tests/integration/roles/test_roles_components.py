@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -54,6 +56,7 @@ from support.roles_cases import (
     run,
     snapshot,
 )
+from support.waiting import eventually_sync
 
 
 class Ran(logging.Handler):
@@ -214,6 +217,9 @@ async def test_the_dispatcher_publishes_what_the_agent_recorded(
     with psycopg.connect(dispatcher_url) as watched:
         pid = watched.info.backend_pid
         assert pid in run(dispatcher_url, outbox_store.backend_activity())
+    # A batch waiting for a lock: whom it waits for, whatever that session's role.
+    waited_for, holder = whom_a_waiting_session_names(dispatcher_url, roles_database)
+    assert [(h.pid, h.role) for h in waited_for] == [holder]
 
     assert (report.published, report.failed) == (3, 0)
     assert sorted(m.body.operation_id for m in messages) == sorted(o.id for o in recorded)
@@ -221,6 +227,35 @@ async def test_the_dispatcher_publishes_what_the_agent_recorded(
     assert deleted == 3
     assert execute_admin(roles_database, "SELECT count(*) FROM outbox") == [(0,)]
     assert queries_run_by(ran, dispatcher_url) == COMPONENT_QUERIES[DISPATCHER]
+
+
+def whom_a_waiting_session_names(
+    url: str, admin_url: str
+) -> tuple[tuple[outbox_store.LockHolder, ...], tuple[int, str]]:
+    """A session of ``url`` waits for a lock the tables' owner holds: whom that login
+    finds it waiting for (lock_blockers), and the holder's pid and role."""
+    key = secrets.randbits(62)
+    with psycopg.connect(admin_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        with psycopg.connect(url, autocommit=True) as waiter:
+            pid = waiter.info.backend_pid
+            waiting = threading.Thread(
+                target=lambda: waiter.execute("SELECT pg_advisory_lock(%s)", (key,)),
+                daemon=True,
+            )
+            waiting.start()
+            found: list[tuple[outbox_store.LockHolder, ...]] = []
+
+            def named() -> bool:
+                found.append(run(url, outbox_store.lock_blockers(pid)))
+                return bool(found[-1])
+
+            eventually_sync(named, within=10, what="the session to wait for the lock")
+            holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            waiting.join(timeout=10)
+        row = holder.execute("SELECT current_user").fetchone()
+        assert row is not None
+        return found[-1], (holder.info.backend_pid, str(row[0]))
 
 
 def test_the_consumer_executes_reconciles_and_escalates(
@@ -255,6 +290,9 @@ def test_the_consumer_executes_reconciles_and_escalates(
         watched.execute("SELECT 1")
         activity = run(consumer, outbox_store.backend_activity())
         assert activity[watched.info.backend_pid][0] == "idle in transaction"
+    # A transaction waiting for a lock: whom it waits for, whatever that session's role.
+    waited_for, holder = whom_a_waiting_session_names(consumer, roles_database)
+    assert [(h.pid, h.role) for h in waited_for] == [holder]
     # Claim and execute: prepared -> in_flight -> committed.
     committed = advance(consumer, executed, S.IN_FLIGHT, S.COMMITTED)
     # The reconciler: requeue a lost message, lease an unknown outcome, defer a lookup,
