@@ -274,3 +274,47 @@ GRANT SELECT ON callbacks TO outbox_operator;
 -- say, and the consumer's to apply.
 GRANT EXECUTE ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text)
     TO outbox_callbacks;
+
+-- The logins of the two groups whose transactions are not the runtime's own (an agent
+-- service's, a callbacks receiver's) get server-side bounds in this database, so one
+-- left open by mistake (an ORM session around a slow model call) ends on its own. They
+-- are defaults, not the protection: nothing such a login records locks a row a daemon
+-- writes or a chain head (schema.sql, versions 10 and 11), and a login may SET them
+-- back for its session. A role setting reaches only sessions that log in as that role,
+-- not members of a group, so each login gets its own, whenever this file runs (run
+-- `outbox migrate --roles` again after adding one); one the deployment set already, for
+-- this database or for all, is left as it is. Needs CREATEROLE (or a superuser), as the
+-- groups did: without it, or for a login dropped meanwhile, it says so and goes on.
+DO $$
+DECLARE
+    login name;
+    bound record;
+BEGIN
+    FOR login IN
+        SELECT r.rolname FROM pg_roles r
+        WHERE r.rolcanlogin AND NOT r.rolsuper
+          AND (pg_has_role(r.oid, 'outbox_agent', 'MEMBER')
+               OR pg_has_role(r.oid, 'outbox_callbacks', 'MEMBER'))
+          AND NOT pg_has_role(r.oid, 'outbox_operator', 'MEMBER')
+    LOOP
+        FOR bound IN
+            SELECT * FROM (VALUES ('idle_in_transaction_session_timeout', '1min'),
+                                  ('statement_timeout', '30s')) AS b (parameter, value)
+        LOOP
+            CONTINUE WHEN EXISTS (
+                SELECT 1 FROM pg_db_role_setting s, unnest(s.setconfig) AS c (setting)
+                WHERE s.setrole = (SELECT oid FROM pg_roles WHERE rolname = login)
+                  AND s.setdatabase IN (0, (SELECT oid FROM pg_database
+                                            WHERE datname = current_database()))
+                  AND c.setting LIKE bound.parameter || '=%');
+            BEGIN
+                EXECUTE format('ALTER ROLE %I IN DATABASE %I SET %s = %L', login,
+                               current_database(), bound.parameter, bound.value);
+            EXCEPTION WHEN insufficient_privilege OR undefined_object THEN
+                RAISE WARNING 'could not set % for login % (%): set it by hand',
+                    bound.parameter, login, SQLERRM;
+            END;
+        END LOOP;
+    END LOOP;
+END;
+$$;
