@@ -16,14 +16,10 @@ from pathlib import Path
 import pytest
 
 from harness import chaos
-from harness.chaos import (
-    FAULT_CATEGORIES,
-    FAULTS,
-    QUIET_SECONDS,
-    build_parser,
-    decision,
-    fault_schedule,
-)
+from harness.chaos import build_parser
+from harness.faults import FAULT_CATEGORIES, FAULTS
+from harness.parameters import QUIET_SECONDS
+from harness.schedule import decision, fault_schedule
 
 from support.ports import closed_port
 
