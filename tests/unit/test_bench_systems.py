@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from bench.e2e import CPU_GROUPS, latency_line, phase_name
+from bench.e2e_processes import CPU_GROUPS
+from bench.e2e_report import latency_line, phase_name
 from bench.systems import CHILD_MODULE, SYSTEM_NAMES, Context, OutboxSettings, systems
 from outbox.settings import Settings
 
