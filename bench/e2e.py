@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.e2e --scale-out [--scale-consumers 1 2 4]
         [--scale-dispatchers 1 2] [--operations 5000] [--runs 3]
 
-Run from the repository root. The systems (bench/systems.py, one class each on the
+Run from the repository root. The systems (bench/systems/, one class each on the
 ``System`` protocol) do the same job on the same Postgres and RabbitMQ, one at a time:
 ``minimal`` (a hand-written pipeline with no guarantees, the physical limit), ``outbox``
 (effect-outbox's daemons on the product's defaults: one message per operation while the

@@ -1,4 +1,4 @@
-"""The bench's systems on one protocol (bench/systems.py): every system the comparison
+"""The bench's systems on one protocol (bench/systems/): every system the comparison
 names is there, its daemons fall in the CPU groups the report knows, and its children
 run as ``python -m bench.e2e`` under the parent's names (no script paths, no sys.path)."""
 
