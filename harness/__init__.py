@@ -2,7 +2,10 @@
 
 - :mod:`harness.chaos`: ``python -m harness.chaos``, many refunds through the whole
   system while daemons, the broker, database sessions, links and the provider are broken,
-  then a checker's verdict;
+  then a checker's verdict. Cut by job: the run's numbers (:mod:`harness.parameters`),
+  the schedule (:mod:`harness.schedule`), the run's loop (:mod:`harness.run`), the
+  faults (:mod:`harness.faults`, one module per category), what it prints
+  (:mod:`harness.report`) and the verdict (:mod:`harness.checker`);
 - :mod:`harness.proxy`: the fault-injecting TCP proxy the chaos run and the partition
   tests put between a daemon and Postgres or RabbitMQ;
 - :mod:`harness.diagnostics`: the two statements only the chaos run needs (ending the

@@ -18,17 +18,12 @@ import aio_pika
 import psycopg
 import pytest
 
-from harness.chaos import (
-    FAULT_CATEGORIES,
-    PROVIDER_OUTAGE_SECONDS,
-    RUN_OVERHEAD_SECONDS,
-    Tally,
-    fault_schedule,
-    liveness_bound,
-    run_deadline,
-    seed_range,
-)
+from harness.chaos import seed_range
 from harness.checker import Verdict, check_sequence
+from harness.faults import FAULT_CATEGORIES
+from harness.parameters import PROVIDER_OUTAGE_SECONDS, RUN_OVERHEAD_SECONDS, liveness_bound
+from harness.report import Tally
+from harness.schedule import fault_schedule, run_deadline
 from outbox.models import OperationEvent
 from outbox.states import OperationState
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from harness.chaos import Sampler
+from harness.background import Sampler
 
 DEADLINE_SECONDS = 30.0
 

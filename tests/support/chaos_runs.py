@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.chaos import Chaos
+from harness.run import Chaos
 
 
 def idle_chaos(**parts: Any) -> Chaos:

@@ -1,4 +1,4 @@
-"""The bench's systems on one protocol (bench/systems.py): every system the comparison
+"""The bench's systems on one protocol (bench/systems/): every system the comparison
 names is there, its daemons fall in the CPU groups the report knows, and its children
 run as ``python -m bench.e2e`` under the parent's names (no script paths, no sys.path)."""
 
@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from bench.e2e import CPU_GROUPS, latency_line, phase_name
+from bench.e2e_processes import CPU_GROUPS
+from bench.e2e_report import latency_line, phase_name
 from bench.systems import CHILD_MODULE, SYSTEM_NAMES, Context, OutboxSettings, systems
 from outbox.settings import Settings
 

@@ -16,14 +16,10 @@ from pathlib import Path
 import pytest
 
 from harness import chaos
-from harness.chaos import (
-    FAULT_CATEGORIES,
-    FAULTS,
-    QUIET_SECONDS,
-    build_parser,
-    decision,
-    fault_schedule,
-)
+from harness.chaos import build_parser
+from harness.faults import CATEGORIES, FAULT_CATEGORIES, FAULTS
+from harness.parameters import QUIET_SECONDS
+from harness.schedule import decision, fault_schedule
 
 from support.ports import closed_port
 
@@ -72,6 +68,14 @@ def test_all_faults_take_in_overload_and_callbacks() -> None:
         "webhooks_duplicated",
         "webhooks_delayed",
     }
+
+
+def test_every_registered_kind_is_in_one_category_in_the_stated_order() -> None:
+    # The kinds register in harness/faults/<category>.py; CATEGORIES orders them for
+    # --faults and the schedule, and a category missing from it would never run.
+    assert sorted(kind for kinds in FAULT_CATEGORIES.values() for kind in kinds) == sorted(FAULTS)
+    assert {entry.category for entry in FAULTS.values()} == set(CATEGORIES)
+    assert tuple(FAULT_CATEGORIES) == CATEGORIES
 
 
 def test_each_fault_kind_is_registered_with_its_own_handler() -> None:

@@ -13,13 +13,11 @@ from typing import Any, cast
 
 import pytest
 
-from harness.chaos import (
-    BROKER_DOWN_SECONDS,
-    FAULTS,
-    Chaos,
-    OffLoop,
-    ScheduledFault,
-)
+from harness.background import OffLoop
+from harness.faults import FAULTS
+from harness.parameters import BROKER_DOWN_SECONDS
+from harness.run import Chaos
+from harness.schedule import ScheduledFault
 
 from support.chaos_runs import idle_chaos
 from support.waiting import eventually_sync
@@ -64,7 +62,7 @@ def test_a_held_broker_call_lets_other_faults_end_on_time() -> None:
     broker = HeldBroker()
     chaos = chaos_with(broker)
     overload_ended = threading.Event()
-    chaos._lasting("cpu_starvation", 0.0, overload_ended.set)
+    chaos.lasting("cpu_starvation", 0.0, overload_ended.set)
 
     chaos._inject(ScheduledFault(0.0, "broker_restart", 0), 0.0)
     wait_until(lambda: broker.calls == ["stop_app"], "stop_app to be called")
@@ -180,7 +178,7 @@ def test_a_broker_connection_close_waits_for_a_broker_restart_without_using_its_
     close = ScheduledFault(0.0, "broker_connection_close", 1)
 
     assert not chaos._waits_its_turn(close)
-    chaos._lasting("broker_restart", 60.0, lambda: None)
+    chaos.lasting("broker_restart", 60.0, lambda: None)
     assert chaos._waits_its_turn(close)
     chaos.stop()
 

@@ -9,21 +9,19 @@ import time
 
 import pytest
 
-from harness.chaos import (
-    FAULT_CATEGORIES,
+from harness.chaos import build_parser
+from harness.faults import FAULT_CATEGORIES, FAULTS
+from harness.parameters import (
     FAULT_RETRY_AFTER_STREAM_SECONDS,
-    FAULTS,
     OUTAGE_TOLERANCE_SECONDS,
     PROVIDER_FAULT_SECONDS,
     PROVIDER_OUTAGE_SECONDS,
     RATE_LIMIT_EVERY,
     RATE_LIMIT_RETRY_AFTER_SECONDS,
-    Chaos,
-    ScheduledFault,
-    build_parser,
-    fault_schedule,
     outage_tolerances,
 )
+from harness.run import Chaos
+from harness.schedule import ScheduledFault, fault_schedule
 from outbox.sandbox.provider import SandboxProvider
 
 from support.chaos_runs import idle_chaos

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from harness.chaos import Chaos, Daemon
+from harness.daemons import Daemon
 from harness.rabbit_node import free_port
+from harness.run import Chaos
 from outbox.sandbox.processes import DaemonProcess
 
 from support.chaos_runs import idle_chaos
