@@ -1,7 +1,7 @@
 """The reconciler's inbox: applying verified provider callbacks to their operations
 (docs/design.md section 5, "Callbacks"; section 9).
 
-Every decision is :func:`consumer.policy.after_callback`'s, taken with the operation's
+Every decision is :func:`consumer.callback_decisions.after_callback`'s, taken with the operation's
 row locked and its callbacks read after the lock: a callback recorded meanwhile waits
 for the decision (``outbox_record_callback`` share-locks the row), so none is decided
 around. Each callback's outcome is written once, in the transaction that writes what it
@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
-from consumer import policy
+from consumer.callback_decisions import CallbackDecision, after_callback
 from consumer.database import Database, transition_plan
-from consumer.policy import CallbackDecision
 from consumer.telemetry import log, observe_outcome
 from outbox import store
 from outbox.callback_policy import CallbackStatus
@@ -129,7 +128,7 @@ class Callbacks:
             contract = self.registry.get(operation.tool_name, operation.tool_version)
         except ToolNotRegistered:
             return operation  # a consumer that has the tool applies it
-        decision = policy.after_callback(
+        decision = after_callback(
             operation,
             contract,
             callback,

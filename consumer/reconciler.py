@@ -26,6 +26,7 @@ from typing import Any
 from uuid import UUID
 
 from consumer import policy
+from consumer.callback_decisions import contradicted_lookup
 from consumer.callbacks import Applied, Callbacks, success_reported
 from consumer.database import Database, quarantine_unreadable, transition_plan
 from consumer.policy import Deferral, Escalation, LookUp, Transition
@@ -468,7 +469,7 @@ class Reconciler(Stoppable):
                             operation,
                             contract,
                             success,
-                            policy.contradicted_lookup(operation, success),
+                            contradicted_lookup(operation, success),
                             applied,
                         )
                         decision = None

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 from pydantic import BaseModel
 
-from consumer import policy
+from consumer import callback_decisions, policy
 from consumer.policy import LEASE_LOST_BEFORE_CALL, Attempt, AttemptOutcome
 from outbox.callback_policy import CallbackPolicy, CallbackProvider, CallbackStatus, Scheme
 from outbox.contracts import OnUnknown, Registry, RetryPolicy, SideEffect, ToolContract
@@ -447,7 +447,7 @@ class System:
             row = self.rows[callback.operation_id]
             contract = self.contracts[callback.operation_id]
             others = [c for c in self.reported[row.id] if c.id != callback.id]
-            decision = policy.after_callback(
+            decision = callback_decisions.after_callback(
                 row,
                 contract,
                 callback,

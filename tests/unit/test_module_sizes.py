@@ -14,7 +14,6 @@ PACKAGES = ("outbox", "dispatcher", "consumer", "harness", "bench")
 ASIDE = ("outbox/sandbox/",)
 # Not yet cut (outside this change's packages): their length when the rule came in.
 NOT_YET_CUT = {
-    "consumer/policy.py": 612,
     "outbox/operator/render.py": 716,
 }
 

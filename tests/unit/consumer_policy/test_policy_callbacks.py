@@ -8,15 +8,8 @@ from typing import Any
 
 import pytest
 
-from consumer.policy import (
-    Attempt,
-    AttemptOutcome,
-    CallbackDecision,
-    Transition,
-    after_attempt,
-    after_callback,
-    contradicted_lookup,
-)
+from consumer.callback_decisions import CallbackDecision, after_callback, contradicted_lookup
+from consumer.policy import Attempt, AttemptOutcome, Transition, after_attempt
 from outbox.callback_policy import CallbackPolicy, CallbackProvider, CallbackStatus, Scheme
 from outbox.contracts import OnUnknown, SideEffect, ToolContract
 from outbox.models import Callback, CallbackOutcome
