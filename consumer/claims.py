@@ -456,7 +456,7 @@ class Claims:
                     )
                 )
                 return Skip("awaiting_approval")
-        if policy.replay_window_passed(operation, contract, now=datetime.now(UTC)):
+        if policy.blind_replay_too_late(operation, contract, now=datetime.now(UTC)):
             return await self._escalate_before_replay(runner, operation, contract)
         return _Runnable(contract, intent.tool_input)
 
@@ -542,7 +542,7 @@ def _may_run(delivery: store.ClaimedDelivery, contract: ToolContract[Any]) -> _R
     intent = derive_intent(contract, operation)
     if intent.disagreement is not None or intent.requires_approval:
         return None
-    if policy.can_outlive_dedupe_window(contract) and policy.replay_window_passed(
+    if policy.can_outlive_dedupe_window(contract) and policy.blind_replay_too_late(
         delivery.before, contract, now=datetime.now(UTC)
     ):
         return None

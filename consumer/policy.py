@@ -364,7 +364,7 @@ def for_unknown_outcome(
     if contract.side_effect is SideEffect.DEDUPLICATED_WRITE:
         retry = _retry_unknown(operation, contract)
         # The replay runs after its backoff. (If the consumers are slower than that, the
-        # claim asks again: replay_window_passed.)
+        # claim asks again: blind_replay_too_late.)
         delay = retry.delay or timedelta(0)
         if not replay.replay_window_passed(operation, contract, now=now, after=delay):
             return retry
@@ -372,7 +372,7 @@ def for_unknown_outcome(
     return escalation(operation, EscalationReason.NO_RECONCILE)
 
 
-def replay_window_passed(
+def blind_replay_too_late(
     operation: Operation, contract: ToolContract[Any], *, now: datetime
 ) -> bool:
     """Whether calling this prepared operation now could replay a deduplication key the
@@ -392,7 +392,7 @@ def replay_window_passed(
 
 
 def can_outlive_dedupe_window(contract: ToolContract[Any]) -> bool:
-    """Whether a call of this tool can come too late for :func:`replay_window_passed`: a
+    """Whether a call of this tool can come too late for :func:`blind_replay_too_late`: a
     deduplicated write retried blind, with no lookup. For any other tool the question
     never arises, and the claim need not build the row as it was to ask it."""
     return contract.reconcile is None and contract.side_effect is SideEffect.DEDUPLICATED_WRITE
@@ -400,7 +400,7 @@ def can_outlive_dedupe_window(contract: ToolContract[Any]) -> bool:
 
 def escalation_before_replay(operation: Operation) -> Escalation:
     """A prepared operation that must not be called again (see
-    :func:`replay_window_passed`) goes to a person instead, never to the provider."""
+    :func:`blind_replay_too_late`) goes to a person instead, never to the provider."""
     return Escalation(
         EscalationReason.DEDUPE_WINDOW_PASSED,
         Transition(

@@ -396,8 +396,9 @@ class ConsumerMetrics:
             ),
             awaiting_approval=Gauge(
                 names.OPERATIONS_AWAITING_APPROVAL,
-                "Prepared operations waiting for a person's approval (or denied, within the "
-                "grace before they end rejected)",
+                "Prepared operations the consumer parked for a person's approval: its wait "
+                "(or a denial, within the grace before they end rejected) is their latest "
+                "event. Not outbox approvals pending, which lists what a person may decide",
                 registry=registry,
             ),
             callbacks_applied=Counter(

@@ -372,7 +372,7 @@ class System:
     def deliver(self, operation_id: uuid.UUID) -> Hand | None:
         row, contract = self.rows[operation_id], self.contracts[operation_id]
         # As the worker's checks do, before the claim.
-        if row.state is S.PREPARED and policy.replay_window_passed(row, contract, now=self.now):
+        if row.state is S.PREPARED and policy.blind_replay_too_late(row, contract, now=self.now):
             self.apply(row, policy.escalation_before_replay(row))
             return None
         claimed = self.claim(operation_id)

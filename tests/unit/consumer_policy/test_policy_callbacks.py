@@ -218,6 +218,16 @@ def test_a_failure_after_a_reported_success_is_a_contradiction_for_a_person() ->
     assert (decision.move.source, decision.move.target) == (S.OUTCOME_UNKNOWN, S.ESCALATED)
 
 
+def test_a_failure_that_is_not_definitive_is_evidence_beside_a_reported_success() -> None:
+    # A soft bounce, then the delivery: a provider that may report a failure of one
+    # step of an effect it later completes has not said both. Only a failure declared
+    # definitive contradicts a success on record.
+    decision = after_callback(
+        unknown(), with_callbacks(settles=False), callback("rejected"), success_reported=True
+    )
+    assert decision == CallbackDecision(CallbackOutcome.EVIDENCE)
+
+
 def test_a_failure_that_is_not_definitive_is_evidence() -> None:
     decision = after_callback(
         unknown(), with_callbacks(settles=True), callback("rejected"), success_reported=False

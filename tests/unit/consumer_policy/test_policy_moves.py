@@ -20,10 +20,10 @@ from consumer.policy import (
     after_attempt,
     after_lease_expired,
     after_lookup,
+    blind_replay_too_late,
     can_outlive_dedupe_window,
     escalation_before_replay,
     for_unknown_outcome,
-    replay_window_passed,
 )
 from outbox.contracts import OnUnknown, Registry, SideEffect, ToolContract
 from outbox.models import Operation
@@ -128,7 +128,7 @@ def prepared_again(**changes: Any) -> Operation:
 def test_a_replay_claimed_while_the_call_still_fits_the_window_runs() -> None:
     first = NOW - WINDOW + DEADLINE + timedelta(seconds=1)
 
-    assert not replay_window_passed(
+    assert not blind_replay_too_late(
         prepared_again(first_attempt_at=first), contract(SideEffect.DEDUPLICATED_WRITE), now=NOW
     )
 
@@ -137,7 +137,7 @@ def test_a_replay_claimed_too_late_for_the_window_goes_to_a_person() -> None:
     first = NOW - WINDOW + DEADLINE
     late = prepared_again(first_attempt_at=first, attempts=1)
 
-    assert replay_window_passed(late, contract(SideEffect.DEDUPLICATED_WRITE), now=NOW)
+    assert blind_replay_too_late(late, contract(SideEffect.DEDUPLICATED_WRITE), now=NOW)
     decision = escalation_before_replay(late)
     assert decision.reason is EscalationReason.DEDUPE_WINDOW_PASSED
     assert (decision.transition.source, decision.transition.target) == (S.PREPARED, S.ESCALATED)
@@ -158,7 +158,7 @@ def test_only_a_blind_replay_of_a_deduplicated_write_is_bound_by_the_window(
 ) -> None:
     long_ago = NOW - 10 * WINDOW
 
-    assert not replay_window_passed(
+    assert not blind_replay_too_late(
         prepared_again(created_at=long_ago, first_attempt_at=long_ago, attempts=attempts),
         contract(side_effect, lookup=lookup),
         now=NOW,
@@ -182,7 +182,7 @@ def test_the_claim_may_skip_the_window_only_for_a_tool_it_can_never_bind(
         attempts=attempts, first_attempt_at=NOW - first_attempt_ago, created_at=NOW - 20 * WINDOW
     )
 
-    if replay_window_passed(row, tool, now=NOW):
+    if blind_replay_too_late(row, tool, now=NOW):
         assert can_outlive_dedupe_window(tool)
     assert can_outlive_dedupe_window(tool) is (
         side_effect is SideEffect.DEDUPLICATED_WRITE and not lookup
@@ -212,7 +212,7 @@ def test_an_operators_retry_is_offered_only_where_the_consumer_would_call(
         created_at=NOW - 2 * WINDOW,
     )
 
-    consumer_escalates = replay_window_passed(row, dedupe, now=NOW)
+    consumer_escalates = blind_replay_too_late(row, dedupe, now=NOW)
     operator_refuses = retry_refusal(registry, row, NOW) is not None
 
     assert operator_refuses is window_passed(row, dedupe, now=NOW)
