@@ -26,14 +26,21 @@ from outbox.models import (
     ApprovalStatus,
     Callback,
     Operation,
-    OperationEvent,
     display_operation_id,
 )
+from outbox.operator import timeline
 from outbox.operator.dlq import Listing
 from outbox.operator.rules import ApprovalDecided, Resolved
 from outbox.operator.views import DeadLetterView, Escalation, ProvidersView, ProviderView
 from outbox.states import OperationState
-from outbox.store import ChainReport, OperationStats, OperationSummary, PendingApproval, Row
+from outbox.store import (
+    ChainReport,
+    EventsPage,
+    OperationStats,
+    OperationSummary,
+    PendingApproval,
+    Row,
+)
 from outbox.store.evidence import REASONS
 from outbox.text import logfmt_key, logfmt_value, printable
 
@@ -210,7 +217,7 @@ def callbacks_text(callbacks: Sequence[Callback]) -> str:
 
 def show_text(
     operation: Operation,
-    events: Sequence[OperationEvent],
+    page: EventsPage,
     approval: str | None,
     key: str,
     callbacks: Sequence[Callback] = (),
@@ -233,27 +240,32 @@ def show_text(
     ]
     width = max(len(label) for label, _ in header)
     lines = [f"{label.ljust(width)}  {printable(value)}" for label, value in header]
-    lines += ["", f"timeline ({len(events)} events)"]
-    names = [printable(event.name) for event in events]
+    command = f"outbox ops show {operation.display_id}"
+    earlier, later = timeline.earlier_hint(command, page), timeline.later_hint(command, page)
+    lines += ["", f"timeline ({timeline.heading(page)})"]
+    lines += [f"  {earlier}"] if earlier else []
+    names = [printable(event.name) for event in page.events]
     name_width = max(map(len, names), default=0)
-    for event, name in zip(events, names, strict=True):
+    for event, name in zip(page.events, names, strict=True):
         when, name = stamp(event.created_at), name.ljust(name_width)
         text = _attributes_text(event.name, event.attributes)
         lines.append(f"  {when}  {name}  {text}".rstrip())
+    lines += [f"  {later}"] if later else []
     lines += ["", callbacks_text(callbacks)]
     return "\n".join(lines)
 
 
 def show_json(
     operation: Operation,
-    events: Sequence[OperationEvent],
+    page: EventsPage,
     check: ApprovalCheck | None,
     decided_by: str | None,
     key: str,
     callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """``ops show --json``: what the text shows, as JSON (the input and the attributes
-    as they are stored, escaped by JSON; an unreadable one as its marker)."""
+    as they are stored, escaped by JSON; an unreadable one as its marker), with the
+    cursors of the pages before and after the events shown."""
     return {
         "id": operation.display_id,
         "run_id": operation.run_id,
@@ -276,10 +288,15 @@ def show_json(
         else {"status": str(check.status), "reason": check.reason, "decided_by": decided_by},
         "created_at": instant(operation.created_at),
         "updated_at": instant(operation.updated_at),
-        "events": [
-            {"at": instant(event.created_at), "name": event.name, "attributes": event.attributes}
-            for event in events
-        ],
+        **timeline.page_json(
+            page,
+            lambda event: {
+                "id": event.id,
+                "at": instant(event.created_at),
+                "name": event.name,
+                "attributes": event.attributes,
+            },
+        ),
         "callbacks": [
             {
                 "id": c.id,

@@ -46,11 +46,14 @@ from outbox.store.callbacks import (
     record_callback,
 )
 from outbox.store.console import (
+    MAX_EVENTS_PAGE,
     ConsoleLogin,
     Cursor,
+    EventsPage,
     OperationFilter,
     OperationPage,
     console_login,
+    events_page,
     operation_approvals,
     operations_page,
 )
@@ -146,6 +149,7 @@ from outbox.store.runner import (
 )
 
 __all__ = [
+    "MAX_EVENTS_PAGE",
     "NOTIFY_CHANNEL",
     "RESOLUTION_EVIDENCE_LIMIT",
     "AsyncConnection",
@@ -160,6 +164,7 @@ __all__ = [
     "ConsoleLogin",
     "Cursor",
     "DeliveryClaim",
+    "EventsPage",
     "ExecutionBacklog",
     "FailedPublish",
     "HealthChange",
@@ -198,6 +203,7 @@ __all__ = [
     "delete_published_outbox_rows",
     "escalate_undeliverable",
     "events",
+    "events_page",
     "execution_gauges",
     "find_operation",
     "find_operations",

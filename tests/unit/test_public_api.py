@@ -106,6 +106,7 @@ PUBLIC = {
     ),
 }
 STORE = [
+    "MAX_EVENTS_PAGE",
     "NOTIFY_CHANNEL",
     "RESOLUTION_EVIDENCE_LIMIT",
     "AsyncConnection",
@@ -120,6 +121,7 @@ STORE = [
     "ConsoleLogin",
     "Cursor",
     "DeliveryClaim",
+    "EventsPage",
     "ExecutionBacklog",
     "FailedPublish",
     "HealthChange",
@@ -158,6 +160,7 @@ STORE = [
     "delete_published_outbox_rows",
     "escalate_undeliverable",
     "events",
+    "events_page",
     "execution_gauges",
     "find_operation",
     "find_operations",
