@@ -35,7 +35,7 @@ from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
 from outbox.models import ApprovalDecision, display_operation_id
-from outbox.operator import render, rules, timeline, views
+from outbox.operator import one_operation, render, rules, timeline, views
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
 from outbox.states import OperationState
@@ -114,10 +114,10 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
             check = runner.run(store.check_approval(operation_id))
             decided_by = runner.run(store.approver_of(check))
     if args.json:
-        _print_json(render.show_json(operation, page, check, decided_by, key, callbacks))
+        _print_json(one_operation.show_json(operation, page, check, decided_by, key, callbacks))
         return 0
     approval = render.approval_text(check, decided_by) if check is not None else None
-    print(render.show_text(operation, page, approval, key, callbacks))
+    print(one_operation.show_text(operation, page, approval, key, callbacks))
     return 0
 
 
