@@ -211,14 +211,14 @@ FROM counts c
 LEFT JOIN page p ON true
 ORDER BY p.id
 
--- name: last_escalations
--- The latest move to escalated of each of these operations, with its reason and time: one backward index scan per operation that stops at the first, whatever the timeline's length.
+-- name: last_reasons
+-- The newest event of this name of each of these operations, with its reason and time: one backward index scan per operation that stops at the first, whatever the timeline's length.
 SELECT o.id AS operation_id, last.reason, last.created_at
 FROM unnest(%(ids)b::uuid[]) AS o (id)
 CROSS JOIN LATERAL (
     SELECT e.attributes->>'reason' AS reason, e.created_at
     FROM operation_events e
-    WHERE e.operation_id = o.id AND e.name = 'operation.escalated'
+    WHERE e.operation_id = o.id AND e.name = %(name)s
     ORDER BY e.id DESC
     LIMIT 1
 ) AS last

@@ -130,8 +130,9 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     OPERATOR: {
         "list_operation_summaries",
-        # The reason and time of each escalated operation's latest escalation.
-        "last_escalations",
+        # The reason and time of each escalated operation's latest escalation, and each
+        # dead letter's operation's latest dead-lettering (`outbox dlq list`).
+        "last_reasons",
         # `ops show op_74ca7733`: the short id the console prints.
         "operation_ids_in_range",
         "get_operation",

@@ -167,6 +167,7 @@ STORE = [
     "fingerprint_key",
     "get_operation",
     "give_back_provider_call",
+    "last_dead_letters",
     "last_escalations",
     "lease_for_reconciliation",
     "list_callbacks",

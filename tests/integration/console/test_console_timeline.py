@@ -9,9 +9,12 @@ import re
 import pytest
 from starlette.testclient import TestClient
 
+from outbox import Settings
 from outbox import store as outbox_store
+from outbox.console.app import Console
+from outbox.states import EventName
 
-from support.console_helpers import logged_in
+from support.console_helpers import client, dead_letter_one, envelope_of, logged_in
 from support.ops_helpers import Ops
 
 LONG = 2000
@@ -85,3 +88,29 @@ def test_a_bad_timeline_cursor_is_a_400_that_says_why(
 
     assert answer.status_code == 400
     assert refusal in answer.text
+
+
+async def test_dead_letters_read_the_newest_reason_without_the_timeline(
+    app_console: Console, settings: Settings, ops: Ops, no_whole_timelines: None
+) -> None:
+    # Each reason lies under a long timeline: the page reads the newest alone.
+    twice = ops.new()
+    ops.run(outbox_store.append_event(twice, EventName.DEAD_LETTERED, {"reason": "unknown_tool"}))
+    ops.lengthen(twice.id, LONG)
+    ops.run(outbox_store.append_event(twice, EventName.DEAD_LETTERED, {"reason": "no_consumer"}))
+    ops.lengthen(twice.id, LONG)
+    escalated = ops.escalated_at_claim("undeliverable")
+    ops.lengthen(escalated.id, LONG)
+    await dead_letter_one(settings, envelope_of(twice), message_id="outbox-1")
+    await dead_letter_one(settings, envelope_of(escalated), message_id="outbox-2")
+
+    with client(app_console) as test_client:
+        page = logged_in(test_client).get("/dead-letters").text
+
+    cells = {
+        message_id: page.split(f'<td class="mono">{message_id}</td>')[1].split("</tr>")[0]
+        for message_id in ("outbox-1", "outbox-2")
+    }
+    assert '<td class="why">no_consumer' in cells["outbox-1"]
+    assert "escalated" not in cells["outbox-1"]
+    assert "its operation is escalated (undeliverable, " in cells["outbox-2"]
