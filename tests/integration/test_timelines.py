@@ -16,8 +16,11 @@ import pytest
 from outbox import Registry
 from outbox import store as outbox_store
 from outbox.cli import run_command
+from outbox.sql import QUERIES
 from outbox.store import EventsPage, Store
 
+from support.db_helpers import index_plan
+from support.logs import statements_seen
 from support.ops_helpers import Ops
 
 # As long as a long provider outage makes a timeline; the birth event comes first.
@@ -179,3 +182,37 @@ def test_ops_show_refuses_a_bad_cursor_or_page_size_by_name(
     out, err = capsys.readouterr()
     assert out == ""
     assert refusal in err
+
+
+def test_what_show_and_verify_hold_is_a_page_whatever_the_timeline(
+    ops: Ops, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Counted, not timed: every statement's rows are what the command holds at once.
+    # ops verify recomputes each chain in the database and gets one row per operation.
+    operation = ops.new()
+    ops.lengthen(operation.id, LONG)
+
+    with statements_seen() as seen:
+        shown(capsys, operation.display_id, "--json")
+        shown(capsys, operation.display_id, "--events", "500", "--after", "0")
+        assert run_command(["ops", "verify", operation.display_id]) == 0
+        assert run_command(["ops", "verify", "--all"]) == 0
+
+    held = seen.rows()
+    assert ("list_events_page", 100) in held
+    assert ("list_events_page", 500) in held
+    assert [rows for query, rows in held if query == "verify_event_chains"] == [1, 1]
+    assert max(rows for _, rows in held) <= outbox_store.MAX_EVENTS_PAGE
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_a_page_is_read_from_the_timeline_index(database_url: str, forward: bool) -> None:
+    cursor = {"forward": forward, "after": 0, "before": 1 << 40, "limit": 100}
+    plan = index_plan(
+        database_url, QUERIES["list_events_page"].sql, {"operation_id": UUID(int=1), **cursor}
+    )
+
+    # The page's rows come off the index in order; the one sort left is of those rows.
+    scan = "Index Scan" if forward else "Index Scan Backward"
+    assert f"{scan} using operation_events_operation on operation_events " in plan, plan
+    assert "Seq Scan on operation_events" not in plan, plan
