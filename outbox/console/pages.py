@@ -35,8 +35,8 @@ from outbox.console.rules import (
 from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
-from outbox.models import Approval, ApprovalCheck, Callback, Operation, OperationEvent
-from outbox.operator import dlq, views
+from outbox.models import Approval, ApprovalCheck, Callback, Operation
+from outbox.operator import dlq, timeline, views
 from outbox.operator.render import (
     age_text,
     outage_text,
@@ -48,12 +48,14 @@ from outbox.operator.render import (
 from outbox.operator.views import Escalation, ProvidersView
 from outbox.settings import Settings
 from outbox.states import OperationState
-from outbox.store import ChainReport, Cursor, OperationFilter, OperationPage, Store
+from outbox.store import ChainReport, Cursor, EventsPage, OperationFilter, OperationPage, Store
 from outbox.text import printable
 
 S = OperationState
 T = TypeVar("T")
 PAGE_SIZE = 50
+# Events on one operation page: the newest by default, a link to each neighbour page.
+EVENTS_PAGE = timeline.DEFAULT_EVENTS
 # Longer than any tool name or run id the runtime accepts; a filter is never a payload.
 MAX_FILTER_TEXT = 200
 # How long the overview waits for the broker's dead-letter count before showing none.
@@ -226,9 +228,32 @@ async def escalations(request: Request) -> Response:
 
 
 @dataclass(frozen=True)
+class TimelineQuery:
+    """Which page of an operation's timeline a URL asks for: after an event, before one,
+    or (neither) the newest."""
+
+    after: int | None = None
+    before: int | None = None
+
+
+def parse_timeline(query: QueryParams) -> TimelineQuery:
+    """The timeline cursor of an operation URL; a bad value is a 400, never ignored."""
+    given = {name: query.get(name) for name in ("after", "before")}
+    if given["after"] is not None and given["before"] is not None:
+        raise HTTPProblem(400, "a timeline page starts after one event or ends before one")
+    cursors: dict[str, int | None] = {}
+    for name, text in given.items():
+        try:
+            cursors[name] = None if text is None else timeline.event_cursor(text)
+        except ValueError as error:
+            raise HTTPProblem(400, f"{name}: {error}") from None
+    return TimelineQuery(after=cursors["after"], before=cursors["before"])
+
+
+@dataclass(frozen=True)
 class OperationView:
     operation: Operation
-    events: list[OperationEvent]
+    page: EventsPage
     approval: ApprovalCheck | None
     approvals: list[Approval]
     fingerprint_key: str
@@ -275,11 +300,17 @@ def attributes_text(attributes: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def load_operation(runner: Store, operation_id: UUID) -> OperationView:
+def load_operation(
+    runner: Store, operation_id: UUID, where: TimelineQuery = TimelineQuery()
+) -> OperationView:
     operation = runner.run(store.get_operation(operation_id))
     return OperationView(
         operation=operation,
-        events=runner.run(store.events(operation_id)),
+        page=runner.run(
+            store.events_page(
+                operation_id, after_id=where.after, before_id=where.before, limit=EVENTS_PAGE
+            )
+        ),
         approval=(
             runner.run(store.check_approval(operation_id)) if operation.requires_approval else None
         ),
@@ -312,8 +343,9 @@ async def _evidence_chain(
 @page
 async def operation(request: Request) -> Response:
     operation_id = operation_id_from(request.path_params["operation_id"])
+    where = parse_timeline(request.query_params)
     try:
-        view: OperationView = await read(request, lambda r: load_operation(r, operation_id))
+        view: OperationView = await read(request, lambda r: load_operation(r, operation_id, where))
     except OperationNotFound:
         raise HTTPProblem(404, "no operation with this id") from None
     chain, chain_error = await _evidence_chain(request, operation_id)
@@ -332,6 +364,7 @@ async def operation(request: Request) -> Response:
         default_ttl=DEFAULT_APPROVAL_TTL,
         chain=chain,
         chain_error=chain_error,
+        timeline_heading=timeline.heading(view.page),
         stamp=stamp,
     )
 

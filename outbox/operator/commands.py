@@ -35,7 +35,7 @@ from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
 from outbox.models import ApprovalDecision, display_operation_id
-from outbox.operator import render, rules, views
+from outbox.operator import one_operation, render, rules, timeline, views
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
 from outbox.states import OperationState
@@ -103,17 +103,21 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
         operation_id = views.operation_id_of(runner, args.operation_id)
         key = runner.run(store.fingerprint_key())
         operation = runner.run(store.get_operation(operation_id))
-        events = runner.run(store.events(operation_id))
+        page = runner.run(
+            store.events_page(
+                operation_id, after_id=args.after, before_id=args.before, limit=args.events
+            )
+        )
         callbacks = runner.run(store.callbacks_of([operation_id])).get(operation_id, [])
         check = decided_by = None
         if operation.requires_approval:
             check = runner.run(store.check_approval(operation_id))
             decided_by = runner.run(store.approver_of(check))
     if args.json:
-        _print_json(render.show_json(operation, events, check, decided_by, key, callbacks))
+        _print_json(one_operation.show_json(operation, page, check, decided_by, key, callbacks))
         return 0
     approval = render.approval_text(check, decided_by) if check is not None else None
-    print(render.show_text(operation, events, approval, key, callbacks))
+    print(one_operation.show_text(operation, page, approval, key, callbacks))
     return 0
 
 
@@ -273,6 +277,13 @@ def cmd_providers(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _event_cursor(text: str) -> int:
+    try:
+        return timeline.event_cursor(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _leaf(
     parent: Commands,
     name: str,
@@ -338,12 +349,40 @@ def configure_ops(commands: Commands) -> None:
         cmd_ops_show,
         "one operation and its lifecycle timeline",
         "The operation's identity, tool, state, counters, provider reference and approval "
-        "status, the validated input (JSON, control characters escaped), then every "
-        "lifecycle event with its time and attributes, then every provider callback about "
-        "it and what was done with it.",
+        "status, the validated input (JSON, control characters escaped), then one page of "
+        "its lifecycle events with their time and attributes (the newest, unless --after "
+        "or --before names where the page starts), how many more lie on either side and "
+        "the command that shows them, then every provider callback about it and what "
+        "was done with it.",
     )
     show.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
-    _json_flag(show, "one JSON document instead of text (the input as JSON, not escaped text)")
+    show.add_argument(
+        "--events",
+        type=positive_int_up_to(store.MAX_EVENTS_PAGE),
+        default=timeline.DEFAULT_EVENTS,
+        metavar="N",
+        help=f"show at most N events (default {timeline.DEFAULT_EVENTS}, at most "
+        f"{store.MAX_EVENTS_PAGE})",
+    )
+    cursor = show.add_mutually_exclusive_group()
+    cursor.add_argument(
+        "--after",
+        type=_event_cursor,
+        metavar="EVENT_ID",
+        help="the oldest events after this one (0: from the first event); the page's "
+        "JSON gives the next one as `next`",
+    )
+    cursor.add_argument(
+        "--before",
+        type=_event_cursor,
+        metavar="EVENT_ID",
+        help="the newest events before this one; the page's JSON gives it as `previous`",
+    )
+    _json_flag(
+        show,
+        "one JSON document instead of text (the input as JSON, not escaped text), with "
+        "the timeline's `events_total` and the `next` and `previous` page cursors",
+    )
 
     verify = _leaf(
         ops,

@@ -25,15 +25,19 @@ from outbox.models import (
     ApprovalDecision,
     ApprovalStatus,
     Callback,
-    Operation,
-    OperationEvent,
     display_operation_id,
 )
 from outbox.operator.dlq import Listing
 from outbox.operator.rules import ApprovalDecided, Resolved
 from outbox.operator.views import DeadLetterView, Escalation, ProvidersView, ProviderView
 from outbox.states import OperationState
-from outbox.store import ChainReport, OperationStats, OperationSummary, PendingApproval, Row
+from outbox.store import (
+    ChainReport,
+    OperationStats,
+    OperationSummary,
+    PendingApproval,
+    Row,
+)
 from outbox.store.evidence import REASONS
 from outbox.text import logfmt_key, logfmt_value, printable
 
@@ -150,7 +154,7 @@ def listing_text(
     return table(headers, rows)
 
 
-def _attributes_text(name: str, attributes: dict[str, Any]) -> str:
+def event_attributes_text(name: str, attributes: dict[str, Any]) -> str:
     if is_unreadable(attributes):
         return f"(attributes unreadable: {unreadable_text(attributes)})"
     # from/to first (the move), then the rest in a stable order. Keys are quoted like
@@ -206,93 +210,6 @@ def callbacks_text(callbacks: Sequence[Callback]) -> str:
     ]
     headers = ["ID", "PROVIDER", "EVENT", "STATUS", "REFERENCE", "OUTCOME", "RECEIVED"]
     return "\n".join([head, *("  " + line for line in table(headers, rows).splitlines())])
-
-
-def show_text(
-    operation: Operation,
-    events: Sequence[OperationEvent],
-    approval: str | None,
-    key: str,
-    callbacks: Sequence[Callback] = (),
-) -> str:
-    header = [
-        ("operation", operation.display_id),
-        ("run", operation.run_id),
-        ("tool", f"{operation.tool_name} v{operation.tool_version}"),
-        ("side effect", str(operation.side_effect)),
-        ("state", str(operation.state)),
-        ("fingerprint", keyed_fingerprint(key, operation.input_fingerprint)),
-        ("input", intent_text(operation.input)),
-        ("attempts", str(operation.attempts)),
-        ("reconciles", str(operation.reconcile_attempts)),
-        ("provider ref", operation.provider_reference or "-"),
-        ("last error", operation.last_error_class or "-"),
-        ("approval", approval or "not required"),
-        ("created", stamp(operation.created_at)),
-        ("updated", stamp(operation.updated_at)),
-    ]
-    width = max(len(label) for label, _ in header)
-    lines = [f"{label.ljust(width)}  {printable(value)}" for label, value in header]
-    lines += ["", f"timeline ({len(events)} events)"]
-    names = [printable(event.name) for event in events]
-    name_width = max(map(len, names), default=0)
-    for event, name in zip(events, names, strict=True):
-        when, name = stamp(event.created_at), name.ljust(name_width)
-        text = _attributes_text(event.name, event.attributes)
-        lines.append(f"  {when}  {name}  {text}".rstrip())
-    lines += ["", callbacks_text(callbacks)]
-    return "\n".join(lines)
-
-
-def show_json(
-    operation: Operation,
-    events: Sequence[OperationEvent],
-    check: ApprovalCheck | None,
-    decided_by: str | None,
-    key: str,
-    callbacks: Sequence[Callback] = (),
-) -> dict[str, Any]:
-    """``ops show --json``: what the text shows, as JSON (the input and the attributes
-    as they are stored, escaped by JSON; an unreadable one as its marker)."""
-    return {
-        "id": operation.display_id,
-        "run_id": operation.run_id,
-        "decision_key": operation.decision_key,
-        "tool": operation.tool_name,
-        "tool_version": operation.tool_version,
-        "side_effect": str(operation.side_effect),
-        "state": str(operation.state),
-        "fingerprint": keyed_fingerprint(key, operation.input_fingerprint),
-        "input": operation.input,
-        "attempts": operation.attempts,
-        "reconcile_attempts": operation.reconcile_attempts,
-        "first_attempt_at": instant(operation.first_attempt_at),
-        "provider_reference": operation.provider_reference,
-        "last_error_class": operation.last_error_class,
-        "effect_possible": operation.effect_possible,
-        "requires_approval": operation.requires_approval,
-        "approval": None
-        if check is None
-        else {"status": str(check.status), "reason": check.reason, "decided_by": decided_by},
-        "created_at": instant(operation.created_at),
-        "updated_at": instant(operation.updated_at),
-        "events": [
-            {"at": instant(event.created_at), "name": event.name, "attributes": event.attributes}
-            for event in events
-        ],
-        "callbacks": [
-            {
-                "id": c.id,
-                "provider": c.provider,
-                "event_id": c.event_id,
-                "status": str(c.status),
-                "provider_reference": c.provider_reference,
-                "outcome": str(c.outcome) if c.outcome else None,
-                "received_at": instant(c.received_at),
-            }
-            for c in callbacks
-        ],
-    }
 
 
 def chain_json(report: ChainReport) -> dict[str, Any]:
@@ -685,7 +602,7 @@ def provider_events_text(
             str(event["id"]),
             stamp(event["created_at"]),
             event["name"],
-            _attributes_text(event["name"], event["attributes"]),
+            event_attributes_text(event["name"], event["attributes"]),
         ]
         for event in events
     ]

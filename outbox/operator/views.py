@@ -6,7 +6,8 @@ way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from uuid import UUID
@@ -16,9 +17,9 @@ from outbox.breaker import BreakerState, ProviderHealth
 from outbox.broker import MAX_ENVELOPE_BYTES
 from outbox.contracts import Registry
 from outbox.errors import OperationNotFound
-from outbox.models import OperationEvent, display_operation_id, parse_operation_id
+from outbox.models import display_operation_id, parse_operation_id
 from outbox.operator.dlq import DeadLetter
-from outbox.states import EventName, OperationState
+from outbox.states import OperationState
 from outbox.store import Store
 
 # The short id the console prints (`op_74ca7733`): a shorter prefix names too little to
@@ -76,14 +77,6 @@ def escalations(
     }
 
 
-def _last_escalation(events: Sequence[OperationEvent]) -> Escalation | None:
-    moves = [event for event in events if event.name == EventName.ESCALATED]
-    if not moves:
-        return None
-    reason = moves[-1].attributes.get("reason")
-    return Escalation(reason=reason if isinstance(reason, str) else "-", since=moves[-1].created_at)
-
-
 # What RabbitMQ's x-death reason means for an operation message.
 DEATH_REASONS = {
     "rejected": "refused by a consumer",
@@ -109,29 +102,38 @@ def dead_letter_views(runner: Store, messages: Iterable[DeadLetter]) -> list[Dea
     """Each message with its operation's state and the consumer's reason: the consumer
     writes an ``operation.dead_lettered`` event for a tool no consumer has; a body that
     is not an envelope is ``malformed`` (or ``oversized``), one whose operation does not
-    exist ``unknown_operation``, as the consumer logs them."""
+    exist ``unknown_operation``, as the consumer logs them. The reasons are read with
+    one query for all the messages, each from its operation's newest such event alone:
+    a long timeline costs what a short one does."""
+    shown = [dead_letter_views_without_database(message) for message in messages]
+    states: dict[UUID, OperationState] = {}
+    for view in shown:
+        envelope = view.message.envelope
+        if envelope is not None and envelope.operation_id not in states:
+            with contextlib.suppress(OperationNotFound):
+                states[envelope.operation_id] = runner.run(
+                    store.get_operation(envelope.operation_id)
+                ).state
+    reasons = runner.run(store.last_dead_letters(list(states)))
+    escalated = escalations(runner, states.items())
     views = []
-    for message in messages:
-        view = dead_letter_views_without_database(message)
-        if message.envelope is not None:
-            view = _with_operation(runner, view, message.envelope.operation_id)
-        views.append(view)
+    for view in shown:
+        envelope = view.message.envelope
+        if envelope is None:
+            views.append(view)
+        elif envelope.operation_id not in states:
+            views.append(replace(view, why="unknown_operation: no operation has this id"))
+        else:
+            reason, _ = reasons.get(envelope.operation_id, (None, None))
+            views.append(
+                replace(
+                    view,
+                    why=reason if reason is not None else view.why,
+                    operation_state=states[envelope.operation_id],
+                    escalation=escalated.get(envelope.operation_id),
+                )
+            )
     return views
-
-
-def _with_operation(runner: Store, view: DeadLetterView, operation_id: UUID) -> DeadLetterView:
-    try:
-        state = runner.run(store.get_operation(operation_id)).state
-    except OperationNotFound:
-        return replace(view, why="unknown_operation: no operation has this id")
-    events = runner.run(store.events(operation_id))
-    recorded = [e.attributes.get("reason") for e in events if e.name == EventName.DEAD_LETTERED]
-    return replace(
-        view,
-        why=next((r for r in reversed(recorded) if isinstance(r, str)), view.why),
-        operation_state=state,
-        escalation=_last_escalation(events) if state is OperationState.ESCALATED else None,
-    )
 
 
 def dead_letter_views_without_database(message: DeadLetter) -> DeadLetterView:

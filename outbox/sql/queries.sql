@@ -174,14 +174,51 @@ FROM operation_events
 WHERE operation_id = %(operation_id)s
 ORDER BY id
 
--- name: last_escalations
--- The latest move to escalated of each of these operations, with its reason and time: one backward index scan per operation that stops at the first, whatever the timeline's length.
+-- name: list_events_page
+-- One page of an operation's timeline: at most `limit` events after event `after`, oldest first, or (when not `forward`) the `limit` events just before event `before`; each a range scan of the (operation_id, id) index, and a count of the events on either side of the page, in one snapshot.
+WITH page AS (
+    (SELECT id, operation_id, name, attributes, created_at
+     FROM operation_events
+     WHERE %(forward)s::boolean AND operation_id = %(operation_id)s
+       AND id > %(after)s::bigint
+     ORDER BY id
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT id, operation_id, name, attributes, created_at
+     FROM operation_events
+     WHERE NOT %(forward)s::boolean AND operation_id = %(operation_id)s
+       AND id < %(before)s::bigint
+     ORDER BY id DESC
+     LIMIT %(limit)s)
+), bounds AS MATERIALIZED (
+    -- An empty page still splits the timeline at its cursor.
+    SELECT coalesce(min(id), CASE WHEN %(forward)s::boolean THEN %(after)s::bigint + 1
+                                  ELSE %(before)s::bigint END) AS lo,
+           coalesce(max(id), CASE WHEN %(forward)s::boolean THEN %(after)s::bigint
+                                  ELSE %(before)s::bigint - 1 END) AS hi
+    FROM page
+), counts AS MATERIALIZED (
+    SELECT b.lo, b.hi,
+           (SELECT count(*) FROM operation_events e
+            WHERE e.operation_id = %(operation_id)s AND e.id < b.lo) AS earlier,
+           (SELECT count(*) FROM operation_events e
+            WHERE e.operation_id = %(operation_id)s AND e.id > b.hi) AS later
+    FROM bounds b
+)
+SELECT c.lo, c.hi, c.earlier, c.later,
+       p.id, p.operation_id, p.name, p.attributes, p.created_at
+FROM counts c
+LEFT JOIN page p ON true
+ORDER BY p.id
+
+-- name: last_reasons
+-- The newest event of this name of each of these operations, with its reason and time: one backward index scan per operation that stops at the first, whatever the timeline's length.
 SELECT o.id AS operation_id, last.reason, last.created_at
 FROM unnest(%(ids)b::uuid[]) AS o (id)
 CROSS JOIN LATERAL (
     SELECT e.attributes->>'reason' AS reason, e.created_at
     FROM operation_events e
-    WHERE e.operation_id = o.id AND e.name = 'operation.escalated'
+    WHERE e.operation_id = o.id AND e.name = %(name)s
     ORDER BY e.id DESC
     LIMIT 1
 ) AS last

@@ -46,11 +46,14 @@ from outbox.store.callbacks import (
     record_callback,
 )
 from outbox.store.console import (
+    MAX_EVENTS_PAGE,
     ConsoleLogin,
     Cursor,
+    EventsPage,
     OperationFilter,
     OperationPage,
     console_login,
+    events_page,
     operation_approvals,
     operations_page,
 )
@@ -102,6 +105,7 @@ from outbox.store.operator import (
     OperationSummary,
     PendingApproval,
     approver_of,
+    last_dead_letters,
     last_escalations,
     list_operation_summaries,
     operation_stats,
@@ -146,6 +150,7 @@ from outbox.store.runner import (
 )
 
 __all__ = [
+    "MAX_EVENTS_PAGE",
     "NOTIFY_CHANNEL",
     "RESOLUTION_EVIDENCE_LIMIT",
     "AsyncConnection",
@@ -160,6 +165,7 @@ __all__ = [
     "ConsoleLogin",
     "Cursor",
     "DeliveryClaim",
+    "EventsPage",
     "ExecutionBacklog",
     "FailedPublish",
     "HealthChange",
@@ -198,12 +204,14 @@ __all__ = [
     "delete_published_outbox_rows",
     "escalate_undeliverable",
     "events",
+    "events_page",
     "execution_gauges",
     "find_operation",
     "find_operations",
     "fingerprint_key",
     "get_operation",
     "give_back_provider_call",
+    "last_dead_letters",
     "last_escalations",
     "lease_for_reconciliation",
     "list_callbacks",

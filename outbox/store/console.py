@@ -1,10 +1,11 @@
-"""The operator console's reads (``outbox console``): operations a page at a time, and
+"""The operator console's reads (``outbox console``): operations a page at a time, an
+operation's timeline a page at a time (``outbox ops show`` reads it the same way), and
 the approval decisions of one operation.
 
-Pages are cut with a keyset on ``(updated_at, id)``, never with OFFSET: the next page
-starts strictly after the last row shown, so reading page 500 costs what page 1 does,
-and a row that changes between two pages moves to the top instead of shifting every
-later page by one.
+Pages are cut with a keyset, never with OFFSET: operations on ``(updated_at, id)``,
+events on their id. The next page starts strictly after the last row shown, so reading
+page 500 costs what page 1 does, and a row that changes between two pages moves to the
+top instead of shifting every later page by one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
-from outbox.models import Approval
+from outbox.models import Approval, OperationEvent
 from outbox.states import OperationState
 from outbox.store.operator import OperationSummary
 from outbox.store.runner import Plan, Step
@@ -69,6 +70,73 @@ def operations_page(
     return OperationPage(
         rows=summaries,
         next=Cursor(updated_at=last.updated_at, id=last.id) if more and last else None,
+    )
+
+
+# The most events one read returns. Daemons may append any number of events to an
+# operation (a long outage's probes), so no reader may ask for the whole timeline at once.
+MAX_EVENTS_PAGE = 500
+_NO_EVENT = 0
+_PAST_EVERY_EVENT = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class EventsPage:
+    """Consecutive events of one operation's timeline, oldest first, and how many of the
+    timeline's events lie on either side of them."""
+
+    events: list[OperationEvent]
+    earlier: int
+    """Events of the timeline older than this page."""
+    later: int
+    """Events of the timeline newer than this page."""
+    next: int | None
+    """The ``after_id`` of the page that follows; None when no event is newer."""
+    previous: int | None
+    """The ``before_id`` of the page that precedes; None when no event is older."""
+
+    @property
+    def total(self) -> int:
+        """Every event of the timeline, as this page's snapshot counted them."""
+        return self.earlier + len(self.events) + self.later
+
+
+def events_page(
+    operation_id: UUID,
+    *,
+    after_id: int | None = None,
+    before_id: int | None = None,
+    limit: int = 100,
+) -> Plan[EventsPage]:
+    """At most ``limit`` (up to :data:`MAX_EVENTS_PAGE`) events of one operation: the
+    oldest after event ``after_id`` (0: from the first), or the newest before event
+    ``before_id``; with neither, the newest ``limit``. Following ``next`` from
+    ``after_id=0``, or ``previous`` from the newest page, reads every event once, in
+    order."""
+    if not 1 <= limit <= MAX_EVENTS_PAGE:
+        raise ValueError(f"a page of events holds 1 to {MAX_EVENTS_PAGE} events, not {limit}")
+    if after_id is not None and before_id is not None:
+        raise ValueError("a page of events starts after one event or ends before one, not both")
+    for cursor in (after_id, before_id):
+        if cursor is not None and not _NO_EVENT <= cursor < _PAST_EVERY_EVENT:
+            raise ValueError(f"not an event id: {cursor}")
+    rows = yield Step(
+        "list_events_page",
+        {
+            "operation_id": operation_id,
+            "forward": after_id is not None,
+            "after": _NO_EVENT if after_id is None else after_id,
+            "before": _PAST_EVERY_EVENT if before_id is None else before_id,
+            "limit": limit,
+        },
+    )
+    counts = rows[0]
+    return EventsPage(
+        events=[OperationEvent.model_validate(row) for row in rows if row["id"] is not None],
+        earlier=int(counts["earlier"]),
+        later=int(counts["later"]),
+        next=int(counts["hi"]) if counts["later"] else None,
+        previous=int(counts["lo"]) if counts["earlier"] else None,
     )
 
 

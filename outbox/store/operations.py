@@ -457,6 +457,9 @@ def _waiting_after(target: OperationState) -> Waiting:
 
 
 def events(operation_id: UUID) -> Plan[list[OperationEvent]]:
+    """Every event of one operation, oldest first, in memory at once: for a reader that
+    needs the whole timeline of an operation it knows to be short (the chaos harness's
+    checker, the demo). The operator's front ends read pages (:func:`events_page`)."""
     rows = yield Step("list_events", {"operation_id": operation_id})
     return [OperationEvent.model_validate(row) for row in rows]
 

@@ -104,9 +104,24 @@ def last_escalations(
 ) -> Plan[dict[UUID, tuple[str | None, datetime]]]:
     """Each operation's latest move to ``escalated``: its reason (None when it wrote
     none) and time, in one round trip; operations never escalated are absent."""
+    return (yield from _last_reasons(operation_ids, EventName.ESCALATED))
+
+
+def last_dead_letters(
+    operation_ids: list[UUID],
+) -> Plan[dict[UUID, tuple[str | None, datetime]]]:
+    """Each operation's latest ``operation.dead_lettered`` event: the consumer's reason
+    for sending its message to the dead-letter queue (None when it wrote none) and
+    time, in one round trip; operations the consumer never dead-lettered are absent."""
+    return (yield from _last_reasons(operation_ids, EventName.DEAD_LETTERED))
+
+
+def _last_reasons(
+    operation_ids: list[UUID], name: EventName
+) -> Plan[dict[UUID, tuple[str | None, datetime]]]:
     if not operation_ids:
         return {}
-    rows = yield Step("last_escalations", {"ids": operation_ids})
+    rows = yield Step("last_reasons", {"ids": operation_ids, "name": str(name)})
     return {row["operation_id"]: (row["reason"], row["created_at"]) for row in rows}
 
 

@@ -16,7 +16,7 @@ from psycopg import sql
 from pydantic import SecretStr
 from starlette.testclient import TestClient
 
-from outbox import Registry, Settings
+from outbox import Operation, Registry, Settings
 from outbox import schema as outbox_schema
 from outbox.broker import OperationChunk, OperationMessage, Topology, declare_topology
 from outbox.console.app import Console, create_app
@@ -149,3 +149,13 @@ async def dead_letter_one(
         assert taken is not None
         await taken.reject(requeue=False)
     await wait_for_messages(amqp_url, settings.dead_letter_queue, count=dead_before + 1)
+
+
+def envelope_of(op: Operation) -> OperationMessage:
+    return OperationMessage(
+        operation_id=op.id,
+        outbox_id=7,
+        tool=op.tool_name,
+        tool_version=op.tool_version,
+        input_fingerprint=op.input_fingerprint,
+    )

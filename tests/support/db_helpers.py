@@ -59,6 +59,15 @@ def execute_admin(
         return cursor.fetchall() if cursor.description else []
 
 
+def index_plan(database_url: str, sql: str, params: dict[str, Any] | None = None) -> str:
+    """The plan of ``sql`` with a scan of a table and a sort forbidden (the planner
+    would rather sort a handful of rows): whether an index can serve it at all."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SET LOCAL enable_seqscan = off")
+        connection.execute("SET LOCAL enable_sort = off")
+        return "\n".join(row[0] for row in connection.execute("EXPLAIN " + sql, params))
+
+
 class SyncTransaction:
     def __init__(self, connection: SyncConnection) -> None:
         self.connection = connection

@@ -4,6 +4,8 @@ as the default formatter writes them (fields included, which rendered(caplog) le
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import pytest
@@ -48,3 +50,43 @@ def lifecycle_lines(caplog: pytest.LogCaptureFixture, action: str | None = None)
             fields = cast("dict[str, Scalar]", fields_of(record))
             lines.append(format_event(str(name), fields))
     return lines
+
+
+class Ran(logging.Handler):
+    """Every statement the store ran in this test, from its DEBUG line per statement
+    (logger ``outbox.store``: query name and database user, never parameters). The
+    runner is the one place SQL runs, so its lines see every statement a component
+    sends, and which user sent it. A handler of its own on that logger: the CLI
+    replaces the root logger's handlers, caplog's among them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if vars(record).get("action") == "store.statement":
+            self.records.append(record)
+
+    def rows(self) -> list[tuple[str, int]]:
+        """Each statement's query name and how many rows it returned: what its caller
+        held at once."""
+        return [(str(vars(r)["query"]), int(vars(r)["rows"])) for r in self.records]
+
+    def by(self, user: str | None) -> set[str]:
+        return {str(vars(r)["query"]) for r in self.records if vars(r)["user"] == user}
+
+
+@contextmanager
+def statements_seen() -> Iterator[Ran]:
+    """Every statement the store runs meanwhile, whatever the CLI does to the root
+    logger."""
+    seen = Ran()
+    statements = logging.getLogger("outbox.store")
+    level = statements.level
+    statements.setLevel(logging.DEBUG)
+    statements.addHandler(seen)
+    try:
+        yield seen
+    finally:
+        statements.removeHandler(seen)
+        statements.setLevel(level)

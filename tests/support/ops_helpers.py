@@ -14,6 +14,8 @@ from outbox import store as outbox_store
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.store import Plan, Store
 
+from support.db_helpers import execute_admin
+
 S = OperationState
 LEASE = timedelta(seconds=60)
 
@@ -74,6 +76,23 @@ class Ops:
 
     def event_names(self, operation_id: UUID) -> list[str]:
         return [event.name for event in self.events(operation_id)]
+
+    def lengthen(self, operation_id: UUID, count: int, name: str = "agent.completed") -> list[int]:
+        """Append ``count`` events to an operation in one statement, as the table's owner
+        (the chain trigger hashes each, as it does a daemon's), and return the ids of
+        all its events, oldest first: a timeline as long as a long outage makes one."""
+        execute_admin(
+            self.database_url,
+            "INSERT INTO operation_events (operation_id, name, attributes) "
+            "SELECT %s, %s, jsonb_build_object('agent.n', n) FROM generate_series(1, %s) n",
+            (operation_id, name, count),
+        )
+        rows = execute_admin(
+            self.database_url,
+            "SELECT id FROM operation_events WHERE operation_id = %s ORDER BY id",
+            (operation_id,),
+        )
+        return [int(row[0]) for row in rows]
 
     def escalated_at_claim(self, reason: str, **attributes: Any) -> Operation:
         """A fresh operation the consumer escalated before any attempt (``tampered``,

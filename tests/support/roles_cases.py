@@ -130,12 +130,14 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     OPERATOR: {
         "list_operation_summaries",
-        # The reason and time of each escalated operation's latest escalation.
-        "last_escalations",
+        # The reason and time of each escalated operation's latest escalation, and each
+        # dead letter's operation's latest dead-lettering (`outbox dlq list`).
+        "last_reasons",
         # `ops show op_74ca7733`: the short id the console prints.
         "operation_ids_in_range",
         "get_operation",
-        "list_events",
+        # `ops show` and the console read a timeline a page at a time, never whole.
+        "list_events_page",
         "list_outbox_rows",
         "latest_approval",
         "transition_operation",
@@ -170,7 +172,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "set_lock_timeout",
         "schema_lock_holders",
     },
-    CHAOS: {"terminate_backends", "session_snapshot"},
+    # The checker judges each operation's whole timeline (harness/checker.py).
+    CHAOS: {"terminate_backends", "session_snapshot", "list_events"},
     CONSOLE: {"console_login", "console_operations_page", "console_operation_approvals"},
 }
 

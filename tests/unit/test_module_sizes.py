@@ -14,7 +14,7 @@ PACKAGES = ("outbox", "dispatcher", "consumer", "harness", "bench")
 ASIDE = ("outbox/sandbox/",)
 # Not yet cut (outside this change's packages): their length when the rule came in.
 NOT_YET_CUT = {
-    "outbox/operator/render.py": 716,
+    "outbox/operator/render.py": 633,
 }
 
 

@@ -12,12 +12,19 @@ from outbox import Settings
 from outbox import store as outbox_store
 from outbox.broker import ChunkEntry, OperationChunk, OperationMessage
 from outbox.console.app import Console
-from outbox.models import Operation
 from outbox.states import EventName
 
 from support.broker_helpers import read_raw
 from support.console_cases import S
-from support.console_helpers import OPERATOR, client, csrf, csrf_of, dead_letter_one, logged_in
+from support.console_helpers import (
+    OPERATOR,
+    client,
+    csrf,
+    csrf_of,
+    dead_letter_one,
+    envelope_of,
+    logged_in,
+)
 from support.ops_helpers import Ops
 
 # --- dead letters -----------------------------------------------------------------------------
@@ -86,16 +93,6 @@ async def test_a_dead_chunk_lists_each_of_its_operations_and_is_requeued_whole(
     [back] = await read_raw(settings.amqp_url.get_secret_value(), settings.queue, expect=1)
     assert back.message_id == "outbox-7-n2"
     assert back.body == chunk.model_dump_json().encode()
-
-
-def envelope_of(op: Operation) -> OperationMessage:
-    return OperationMessage(
-        operation_id=op.id,
-        outbox_id=7,
-        tool=op.tool_name,
-        tool_version=op.tool_version,
-        input_fingerprint=op.input_fingerprint,
-    )
 
 
 async def test_dead_letters_say_why_they_died_and_what_became_of_their_operation(

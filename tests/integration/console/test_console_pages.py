@@ -26,6 +26,7 @@ from outbox.store import OperationFilter, Store
 
 from support.console_cases import S
 from support.console_helpers import CANARY, client, logged_in
+from support.db_helpers import index_plan
 from support.ops_helpers import Ops
 
 # --- escaping -------------------------------------------------------------------------------
@@ -340,20 +341,13 @@ def test_pages_with_tied_change_times_have_no_gaps_or_repeats(
 
 
 def test_the_keyset_is_read_from_an_index(database_url: str) -> None:
-    with psycopg.connect(database_url) as connection:
-        # The planner would rather sort a handful of rows: forbid that, and a scan of the
-        # table, to see whether an index can serve the page at all.
-        connection.execute("SET LOCAL enable_seqscan = off")
-        connection.execute("SET LOCAL enable_sort = off")
-        plan = "\n".join(
-            row[0]
-            for row in connection.execute(
-                "EXPLAIN SELECT id FROM operations"
-                " WHERE (updated_at, id)"
-                " < ('2026-01-01T00:00:00Z', '00000000-0000-0000-0000-000000000000')"
-                " ORDER BY updated_at DESC, id DESC LIMIT 51"
-            )
-        )
+    plan = index_plan(
+        database_url,
+        "SELECT id FROM operations"
+        " WHERE (updated_at, id)"
+        " < ('2026-01-01T00:00:00Z', '00000000-0000-0000-0000-000000000000')"
+        " ORDER BY updated_at DESC, id DESC LIMIT 51",
+    )
 
     assert "Scan Backward using operations_updated" in plan, plan
 

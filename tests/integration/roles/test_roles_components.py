@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import threading
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from outbox.store import Store
 from support.broker_helpers import read_all
 from support.db_helpers import execute_admin
 from support.logins import Login
+from support.logs import Ran, statements_seen
 from support.roles_cases import (
     AGENT,
     CALLBACKS,
@@ -59,37 +59,10 @@ from support.roles_cases import (
 from support.waiting import eventually_sync
 
 
-class Ran(logging.Handler):
-    """Every statement the store ran in this test, from its DEBUG line per statement
-    (logger ``outbox.store``: query name and database user, never parameters). The
-    runner is the one place SQL runs, so its lines see every statement a component
-    sends, and which user sent it. A handler of its own on that logger: the CLI
-    replaces the root logger's handlers, caplog's among them."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if vars(record).get("action") == "store.statement":
-            self.records.append(record)
-
-    def by(self, user: str | None) -> set[str]:
-        return {str(vars(r)["query"]) for r in self.records if vars(r)["user"] == user}
-
-
 @pytest.fixture
 def ran() -> Iterator[Ran]:
-    seen = Ran()
-    statements = logging.getLogger("outbox.store")
-    level = statements.level
-    statements.setLevel(logging.DEBUG)
-    statements.addHandler(seen)
-    try:
+    with statements_seen() as seen:
         yield seen
-    finally:
-        statements.removeHandler(seen)
-        statements.setLevel(level)
 
 
 def queries_run_by(ran: Ran, url: str) -> set[str]:
