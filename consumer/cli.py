@@ -20,7 +20,7 @@ from outbox.cli import (
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.daemon import freeze_startup_heap
 from outbox.loading import load_registry, module_list
-from outbox.settings import Settings
+from outbox.settings import Settings, settings_in
 from outbox.signals import run_until_signalled
 
 logger = logging.getLogger(__name__)
@@ -31,12 +31,7 @@ MAX_PROCESSES = 64
 
 SETTINGS = (
     "database_url",
-    "amqp_url",
-    "exchange",
-    "queue",
-    "dead_letter_exchange",
-    "dead_letter_queue",
-    "delivery_limit",
+    *settings_in("broker"),
     "amqp_heartbeat",
     "prefetch",
     "lease_margin",

@@ -12,19 +12,14 @@ from outbox.cli import add_declare_topology_flag, add_setting_flags, run_async, 
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.daemon import failed_peer, freeze_startup_heap, is_transient
 from outbox.errors import ServiceUnavailable, connect_failure
-from outbox.settings import Settings
+from outbox.settings import Settings, settings_in
 from outbox.signals import run_until_signalled
 
 logger = logging.getLogger(__name__)
 
 SETTINGS = (
     "database_url",
-    "amqp_url",
-    "exchange",
-    "queue",
-    "dead_letter_exchange",
-    "dead_letter_queue",
-    "delivery_limit",
+    *settings_in("broker"),
     "amqp_heartbeat",
     "batch_size",
     "dispatch_lanes",

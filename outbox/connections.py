@@ -49,21 +49,10 @@ from outbox.errors import (
     connect_failure,
     is_read_only,
 )
-from outbox.settings import Settings, redact_url
+from outbox.settings import Settings, redact_url, settings_in
 
 # The settings every daemon offers as flags for the bounds below.
-DATABASE_BOUND_SETTINGS = (
-    "db_transaction_timeout",
-    "db_transaction_hard_timeout",
-    "db_statement_timeout",
-    "db_lock_timeout",
-    "db_idle_in_transaction_timeout",
-    "db_tcp_user_timeout",
-    "db_keepalives_idle",
-    "db_keepalives_interval",
-    "db_keepalives_count",
-    "db_connect_timeout",
-)
+DATABASE_BOUND_SETTINGS = settings_in("database_bound")
 
 
 # What a transaction past its soft deadline came to (the verdict label of

@@ -13,9 +13,17 @@ import math
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from pydantic import Field, SecretStr, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    Field,
+    JsonValue,
+    SecretStr,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox.errors import ConfigurationError
@@ -34,72 +42,30 @@ from outbox.urls import split_amqp_urls as split_amqp_urls
 from outbox.urls import sqlalchemy_url as sqlalchemy_url
 from outbox.urls import with_database as with_database
 
+# Every other OUTBOX_* variable, and who reads it.
+from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
+
 ENV_PREFIX = "OUTBOX_"
 
-# Every OUTBOX_* variable something in this project reads besides the settings below,
-# and who reads it. The prefix is ours: a name in it that nobody reads is a typo, and a
-# typo leaves the default in force while the operator believes otherwise, so every
-# command refuses it (check_variables). tests/unit/test_settings_refusals.py fails when
-# the repository names one that is not listed here.
-OTHER_VARIABLES: Mapping[str, str] = {
-    "OUTBOX_FINGERPRINT_KEY": "the key of the short fingerprints (outbox.fingerprint_key)",
-    "OUTBOX_MCP_TOKENS": "outbox mcp over HTTP: its callers, name:token[,name:token...]",
-    "OUTBOX_CONSOLE_OPERATORS": "outbox console: its operators, name:token[,name:token...]",
-    "OUTBOX_CONSOLE_PROXY_HEADER": "outbox console: the trusted proxy's identity header",
-    "OUTBOX_CONSOLE_TRUSTED_PROXIES": "outbox console: the trusted proxy's addresses",
-    "OUTBOX_CONSOLE_HOSTS": "outbox console: the host names it answers to",
-    "OUTBOX_CALLBACK_SECRETS": "provider callbacks: the secrets, provider:secret[,...]",
-    "OUTBOX_CALLBACK_SECRETS_FILE": "provider callbacks: a file of provider:secret lines",
-    "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
-    "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
-    "OUTBOX_SANDBOX_CALLBACK_WAIT": "the payment sandbox's example tools: the email callback wait",
-    "OUTBOX_SANDBOX_OUTAGE_TOLERANCE": "the payment sandbox's example tools: how long a refund "
-    "waits for the sandbox before a person is asked",
-    "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
-    "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
-    "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
-    "OUTBOX_TEST_PROVIDER_OUTAGE_SECONDS": "the test suite: how long the acceptance test's "
-    "provider outage lasts (60)",
-    "OUTBOX_TEST_MCP_TOKEN": "the test suite: the bearer token of `outbox mcp` under test",
-    "OUTBOX_CONSOLE_SCREENSHOTS": "the browser tests: where to write the console screenshots",
-    "OUTBOX_BENCH_DATABASE_URL": "bench/: the Postgres server to measure against",
-    "OUTBOX_BENCH_AMQP_URL": "bench/: the RabbitMQ to measure against",
-}
 
-# Every setting that is a length of time, in seconds or as a timedelta: each is refused
-# below MIN_SECONDS (tests/unit/test_settings_refusals.py checks that none is missing).
-DURATION_SETTINGS = (
-    "poll_interval",
-    "publish_timeout",
-    "publish_retry_initial",
-    "publish_retry_max",
-    "retention",
-    "lease_margin",
-    "db_transaction_timeout",
-    "db_transaction_hard_timeout",
-    "db_statement_timeout",
-    "db_lock_timeout",
-    "db_idle_in_transaction_timeout",
-    "db_tcp_user_timeout",
-    "reconcile_interval",
-    "requeue_stale_after",
-    "approval_denial_grace",
-    "callback_tolerance",
-    "provider_failure_window",
-    "provider_longest_probe",
-    "provider_release_spread",
-    "provider_health_refresh",
-)
-# The server-side bounds and the client's transaction deadline: each must end before the
-# lease does (docs/design.md section 9), or a session whose client went silent could
-# still hold an operation's row when the reconciler comes to take it over.
-LEASE_BOUNDED_SETTINGS = (
-    "db_transaction_timeout",
-    "db_transaction_hard_timeout",
-    "db_statement_timeout",
-    "db_lock_timeout",
-    "db_idle_in_transaction_timeout",
-)
+# A setting's groups live on its field (json_schema_extra, read by settings_in), so a new
+# setting joins them where it is declared, not in lists kept apart from it:
+#   broker          where the broker's topology is: every command that talks to it offers them
+#   database_bound  a bound of a daemon's database session (outbox.connections)
+#   duration        a length of time, in seconds or as a timedelta: refused below MIN_SECONDS
+#                   (tests/unit/test_settings_refusals.py checks that none is missing)
+#   lease_bounded   the server-side bounds and the client's transaction deadline: each must
+#                   end before the lease does (docs/design.md section 9), or a session whose
+#                   client went silent could still hold an operation's row when the
+#                   reconciler comes to take it over
+SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded")
+
+
+def _in(*groups: str) -> dict[str, JsonValue]:
+    assert set(groups) <= set(SETTING_GROUPS), groups
+    return {"groups": list(groups)}
+
+
 # The shortest duration any setting accepts. Below it a wait is a busy loop (a reconcile
 # interval of 1 µs kept a core 81% busy) and no round trip fits in a timeout; zero or
 # less is no wait at all.
@@ -127,21 +93,35 @@ class Settings(BaseSettings):
     # Several comma-separated URLs name the nodes of one cluster: each connect tries them
     # in turn (outbox.broker.connect), so a daemon carries on against the survivors.
     amqp_url: SecretStr = Field(
+        json_schema_extra=_in("broker"),
         default=SecretStr("amqp://guest:guest@localhost:5672/"),
         description="RabbitMQ URL, or the URLs of a cluster's nodes separated by commas",
     )
     exchange: str = Field(
-        default="outbox", description="topic exchange operations are published to"
+        json_schema_extra=_in("broker"),
+        default="outbox",
+        description="topic exchange operations are published to",
     )
-    queue: str = Field(default="outbox.operations", description="quorum queue consumers read")
+    queue: str = Field(
+        json_schema_extra=_in("broker"),
+        default="outbox.operations",
+        description="quorum queue consumers read",
+    )
     dead_letter_exchange: str = Field(
-        default="outbox.dead", description="exchange that takes messages past the delivery limit"
+        json_schema_extra=_in("broker"),
+        default="outbox.dead",
+        description="exchange that takes messages past the delivery limit",
     )
     dead_letter_queue: str = Field(
-        default="outbox.operations.dead", description="queue that keeps dead-lettered messages"
+        json_schema_extra=_in("broker"),
+        default="outbox.operations.dead",
+        description="queue that keeps dead-lettered messages",
     )
     delivery_limit: int = Field(
-        default=5, ge=1, description="deliveries of one message before it is dead-lettered"
+        json_schema_extra=_in("broker"),
+        default=5,
+        ge=1,
+        description="deliveries of one message before it is dead-lettered",
     )
     amqp_heartbeat: int = Field(
         default=15, ge=1, description="AMQP heartbeat seconds: how fast a silent broker is noticed"
@@ -174,18 +154,27 @@ class Settings(BaseSettings):
         "(0: never)",
     )
     poll_interval: float = Field(
-        default=1.0, description="seconds between scans when no notification arrives"
+        json_schema_extra=_in("duration"),
+        default=1.0,
+        description="seconds between scans when no notification arrives",
     )
     publish_timeout: float = Field(
-        default=10.0, description="seconds to wait for a batch's broker confirms"
+        json_schema_extra=_in("duration"),
+        default=10.0,
+        description="seconds to wait for a batch's broker confirms",
     )
     publish_retry_initial: float = Field(
-        default=1.0, description="seconds before a failed publish is retried (doubles)"
+        json_schema_extra=_in("duration"),
+        default=1.0,
+        description="seconds before a failed publish is retried (doubles)",
     )
     publish_retry_max: float = Field(
-        default=60.0, description="longest wait before a failed publish is retried"
+        json_schema_extra=_in("duration"),
+        default=60.0,
+        description="longest wait before a failed publish is retried",
     )
     retention: timedelta = Field(
+        json_schema_extra=_in("duration"),
         default=timedelta(days=7),
         description="how long published rows are kept (seconds or ISO 8601)",
     )
@@ -208,6 +197,7 @@ class Settings(BaseSettings):
     # (a busy machine, a slow disk, a failover's first seconds) must finish well inside
     # them on a machine five times slower than a quiet one (docs/daemons.md).
     lease_margin: float = Field(
+        json_schema_extra=_in("duration"),
         default=20.0,
         description="seconds a claim's lease outlives the tool's deadline; longer than the "
         "database transaction, statement, lock and idle-in-transaction timeouts",
@@ -217,51 +207,74 @@ class Settings(BaseSettings):
     # derived from the lease margin (see DatabaseBounds): a stuck commit is cut before
     # the lease runs out, so the reconciler can always take the operation over.
     db_transaction_timeout: float | None = Field(
+        json_schema_extra=_in("database_bound", "duration", "lease_bounded"),
         default=None,
         description="seconds a daemon's transaction may take before its link is checked: cut "
         "if silent, left to run until the hard timeout if the server is working on it "
         "(default: a quarter of the lease margin)",
     )
     db_transaction_hard_timeout: float | None = Field(
+        json_schema_extra=_in("database_bound", "duration", "lease_bounded"),
         default=None,
         description="seconds a transaction the server is still working on may take before "
         "its connection is cut (default: half the lease margin, at least the transaction "
         "timeout)",
     )
     db_statement_timeout: float | None = Field(
+        json_schema_extra=_in("database_bound", "duration", "lease_bounded"),
         default=None,
         description="server-side statement_timeout, seconds (default: the hard transaction "
         "timeout)",
     )
     db_lock_timeout: float | None = Field(
+        json_schema_extra=_in("database_bound", "duration", "lease_bounded"),
         default=None,
         description="server-side lock_timeout, seconds (default: half the hard transaction "
         "timeout)",
     )
     db_idle_in_transaction_timeout: float | None = Field(
+        json_schema_extra=_in("database_bound", "duration", "lease_bounded"),
         default=None,
         description="server-side idle_in_transaction_session_timeout, seconds (default: the "
         "hard transaction timeout; the dispatcher adds its publish timeout)",
     )
     db_tcp_user_timeout: float = Field(
+        json_schema_extra=_in("database_bound", "duration"),
         default=10.0,
         description="libpq tcp_user_timeout, seconds: how long sent data may go "
         "unacknowledged before the client drops the link",
     )
     db_keepalives_idle: int = Field(
-        default=5, ge=1, description="libpq keepalives_idle: seconds of silence before a probe"
+        json_schema_extra=_in("database_bound"),
+        default=5,
+        ge=1,
+        description="libpq keepalives_idle: seconds of silence before a probe",
     )
     db_keepalives_interval: int = Field(
-        default=2, ge=1, description="libpq keepalives_interval: seconds between probes"
+        json_schema_extra=_in("database_bound"),
+        default=2,
+        ge=1,
+        description="libpq keepalives_interval: seconds between probes",
     )
     db_keepalives_count: int = Field(
+        json_schema_extra=_in("database_bound"),
         default=3,
         ge=1,
         description="libpq keepalives_count: probes lost before the link is dropped",
     )
-    db_connect_timeout: int = Field(default=10, ge=2, description="libpq connect_timeout, seconds")
-    reconcile_interval: float = Field(default=0.5, description="seconds between reconciler scans")
+    db_connect_timeout: int = Field(
+        json_schema_extra=_in("database_bound"),
+        default=10,
+        ge=2,
+        description="libpq connect_timeout, seconds",
+    )
+    reconcile_interval: float = Field(
+        json_schema_extra=_in("duration"),
+        default=0.5,
+        description="seconds between reconciler scans",
+    )
     requeue_stale_after: timedelta = Field(
+        json_schema_extra=_in("duration"),
         default=timedelta(minutes=10),
         description="a prepared operation no message reached for this long is queued again",
     )
@@ -273,6 +286,7 @@ class Settings(BaseSettings):
         "to a person; requeues after timeouts or database errors never count",
     )
     approval_denial_grace: timedelta = Field(
+        json_schema_extra=_in("duration"),
         default=timedelta(minutes=15),
         description="a denied approval with no grant after it for this long ends the "
         "operation rejected (seconds or ISO 8601)",
@@ -290,19 +304,24 @@ class Settings(BaseSettings):
         "that open its breaker",
     )
     provider_failure_window: float = Field(
-        default=30.0, description="seconds within which those failures count as one streak"
+        json_schema_extra=_in("duration"),
+        default=30.0,
+        description="seconds within which those failures count as one streak",
     )
     provider_longest_probe: float = Field(
+        json_schema_extra=_in("duration"),
         default=10.0,
         description="the longest pause, in seconds, between probes of an unavailable "
         "provider (they start at 1 s and double)",
     )
     provider_release_spread: float = Field(
+        json_schema_extra=_in("duration"),
         default=5.0,
         description="seconds over which the operations that waited are released, at "
         "random, when their provider is back",
     )
     provider_health_refresh: float = Field(
+        json_schema_extra=_in("duration"),
         default=1.0,
         description="seconds a consumer trusts its copy of the providers' breakers",
     )
@@ -324,6 +343,7 @@ class Settings(BaseSettings):
     log_format: Literal["logfmt", "json"] = Field(default="logfmt", description="log line format")
     # Provider callbacks (`outbox callbacks serve`, outbox.callbacks.CallbackReceiver).
     callback_tolerance: float = Field(
+        json_schema_extra=_in("duration"),
         default=300.0,
         description="seconds a callback's signed timestamp may be from now, either way: the "
         "replay window (at most 300, standardwebhooks' own)",
@@ -381,11 +401,12 @@ class Settings(BaseSettings):
                 return float(value)
         return value
 
-    @field_validator(*DURATION_SETTINGS)
+    @field_validator("*")
     @classmethod
-    def _a_real_duration(cls, value: float | timedelta | None) -> float | timedelta | None:
-        if value is None:
-            return None
+    def _a_real_duration(cls, value: object, info: ValidationInfo) -> object:
+        if value is None or info.field_name not in _DURATIONS:
+            return value
+        assert isinstance(value, float | int | timedelta)
         seconds = value.total_seconds() if isinstance(value, timedelta) else value
         if not math.isfinite(seconds):
             raise ValueError(f"{seconds} is no number of seconds: give {MIN_SECONDS:g} or more")
@@ -418,7 +439,7 @@ class Settings(BaseSettings):
     def _bounds_past_the_lease(self) -> list[str]:
         margin = self.lease_margin
         problems = []
-        for name in LEASE_BOUNDED_SETTINGS:
+        for name in settings_in("lease_bounded"):
             bound: float | None = getattr(self, name)
             if bound is None or bound < margin:
                 continue  # unset, each derives from the margin and ends before it
@@ -469,6 +490,22 @@ class Settings(BaseSettings):
             for name in type(self).model_fields
             if (value := getattr(self, name)) is not None
         }
+
+
+def settings_in(group: str) -> tuple[str, ...]:
+    """The settings tagged ``group`` (:data:`SETTING_GROUPS`), in the order
+    :class:`Settings` declares them."""
+    if group not in SETTING_GROUPS:
+        raise ValueError(f"no setting group {group!r}: one of {', '.join(SETTING_GROUPS)}")
+    return tuple(
+        name
+        for name, field in Settings.model_fields.items()
+        if isinstance(field.json_schema_extra, dict)
+        and group in cast("list[str]", field.json_schema_extra.get("groups", []))
+    )
+
+
+_DURATIONS = frozenset(settings_in("duration"))
 
 
 def setting_variable(name: str) -> str:

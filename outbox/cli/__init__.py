@@ -51,7 +51,7 @@ from outbox.operator.views import (
     dead_letter_views,
     dead_letter_views_without_database,
 )
-from outbox.settings import Settings
+from outbox.settings import Settings, settings_in
 from outbox.store import Store
 from outbox.urls import redact_url
 
@@ -79,14 +79,7 @@ __all__ = [
 # `outbox` reaches this through the shell: a subcommand is a parser under it.
 Commands = Any
 
-BROKER_SETTINGS = (
-    "amqp_url",
-    "exchange",
-    "queue",
-    "dead_letter_exchange",
-    "dead_letter_queue",
-    "delivery_limit",
-)
+BROKER_SETTINGS = settings_in("broker")
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:

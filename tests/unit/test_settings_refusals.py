@@ -16,12 +16,12 @@ from pydantic import SecretStr, ValidationError
 
 from outbox.errors import ConfigurationError
 from outbox.settings import (
-    DURATION_SETTINGS,
     ENV_PREFIX,
     OTHER_VARIABLES,
     Settings,
     known_variables,
     load_settings,
+    settings_in,
 )
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -141,7 +141,22 @@ def _duration_fields() -> set[str]:
 
 
 def test_every_duration_setting_is_audited() -> None:
-    assert set(DURATION_SETTINGS) == _duration_fields()
+    assert set(settings_in("duration")) == _duration_fields()
+
+
+def test_the_groups_are_read_from_the_fields_in_declaration_order() -> None:
+    assert settings_in("broker") == (
+        "amqp_url",
+        "exchange",
+        "queue",
+        "dead_letter_exchange",
+        "dead_letter_queue",
+        "delivery_limit",
+    )
+    assert set(settings_in("lease_bounded")) <= set(settings_in("database_bound"))
+    assert set(settings_in("lease_bounded")) <= set(settings_in("duration"))
+    with pytest.raises(ValueError, match="no setting group 'brokers'"):
+        settings_in("brokers")
 
 
 def _seconds(name: str, value: float) -> Any:

@@ -1,0 +1,36 @@
+"""The OUTBOX_* environment variables that are not settings, and who reads each: a name in
+the prefix that nobody reads is refused (outbox.settings.check_variables)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Every OUTBOX_* variable something in this project reads besides the settings (outbox/settings.py),
+# and who reads it. The prefix is ours: a name in it that nobody reads is a typo, and a
+# typo leaves the default in force while the operator believes otherwise, so every
+# command refuses it (check_variables). tests/unit/test_settings_refusals.py fails when
+# the repository names one that is not listed here.
+OTHER_VARIABLES: Mapping[str, str] = {
+    "OUTBOX_FINGERPRINT_KEY": "the key of the short fingerprints (outbox.fingerprint_key)",
+    "OUTBOX_MCP_TOKENS": "outbox mcp over HTTP: its callers, name:token[,name:token...]",
+    "OUTBOX_CONSOLE_OPERATORS": "outbox console: its operators, name:token[,name:token...]",
+    "OUTBOX_CONSOLE_PROXY_HEADER": "outbox console: the trusted proxy's identity header",
+    "OUTBOX_CONSOLE_TRUSTED_PROXIES": "outbox console: the trusted proxy's addresses",
+    "OUTBOX_CONSOLE_HOSTS": "outbox console: the host names it answers to",
+    "OUTBOX_CALLBACK_SECRETS": "provider callbacks: the secrets, provider:secret[,...]",
+    "OUTBOX_CALLBACK_SECRETS_FILE": "provider callbacks: a file of provider:secret lines",
+    "OUTBOX_SANDBOX_URL": "the payment sandbox's example tools: where the sandbox listens",
+    "OUTBOX_SANDBOX_REFUND_DEADLINE": "the payment sandbox's example tools: the refund deadline",
+    "OUTBOX_SANDBOX_CALLBACK_WAIT": "the payment sandbox's example tools: the email callback wait",
+    "OUTBOX_SANDBOX_OUTAGE_TOLERANCE": "the payment sandbox's example tools: how long a refund "
+    "waits for the sandbox before a person is asked",
+    "OUTBOX_TEST_DATABASE_URL": "the test suite: the Postgres server to test against",
+    "OUTBOX_TEST_AMQP_URL": "the test suite: the RabbitMQ to test against",
+    "OUTBOX_TEST_REQUIRE_RABBITMQCTL": "the test suite (.ci/run): broker-fault tests must run",
+    "OUTBOX_TEST_PROVIDER_OUTAGE_SECONDS": "the test suite: how long the acceptance test's "
+    "provider outage lasts (60)",
+    "OUTBOX_TEST_MCP_TOKEN": "the test suite: the bearer token of `outbox mcp` under test",
+    "OUTBOX_CONSOLE_SCREENSHOTS": "the browser tests: where to write the console screenshots",
+    "OUTBOX_BENCH_DATABASE_URL": "bench/: the Postgres server to measure against",
+    "OUTBOX_BENCH_AMQP_URL": "bench/: the RabbitMQ to measure against",
+}
