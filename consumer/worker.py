@@ -65,7 +65,7 @@ from outbox.broker import (
 )
 from outbox.broker import connect as connect_to_broker
 from outbox.contracts import Registry
-from outbox.daemon import Daemon, database_failure_fields, is_transient_database_error
+from outbox.daemon import Daemon, is_transient_database_error
 from outbox.errors import (
     ConfigurationError,
     SchemaMissing,
@@ -200,30 +200,21 @@ class Consumer(Daemon):
     async def _require_schema(self) -> None:
         """Refuse to run on a database without the outbox schema, as the dispatcher
         does: otherwise this process would answer /healthz and fail every delivery.
-        A database that is away is waited for, since nothing can be consumed without it."""
-        backoff = Backoff()
-        while not self.stopping:
-            try:
-                present = await asyncio.to_thread(self.database.schema_present)
-            except Exception as error:
-                if not is_transient_database_error(error):
-                    raise
-                delay = backoff.next_delay()
-                self.log(
-                    logging.WARNING,
-                    "connect_retry",
-                    "could not connect; retrying",
-                    peer="database",
-                    attempt=backoff.failures,
-                    error=type(error).__name__,
-                    retry_in=round(delay, 2),
-                    **database_failure_fields(error, self.settings),
-                )
-                await self._sleep(delay)
-                continue
-            if not present:
-                raise SchemaMissing()
-            return
+        A database that is away is waited for, as every connect is."""
+
+        async def schema_present() -> bool:
+            # A coroutine function, not a lambda returning a coroutine: tenacity calls a
+            # plain callable without awaiting what it returns.
+            return await asyncio.to_thread(self.database.schema_present)
+
+        try:
+            present = await self.connect_with_retry(schema_present, "database")
+        except Exception:
+            if self.stopping:
+                return  # stopped while the database was away: nothing to refuse
+            raise
+        if not present:
+            raise SchemaMissing()
 
     def _set_broker_ready(self, ready: bool) -> None:
         self._broker_ready = ready
