@@ -37,14 +37,8 @@ from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation
 from outbox.operator import dlq, timeline, views
-from outbox.operator.render import (
-    age_text,
-    outage_text,
-    stamp,
-    stats_json,
-    unreadable_text,
-    waiting_by_tool_text,
-)
+from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
+from outbox.operator.render_providers import outage_text, waiting_by_tool_text
 from outbox.operator.views import Escalation, ProvidersView
 from outbox.settings import Settings
 from outbox.states import OperationState

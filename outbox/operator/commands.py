@@ -35,7 +35,7 @@ from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
 from outbox.models import ApprovalDecision, display_operation_id
-from outbox.operator import one_operation, render, rules, timeline, views
+from outbox.operator import one_operation, render, render_providers, rules, timeline, views
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
 from outbox.states import OperationState
@@ -256,9 +256,9 @@ def cmd_providers(args: argparse.Namespace, settings: Settings) -> int:
         events = [] if wanted is None else runner.run(store.provider_events(wanted, limit=limit))
     if wanted is None:
         if args.json:
-            _print_json(render.providers_json(providers))
+            _print_json(render_providers.providers_json(providers))
         else:
-            print(render.providers_text(providers))
+            print(render_providers.providers_text(providers))
         return 0
     view = providers.named(wanted)
     if view is None and not events:
@@ -271,9 +271,9 @@ def cmd_providers(args: argparse.Namespace, settings: Settings) -> int:
         )
         return EXIT_FAILED
     if args.json:
-        _print_json(render.provider_events_json(wanted, view, events))
+        _print_json(render_providers.provider_events_json(wanted, view, events))
     else:
-        print(render.provider_events_text(wanted, view, events, limit))
+        print(render_providers.provider_events_text(wanted, view, events, limit))
     return 0
 
 

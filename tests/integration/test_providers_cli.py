@@ -17,7 +17,7 @@ import pytest
 
 from outbox import Operation, Registry
 from outbox.cli import run_command
-from outbox.operator.render import NO_PROVIDER_ROWS
+from outbox.operator.render_providers import NO_PROVIDER_ROWS
 
 from support.console_helpers import operator_login
 from support.ops_helpers import Ops

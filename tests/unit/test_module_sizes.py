@@ -1,8 +1,8 @@
 """No module of the library, the daemons, the chaos harness or the benchmarks is over 600
 lines (issue #47): a file that long is doing several jobs, and each job wants a module
 named for it. The payment sandbox is left aside (a simulated provider, read as a whole).
-The two modules still over the line are listed with their length today: they may shrink,
-never grow, and leave the list once they are cut."""
+A module still over the line would be listed with its length at the time: it could
+shrink, never grow, and leave the list once cut. None is."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ MAX_LINES = 600
 PACKAGES = ("outbox", "dispatcher", "consumer", "harness", "bench")
 ASIDE = ("outbox/sandbox/",)
 # Not yet cut (outside this change's packages): their length when the rule came in.
-NOT_YET_CUT = {
-    "outbox/operator/render.py": 633,
-}
+NOT_YET_CUT: dict[str, int] = {}
 
 
 def module_lines() -> dict[str, int]:
