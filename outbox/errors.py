@@ -54,6 +54,11 @@ class OperationNotFound(OutboxError):
     """No operation has this id."""
 
 
+class InputRefused(OutboxError):
+    """What a person typed is not acceptable (evidence, a reference, a lifetime); nothing
+    was changed. The message is the one sentence every front end shows."""
+
+
 class IllegalTransition(OutboxError):
     """The state machine forbids this transition; nothing was changed."""
 

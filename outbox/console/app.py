@@ -26,7 +26,6 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from outbox.console.config import HOSTS_ENV, LOOPBACK_HOSTS, AuthConfig
-from outbox.console.rules import FormRefused
 from outbox.console.security import (
     COOKIE,
     CSRF_FIELD,
@@ -42,6 +41,7 @@ from outbox.errors import (
     ConfigurationError,
     DatabaseError,
     IllegalTransition,
+    InputRefused,
     OperationNotFound,
     OutboxError,
     ServiceUnavailable,
@@ -293,7 +293,7 @@ def refusal(error: Exception) -> HTTPProblem:
     shown (it can quote connection parameters)."""
     if isinstance(error, HTTPProblem):
         return error
-    if isinstance(error, FormRefused):
+    if isinstance(error, InputRefused):
         return HTTPProblem(400, f"{error}; nothing was changed")
     if isinstance(error, OperationNotFound):
         return HTTPProblem(404, str(error))
@@ -309,7 +309,7 @@ def refusal(error: Exception) -> HTTPProblem:
     return HTTPProblem(409, f"{error}; nothing was changed")
 
 
-_REFUSED = (HTTPProblem, FormRefused, OutboxError, psycopg.Error)
+_REFUSED = (HTTPProblem, OutboxError, psycopg.Error)
 
 
 def page(handler: Handler) -> Handler:

@@ -25,18 +25,13 @@ from outbox import store
 from outbox.bounds import is_unreadable
 from outbox.connections import command_transaction
 from outbox.console.app import HTTPProblem, console_of, page, render
-from outbox.console.rules import (
-    APPROVAL_TTLS,
-    DEFAULT_APPROVAL_TTL,
-    has_controls,
-    operation_id_from,
-    resolution_choices,
-)
+from outbox.console.forms import APPROVAL_TTLS, DEFAULT_TTL_CHOICE, resolution_choices
 from outbox.contracts import Registry
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation
 from outbox.operator import dlq, timeline, views
+from outbox.operator.input import has_controls
 from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
 from outbox.operator.render_providers import outage_text, waiting_by_tool_text
 from outbox.operator.views import Escalation, ProvidersView
@@ -336,7 +331,9 @@ async def _evidence_chain(
 
 @page
 async def operation(request: Request) -> Response:
-    operation_id = operation_id_from(request.path_params["operation_id"])
+    named = request.path_params["operation_id"]
+    # Any name `outbox ops show` accepts, a short id included (views.operation_id_of).
+    operation_id = await read(request, lambda r: views.operation_id_of(r, named))
     where = parse_timeline(request.query_params)
     try:
         view: OperationView = await read(request, lambda r: load_operation(r, operation_id, where))
@@ -355,7 +352,7 @@ async def operation(request: Request) -> Response:
         resolutions=resolution_choices(console.registry, view.operation),
         approval_pending=approval_pending(view),
         ttls=APPROVAL_TTLS,
-        default_ttl=DEFAULT_APPROVAL_TTL,
+        default_ttl=DEFAULT_TTL_CHOICE,
         chain=chain,
         chain_error=chain_error,
         timeline_heading=timeline.heading(view.page),
@@ -394,7 +391,7 @@ async def approvals(request: Request) -> Response:
         pending=pending,
         intent_json=intent_json,
         ttls=APPROVAL_TTLS,
-        default_ttl=DEFAULT_APPROVAL_TTL,
+        default_ttl=DEFAULT_TTL_CHOICE,
         stamp=stamp,
     )
 

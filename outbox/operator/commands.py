@@ -20,11 +20,11 @@ from typing import TypeAlias
 from uuid import UUID
 
 from outbox import store
+from outbox.bounds import MAX_APPROVAL_TTL
 from outbox.cli.arguments import (
     add_setting_flags,
     add_tools_flag,
     duration,
-    operation_id_argument,
     positive_int,
     positive_int_up_to,
     since,
@@ -32,10 +32,11 @@ from outbox.cli.arguments import (
 from outbox.cli.run import EXIT_FAILED
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, OperationNotFound
 from outbox.loading import load_registry, module_list
 from outbox.models import ApprovalDecision, display_operation_id
 from outbox.operator import one_operation, render, render_providers, rules, timeline, views
+from outbox.operator.input import DEFAULT_APPROVAL_TTL, MAX_TYPED_REFERENCE
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
 from outbox.states import OperationState
@@ -56,6 +57,10 @@ def _person(text: str) -> str:
     if not text.strip():
         raise ConfigurationError("--by must name the person deciding")
     return text.strip()
+
+
+def _minutes(lifetime: timedelta) -> str:
+    return f"{int(lifetime.total_seconds() // 60)}m"
 
 
 def _registry(settings: Settings) -> Registry | None:
@@ -124,9 +129,19 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 when every chain checked is intact, 1 when a link is broken, 2 when the
     operation named does not exist (nothing was checked)."""
-    operation_id: UUID | None = args.operation_id
+    operation_id: UUID | None = None
     with command_transaction(settings) as connection:
-        report = Store(connection).run(store.verify_chain(operation_id))
+        runner = Store(connection)
+        if args.operation_id is not None:
+            try:
+                operation_id = views.operation_id_of(runner, args.operation_id)
+            except OperationNotFound as error:
+                print(
+                    f"outbox ops verify: {printable(str(error))}; nothing was checked",
+                    file=sys.stderr,
+                )
+                return 2
+        report = runner.run(store.verify_chain(operation_id))
     if operation_id is not None and report.operations_checked == 0:
         print(
             f"outbox ops verify: {display_operation_id(operation_id)} is not an operation of "
@@ -143,14 +158,6 @@ def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
     resolution = Resolution(args.resolution)
-    if resolution is Resolution.COMMITTED and not args.provider_ref:
-        raise ConfigurationError(
-            "--committed needs --provider-ref: the provider's id of the effect"
-        )
-    if resolution is not Resolution.COMMITTED and args.provider_ref:
-        raise ConfigurationError("--provider-ref goes with --committed only")
-    if not args.evidence.strip():
-        raise ConfigurationError("--evidence must say what the decision rests on")
     person = _person(args.by)
     # Only a retry asks the contract (its dedupe window); the other two never load tools.
     registry = _registry(settings) if resolution is Resolution.NOT_COMMITTED else None
@@ -161,7 +168,7 @@ def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
             views.operation_id_of(runner, args.operation_id),
             resolution,
             by=person,
-            evidence=args.evidence.strip(),
+            evidence=args.evidence,
             provider_reference=args.provider_ref,
             force=args.force,
             registry=registry,
@@ -172,8 +179,6 @@ def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_ops_cancel(args: argparse.Namespace, settings: Settings) -> int:
     """End a prepared operation as rejected before it is ever attempted."""
-    if not args.reason.strip():
-        raise ConfigurationError("--reason must say why the operation is cancelled")
     person = _person(args.by)
     with command_transaction(settings) as connection:
         runner = Store(connection)
@@ -181,7 +186,7 @@ def cmd_ops_cancel(args: argparse.Namespace, settings: Settings) -> int:
             runner,
             views.operation_id_of(runner, args.operation_id),
             by=person,
-            reason=args.reason.strip(),
+            reason=args.reason,
         )
     print(f"{cancelled.display_id}: prepared -> rejected: it will not be attempted")
     print(f"cancelled by {printable(person)}; the reason is kept in its operation.resolved event")
@@ -207,7 +212,6 @@ def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
 
 def _decide(args: argparse.Namespace, settings: Settings, decision: ApprovalDecision) -> int:
     person = _person(args.by)
-    granted = decision is ApprovalDecision.GRANTED
     with command_transaction(settings) as connection:
         runner = Store(connection)
         decided = rules.decide_approval(
@@ -215,7 +219,7 @@ def _decide(args: argparse.Namespace, settings: Settings, decision: ApprovalDeci
             views.operation_id_of(runner, args.operation_id),
             decision,
             by=person,
-            ttl=args.ttl if granted else rules.DENIAL_TTL,
+            ttl=args.ttl,
             shown=args.intent,
         )
     if getattr(args, "json", False):
@@ -400,8 +404,7 @@ def configure_ops(commands: Commands) -> None:
         "operation_id",
         metavar="OP_ID",
         nargs="?",
-        type=operation_id_argument,
-        help="op_<uuid> or a bare uuid",
+        help=OP_ID_HELP,
     )
     target.add_argument(
         "--all", dest="all_operations", action="store_true", help="every operation, page by page"
@@ -447,7 +450,7 @@ def _configure_resolve(ops: Commands) -> None:
         "not: one more attempt is queued, under the same idempotency key) or --rejected "
         "(do not do it). The console offers the same three, under the same rules. Recorded "
         "as an operation.resolved event with your name, decision and evidence; the "
-        "evidence is stored there (first 500 characters), never logged.",
+        "evidence (1 to 500 characters) is stored there, never logged.",
     )
     resolve.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
     decision = resolve.add_mutually_exclusive_group(required=True)
@@ -459,7 +462,11 @@ def _configure_resolve(ops: Commands) -> None:
             const=str(resolution),
             help=_RESOLUTION_HELP[resolution],
         )
-    resolve.add_argument("--provider-ref", help="the provider's id of the effect (--committed)")
+    resolve.add_argument(
+        "--provider-ref",
+        help="the provider's id of the effect (--committed): 1 to "
+        f"{MAX_TYPED_REFERENCE} printable characters",
+    )
     resolve.add_argument(
         "--evidence", required=True, help="what the decision rests on (kept with the operation)"
     )
@@ -511,8 +518,8 @@ def configure_approvals(commands: Commands) -> None:
     grant.add_argument(
         "--ttl",
         type=duration,
-        default=rules.DEFAULT_APPROVAL_TTL,
-        help="how long the grant stays valid: 30s, 15m, 2h, 1d (default 15m)",
+        help="how long the grant stays valid: 30s, 15m, 2h, 1d "
+        f"(default {_minutes(DEFAULT_APPROVAL_TTL)}, at most {MAX_APPROVAL_TTL.days}d)",
     )
     grant.add_argument("--intent", metavar="FINGERPRINT", help=intent_help)
     _json_flag(grant, "one JSON document instead of text")
@@ -527,6 +534,11 @@ def configure_approvals(commands: Commands) -> None:
     )
     deny.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
     deny.add_argument("--by", required=True, help="who denies (name or email)")
+    # Accepted so that a lifetime given to a denial meets the rule the console's post
+    # meets (outbox.operator.input.approval_ttl), not an argparse error of its own.
+    deny.add_argument(
+        "--ttl", type=duration, help="refused: a denial stands until a later grant supersedes it"
+    )
     deny.add_argument("--intent", metavar="FINGERPRINT", help=intent_help)
     _json_flag(deny, "one JSON document instead of text")
 

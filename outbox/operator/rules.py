@@ -24,16 +24,12 @@ from outbox.contracts import Registry, SideEffect
 from outbox.errors import IllegalTransition, ToolNotRegistered
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalDecision, Operation
+from outbox.operator import input as person_input
 from outbox.replay import replay_window_passed
 from outbox.states import OperationState, legal_targets
 from outbox.store import Store
 
 S = OperationState
-
-DEFAULT_APPROVAL_TTL = timedelta(minutes=15)
-# A denial never lapses in the consumer's eyes (a denied latest decision refuses the
-# effect whatever its expiry); the expiry only has to satisfy the approvals table.
-DENIAL_TTL = timedelta(minutes=15)
 
 
 class Resolution(StrEnum):
@@ -158,13 +154,20 @@ def resolve(
     resolution: Resolution,
     *,
     by: str,
-    evidence: str,
+    evidence: str | None,
     provider_reference: str | None,
     force: bool,
     registry: Registry | None,
 ) -> Resolved:
     """Settle an escalated operation (an unknown outcome only with ``force``) as the
-    person found it, with their name and evidence in its ``operation.resolved`` event."""
+    person found it, with their name and evidence in its ``operation.resolved`` event.
+
+    ``evidence`` and ``provider_reference`` are what the person typed, judged here by
+    :mod:`outbox.operator.input` before anything is read."""
+    kept = person_input.evidence(evidence)
+    reference = person_input.provider_reference(
+        provider_reference, committed=resolution is Resolution.COMMITTED
+    )
     current = runner.run(store.get_operation(operation_id))
     resolvable(current, force)
     refused = refusal(resolution, registry, current)
@@ -181,15 +184,17 @@ def resolve(
             target=resolution.target,
             decision=str(resolution),
             resolved_by=by,
-            evidence=evidence,
-            provider_reference=provider_reference,
+            evidence=kept,
+            provider_reference=reference,
         )
     )
     return Resolved(before=current, after=after)
 
 
 def cancel(runner: Store, operation_id: UUID, *, by: str, reason: str) -> Operation:
-    """End a prepared operation as rejected before any worker attempts it."""
+    """End a prepared operation as rejected before any worker attempts it; ``reason`` is
+    judged as evidence (:func:`outbox.operator.input.evidence`)."""
+    kept = person_input.evidence(reason)
     current = runner.run(store.get_operation(operation_id))
     if current.state is not S.PREPARED:
         raise IllegalTransition(
@@ -204,7 +209,7 @@ def cancel(runner: Store, operation_id: UUID, *, by: str, reason: str) -> Operat
             target=S.REJECTED,
             decision="cancel",
             resolved_by=by,
-            evidence=reason,
+            evidence=kept,
         )
     )
 
@@ -232,7 +237,7 @@ def decide_approval(
     decision: ApprovalDecision,
     *,
     by: str,
-    ttl: timedelta,
+    ttl: timedelta | None,
     shown: str | None,
 ) -> ApprovalDecided:
     """Grant or deny one operation's intent: the one path every front end writes an
@@ -247,7 +252,11 @@ def decide_approval(
     the confirmation prints it. Either way the approval row carries the fingerprint
     read and checked here: if the row changed after this read, the consumer refuses a
     grant for another intent.
+
+    ``ttl`` is the lifetime the person chose, or None: a grant without one gets the
+    default, a denial must not have one (:func:`outbox.operator.input.approval_ttl`).
     """
+    lifetime = person_input.approval_ttl(decision, ttl)
     current = runner.run(store.get_operation(operation_id))
     approvable(current)
     key = runner.run(store.fingerprint_key())
@@ -267,7 +276,7 @@ def decide_approval(
             operation_id,
             decision=decision,
             approved_by=by,
-            ttl=ttl,
+            ttl=lifetime,
             intent_hash=current.input_fingerprint,
         )
     )

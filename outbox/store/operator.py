@@ -26,7 +26,8 @@ from outbox.store.dispatch import Backlog, outbox_backlog
 from outbox.store.operations import fingerprint_key, get_operation
 from outbox.store.runner import Plan, Row, Step
 
-# How many characters of an operator's evidence a resolution keeps in its event.
+# How many characters of an operator's evidence a resolution keeps in its event: a
+# longer one is refused, never cut (outbox.operator.input.evidence says so first).
 RESOLUTION_EVIDENCE_LIMIT = 500
 
 
@@ -210,13 +211,20 @@ def resolve_operation(
     ``operation.resolved`` event carrying their name, their decision and their evidence.
 
     The evidence is the operator's own free text, written to be kept with the operation:
-    it is stored (truncated) in the event, and never logged. Moving to ``prepared``
-    queues a fresh outbox row available at once: the resolution authorizes a retry.
+    it is stored whole in the event, and never logged. Evidence over
+    ``RESOLUTION_EVIDENCE_LIMIT`` characters is refused, with nothing written. Moving to
+    ``prepared`` queues a fresh outbox row available at once: the resolution authorizes
+    a retry.
     """
     if not resolved_by.strip():
         raise ValueError("resolved_by must name the person who resolved the operation")
     if not evidence.strip():
         raise ValueError("a resolution needs evidence")
+    if len(evidence) > RESOLUTION_EVIDENCE_LIMIT:
+        raise ValueError(
+            f"the evidence is {len(evidence)} characters; at most {RESOLUTION_EVIDENCE_LIMIT} "
+            "are kept, and a person's words are never cut"
+        )
     if not is_legal(source, target):
         raise IllegalTransition(
             f"{source} -> {target} is not a legal transition; from {source} an operation "
@@ -234,7 +242,7 @@ def resolve_operation(
     if provider_reference is not None:
         logged["provider_reference"] = provider_reference
     # Who and why are kept in the event, where they belong; a log line carries ids.
-    stored = {**logged, "by": resolved_by, "evidence": evidence[:RESOLUTION_EVIDENCE_LIMIT]}
+    stored = {**logged, "by": resolved_by, "evidence": evidence}
     retry = target is OperationState.PREPARED
     rows = yield Step(
         "transition_operation",

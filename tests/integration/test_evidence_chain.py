@@ -562,7 +562,6 @@ def test_verify_all_intact_exits_0(
     "argv",
     [
         ["ops", "verify"],
-        ["ops", "verify", "not-an-id"],
         ["ops", "verify", "--all", "op_00000000-0000-0000-0000-000000000001"],
     ],
 )
@@ -574,6 +573,40 @@ def test_verify_refuses_bad_input_with_exit_2(
 
     assert exited.value.code == 2
     assert "outbox ops verify: error:" in capsys.readouterr().err
+
+
+def test_verify_names_an_operation_as_ops_show_does(
+    ops: Ops, cli_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    operation = ops.at(S.COMMITTED)
+    short = f"op_{operation.id.hex[:8]}"
+
+    verified = run_command(["ops", "verify", short])
+    verified_out = capsys.readouterr().out
+    shown = run_command(["ops", "show", short])
+    shown_out = capsys.readouterr().out
+
+    assert (verified, shown) == (0, 0)
+    assert verified_out == f"{operation.display_id} (3 events): evidence chain intact\n"
+    assert operation.display_id in shown_out
+
+
+def test_verify_refuses_what_is_not_an_operation_id_with_exit_2(
+    ops: Ops, cli_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ops.new()
+
+    code = run_command(["ops", "verify", "not-an-id"])
+
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.out == ""
+    # The last line: an earlier command's logging may have printed the operation's.
+    assert captured.err.splitlines()[-1] == (
+        "outbox ops verify: 'not-an-id' is not an operation id: expected op_<uuid>, a bare "
+        "uuid, or the start of one (at least 8 hex digits, as the console shows it); "
+        "nothing was checked"
+    )
 
 
 def test_verify_an_unknown_operation_exits_2(

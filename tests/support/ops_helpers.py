@@ -126,6 +126,21 @@ class Ops:
         )
         return moved
 
+    def rejected_in_store(self, operation: Operation, *, evidence: str, by: str) -> Operation:
+        """An escalated operation resolved as rejected through the store alone, past the
+        operator layer's rules: what an older version or another writer could store."""
+        resolved: Operation = self.run(
+            outbox_store.resolve_operation(
+                operation.id,
+                source=S.ESCALATED,
+                target=S.REJECTED,
+                decision="rejected",
+                resolved_by=by,
+                evidence=evidence,
+            )
+        )
+        return resolved
+
     def at(self, state: OperationState, **new: Any) -> Operation:
         operation = self.new(**new)
         for step in PATH_TO[state]:

@@ -92,7 +92,7 @@ def test_a_retry_is_refused_where_the_contract_is_unknown(
     ("form", "status", "says"),
     [
         ({"resolution": "committed", "reason": "seen"}, 400, "reference of the effect"),
-        ({"resolution": "rejected", "reason": "  "}, 400, "reason is required"),
+        ({"resolution": "rejected", "reason": "  "}, 400, "the evidence is empty"),
         ({"resolution": "rejected", "reason": "x" * 501}, 400, "at most 500"),
         ({"resolution": "rejected", "reason": "no", "provider_reference": "re_1"}, 400, "only"),
         (
