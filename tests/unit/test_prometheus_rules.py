@@ -106,6 +106,23 @@ def test_every_alert_has_its_runbook_in_operating_md(alert: str) -> None:
     assert "**Do:**" in text
 
 
+def heading_anchor(heading: str) -> str:
+    """The anchor a Markdown renderer (GitHub's) gives a heading: lower case, spaces to
+    hyphens, punctuation other than hyphens and underscores dropped."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("rule", RULES, ids=ALERT_NAMES)
+def test_every_alert_links_its_runbook_entry(rule: dict[str, Any]) -> None:
+    url = rule["annotations"].get("runbook_url")
+    assert url, f"{rule['alert']} has no runbook_url annotation"
+    page, _, anchor = url.partition("#")
+    assert page == "docs/operating.md"
+    anchors = {heading_anchor(heading) for heading in re.findall(r"^#{1,6} (.+)$", OPERATING, re.M)}
+    assert anchor in anchors, f"{url}: no such heading in docs/operating.md"
+    assert anchor == heading_anchor(f"`{rule['alert']}`"), "it must be the alert's own entry"
+
+
 def test_compose_runs_the_prometheus_version_ci_tests_the_rules_with() -> None:
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     image = compose["services"]["prometheus"]["image"]
