@@ -58,7 +58,9 @@ ENV_PREFIX = "OUTBOX_"
 #                   end before the lease does (docs/design.md section 9), or a session whose
 #                   client went silent could still hold an operation's row when the
 #                   reconciler comes to take it over
-SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded")
+#   serving         a bound of the front doors (outbox.serving): every command that serves
+#                   HTTP offers them
+SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded", "serving")
 
 
 def _in(*groups: str) -> dict[str, JsonValue]:
@@ -353,6 +355,40 @@ class Settings(BaseSettings):
         ge=1024,
         le=1024 * 1024,
         description="bytes of a callback's body read at most; a larger one is refused (413)",
+    )
+    # The front doors (`outbox callbacks serve`, `outbox console`, `outbox mcp` over
+    # HTTP), outbox.serving: what one client may hold of a server, and for how long.
+    serve_header_timeout: float = Field(
+        default=10.0,
+        description="seconds a connection has to send a complete request head, and an idle "
+        "kept-alive one is kept; then it is closed",
+        json_schema_extra=_in("duration", "serving"),
+    )
+    serve_body_timeout: float = Field(
+        default=30.0,
+        description="seconds a request's whole body has to arrive after its head; then the "
+        "answer is 408 and the connection is closed",
+        json_schema_extra=_in("duration", "serving"),
+    )
+    serve_max_connections: int = Field(
+        default=256,
+        ge=1,
+        le=65536,
+        description="connections one server holds open at once; another is answered 503 and "
+        "closed at once",
+        json_schema_extra=_in("serving"),
+    )
+    serve_grace: float = Field(
+        default=5.0,
+        description="seconds the requests in hand get to finish after SIGTERM or SIGINT",
+        json_schema_extra=_in("duration", "serving"),
+    )
+    mcp_max_body: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="bytes of an `outbox mcp` HTTP request's body read at most; a larger one "
+        "is refused (413)",
     )
     # Off by default: a daemon that declares what it does not find turns a mistyped
     # name into a new queue nobody reads, and it looks healthy doing so.
