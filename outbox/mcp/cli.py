@@ -86,9 +86,7 @@ def register(commands: Any) -> None:
         action="store_true",
         help="refuse every call without a decision key, reads and idempotent writes too",
     )
-    add_setting_flags(
-        parser, "database_url", *DATABASE_BOUND_SETTINGS, "mcp_max_body", *SERVING_SETTINGS
-    )
+    add_setting_flags(parser, "database_url", *DATABASE_BOUND_SETTINGS, *SERVING_SETTINGS)
     parser.set_defaults(handler=run)
 
 
@@ -115,7 +113,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         ServerOptions(run_id=args.run_id, wait=args.wait, require_key=args.require_key),
     )
     if http:
-        limits = Limits.from_settings(settings, max_body=settings.mcp_max_body)
+        limits = Limits.from_settings(settings, max_body=transports.MAX_BODY)
         run_async(
             transports.serve_http(
                 server, host=host, port=port, credentials=credentials, limits=limits

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, cast
 
 from mcp.server import Server
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from starlette.applications import Starlette
 
 from outbox.credentials import Credential, FailureThrottle, credential_for
@@ -24,6 +25,10 @@ from outbox.mcp.server import ToolHost
 from outbox.serving import Limits
 
 logger = logging.getLogger("outbox.mcp")
+
+# The largest request body read: the SDK's own bound (4 MiB), enforced by the serving
+# layer before the SDK reads anything.
+MAX_BODY: int = DEFAULT_MAX_REQUEST_BODY_SIZE
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

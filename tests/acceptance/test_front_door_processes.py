@@ -50,7 +50,6 @@ def environment(front_door: str, database_url: str, operator_url: str) -> dict[s
     # Short enough that a test waits seconds for the head deadline.
     env["OUTBOX_SERVE_HEADER_TIMEOUT"] = "1"
     env["OUTBOX_CALLBACK_MAX_BODY"] = "2048"
-    env["OUTBOX_MCP_MAX_BODY"] = "2048"
     return env
 
 
@@ -85,7 +84,8 @@ def test_sigterm_stops_it_with_status_0_and_its_limits_hold(
     with DaemonProcess(command(front_door), environment=env, capture=True) as process:
         address = address_in(process.wait_for_line(" on http://127.0.0.1:", within=PATIENCE))
         with socket.create_connection(address, timeout=PATIENCE) as client:
-            client.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 70000\r\n\r\n")
+            # Over every front end's limit (MCP's is the SDK's 4 MiB).
+            client.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5000000\r\n\r\n")
             too_large = client.recv(65536)
         with socket.create_connection(address, timeout=PATIENCE) as slow:
             slow.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
