@@ -35,6 +35,7 @@ from outbox.loading import load_registry, module_list
 from outbox.logs import log_fields
 from outbox.metrics import CallbackMetrics, prime
 from outbox.models import display_operation_id
+from outbox.serving import SERVING_SETTINGS, Limits, add_bind_flags, check_port, needs_extra
 from outbox.settings import Settings, redact_url
 from outbox.webhooks import REFUSED_REASONS, SECRETS_ENV, SECRETS_FILE_ENV
 
@@ -97,15 +98,7 @@ def create_app(service: CallbackService) -> Any:
                         connection, service.receiver, provider, body, dict(request.headers)
                     )
             except CallbackRefused as refused:
-                service.metrics.refused.labels(provider, refused.reason).inc()
-                log_fields(
-                    logger,
-                    logging.WARNING,
-                    "callbacks.refused",
-                    "a callback was refused; nothing was recorded",
-                    provider=provider,
-                    reason=refused.reason,
-                )
+                _note_refused(service, provider, refused.reason)
                 return JSONResponse({"error": refused.reason}, REFUSED_STATUS[refused.reason])
             except (DatabaseError, psycopg.Error, OSError) as failed:
                 answer: Response = _database_failed(service, provider, failed)
@@ -151,6 +144,30 @@ async def _read_body(request: Any, limit: int) -> bytes:
         if len(body) > limit:
             raise CallbackRefused("too_large", f"the callback's body is over {limit} bytes")
     return bytes(body)
+
+
+def _note_refused(service: CallbackService, provider: str, reason: str) -> None:
+    service.metrics.refused.labels(provider, reason).inc()
+    log_fields(
+        logger,
+        logging.WARNING,
+        "callbacks.refused",
+        "a callback was refused; nothing was recorded",
+        provider=provider,
+        reason=reason,
+    )
+
+
+def refused_at_the_door(service: CallbackService) -> Callable[[Any, str], None]:
+    """Counts a body the serving layer refused as too large, on a provider's route, as
+    the receiver counts its own: the serving layer answers before the receiver runs."""
+
+    def refused(scope: Any, error: str) -> None:
+        provider = str(scope.get("path", "")).removeprefix("/callbacks/")
+        if error == "too_large" and provider in service.receiver.providers:
+            _note_refused(service, provider, "too_large")
+
+    return refused
 
 
 def _count(metrics: CallbackMetrics, provider: str, received: Received) -> None:
@@ -222,12 +239,11 @@ def add_serve_command(actions: Any) -> None:
         "Needs the callbacks extra (pip install 'effect-outbox[callbacks]'); put TLS in "
         "front of it.",
     )
-    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind [{DEFAULT_HOST}]")
-    parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port to bind, 0 for any [{DEFAULT_PORT}]"
-    )
+    add_bind_flags(parser, DEFAULT_HOST, DEFAULT_PORT)
     add_tools_flag(parser, used_for="their contracts declare the providers to serve")
-    add_setting_flags(parser, "database_url", "callback_tolerance", "callback_max_body")
+    add_setting_flags(
+        parser, "database_url", "callback_tolerance", "callback_max_body", *SERVING_SETTINGS
+    )
     parser.set_defaults(handler=run)
 
 
@@ -259,23 +275,24 @@ def check_schema(settings: Settings) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    if not 0 <= args.port <= 65535:
-        raise ConfigurationError("--port must be between 0 and 65535")
+    check_port(args.port)
     modules = module_list([settings.tools])
     registry = load_registry(modules)
     receiver = receiver_for(registry, settings)
-    try:
-        from outbox.serving import AppServer
-    except ImportError as missing:
-        name = getattr(missing, "name", None) or "?"
-        raise ConfigurationError(
-            f"`outbox callbacks serve` needs its web stack ({name} is not installed): pip "
-            "install 'effect-outbox[callbacks]'"
-        ) from None
+    with needs_extra("outbox callbacks serve", "callbacks"):
+        import starlette  # noqa: F401  (create_app's stack, imported when it runs)
+
+        from outbox.serving.server import AppServer
     check_schema(settings)
     service = CallbackService.create(receiver, settings)
     server = AppServer(
-        create_app(service), args.host, args.port, name=APPLICATION_NAME, lifespan="on"
+        create_app(service),
+        args.host,
+        args.port,
+        name=APPLICATION_NAME,
+        limits=Limits.from_settings(settings, max_body=settings.callback_max_body),
+        lifespan="on",
+        refused=refused_at_the_door(service),
     )
     routes = ", ".join(f"/callbacks/{name}" for name in receiver.providers)
     print(f"outbox callbacks: serving {routes} on {server.url}", flush=True)

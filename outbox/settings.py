@@ -8,7 +8,6 @@ redacted by :mod:`outbox.urls`.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -44,6 +43,7 @@ from outbox.urls import with_database as with_database
 
 # Every other OUTBOX_* variable, and who reads it.
 from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
+from outbox.variables import unknown_variable
 
 ENV_PREFIX = "OUTBOX_"
 
@@ -58,7 +58,9 @@ ENV_PREFIX = "OUTBOX_"
 #                   end before the lease does (docs/design.md section 9), or a session whose
 #                   client went silent could still hold an operation's row when the
 #                   reconciler comes to take it over
-SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded")
+#   serving         a bound of the front doors (outbox.serving): every command that serves
+#                   HTTP offers them
+SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded", "serving")
 
 
 def _in(*groups: str) -> dict[str, JsonValue]:
@@ -354,6 +356,28 @@ class Settings(BaseSettings):
         le=1024 * 1024,
         description="bytes of a callback's body read at most; a larger one is refused (413)",
     )
+    # The front doors (outbox.serving): what one client may hold of a server, how long.
+    serve_header_timeout: float = Field(
+        default=10.0,
+        description="seconds to send a whole request head (and an idle connection is kept)",
+        json_schema_extra=_in("duration", "serving"),
+    )
+    serve_body_timeout: float = Field(
+        default=30.0,
+        description="seconds a request's whole body has after its head (then 408, closed)",
+        json_schema_extra=_in("duration", "serving"),
+    )
+    serve_max_connections: int = Field(
+        default=256,
+        ge=1,
+        description="connections one server holds at once; another is refused (503, closed)",
+        json_schema_extra=_in("serving"),
+    )
+    serve_grace: float = Field(
+        default=5.0,
+        description="seconds the requests in hand get to finish after SIGTERM or SIGINT",
+        json_schema_extra=_in("duration", "serving"),
+    )
     # Off by default: a daemon that declares what it does not find turns a mistyped
     # name into a new queue nobody reads, and it looks healthy doing so.
     declare_topology: bool = Field(
@@ -523,26 +547,12 @@ def check_variables(environ: Mapping[str, str]) -> None:
     known one nearest to it. Values are never shown: a mistyped name may hold a secret."""
     known = known_variables()
     problems = [
-        _unknown_variable(name, known)
+        unknown_variable(name, known, ENV_PREFIX)
         for name in sorted(environ)
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in known
     ]
     if problems:
         raise ConfigurationError("; ".join(problems))
-
-
-def _unknown_variable(name: str, known: frozenset[str]) -> str:
-    # Compared without the prefix, which every candidate shares and which would make
-    # any two names look alike.
-    suffixes = {variable.removeprefix(ENV_PREFIX): variable for variable in known}
-    nearest = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX), suffixes, n=1)
-    if nearest:
-        return f"{name} is not a setting; did you mean {suffixes[nearest[0]]}?"
-    return (
-        f"{name} is not a setting of effect-outbox, which reads every {ENV_PREFIX}* variable: "
-        "correct its name (docs/operating.md lists them), or give a variable of your own "
-        "another prefix"
-    )
 
 
 _TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)

@@ -3,6 +3,7 @@ the prefix that nobody reads is refused (outbox.settings.check_variables)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 
 # Every OUTBOX_* variable something in this project reads besides the settings (outbox/settings.py),
@@ -34,3 +35,19 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "OUTBOX_BENCH_DATABASE_URL": "bench/: the Postgres server to measure against",
     "OUTBOX_BENCH_AMQP_URL": "bench/: the RabbitMQ to measure against",
 }
+
+
+def unknown_variable(name: str, known: frozenset[str], prefix: str) -> str:
+    """Why ``name`` (in ``prefix``, read by nothing) is refused, naming the known variable
+    nearest to it when one is near."""
+    # Compared without the prefix, which every candidate shares and which would make
+    # any two names look alike.
+    suffixes = {variable.removeprefix(prefix): variable for variable in known}
+    nearest = difflib.get_close_matches(name.upper().removeprefix(prefix), suffixes, n=1)
+    if nearest:
+        return f"{name} is not a setting; did you mean {suffixes[nearest[0]]}?"
+    return (
+        f"{name} is not a setting of effect-outbox, which reads every {prefix}* variable: "
+        "correct its name (docs/operating.md lists them), or give a variable of your own "
+        "another prefix"
+    )

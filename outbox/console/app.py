@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outbox.console.config import HOSTS_ENV, LOOPBACK_HOSTS, AuthConfig
 from outbox.console.security import (
@@ -46,6 +46,7 @@ from outbox.errors import (
     OutboxError,
     ServiceUnavailable,
 )
+from outbox.serving.body import read_body, replay
 from outbox.settings import Settings
 from outbox.text import printable
 
@@ -67,7 +68,9 @@ _OPEN_PATHS = ("/login", "/static/")
 MAX_FORM_FIELDS = 20
 # The largest request body read: the biggest form is a 500-character reason. The login
 # form is open to anyone who can reach the port, so without a bound one request could
-# make the process buffer as much as it is sent.
+# make the process buffer as much as it is sent. `outbox console` serves it as the
+# serving layer's body limit too (outbox/serving), which refuses first there; Guard's
+# own check holds wherever the app is served otherwise.
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -232,27 +235,13 @@ class Guard:
         if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
             await _too_large(scope, receive, send)
             return
-        body = bytearray()
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > MAX_BODY_BYTES:
-                await _too_large(scope, receive, send)
-                return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
+        body = await read_body(receive, MAX_BODY_BYTES)
+        if body is None:
+            return  # the client went away
+        if len(body) > MAX_BODY_BYTES:
+            await _too_large(scope, receive, send)
+            return
+        await self.app(scope, replay(body, receive), send)
 
 
 async def _too_large(scope: Scope, receive: Receive, send: Send) -> None:

@@ -29,6 +29,7 @@ from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.loading import load_registry, module_list
 from outbox.logs import log_fields
+from outbox.serving import SERVING_SETTINGS, Limits, add_bind_flags, check_port, needs_extra
 from outbox.settings import Settings, redact_url
 from outbox.store import Store
 
@@ -47,10 +48,7 @@ def register(commands: Any) -> None:
         f"named by {PROXY_HEADER_ENV} and {TRUSTED_PROXIES_ENV}; credentials are read from "
         "the environment only. Needs the console extra (pip install 'effect-outbox[console]').",
     )
-    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind [{DEFAULT_HOST}]")
-    parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port to bind, 0 for any [{DEFAULT_PORT}]"
-    )
+    add_bind_flags(parser, DEFAULT_HOST, DEFAULT_PORT)
     parser.add_argument(
         "--allow-remote",
         action="store_true",
@@ -67,7 +65,14 @@ def register(commands: Any) -> None:
         used_for="the operation pages show their contract cards, and they say whether a "
         "retry is allowed",
     )
-    add_setting_flags(parser, "database_url", "amqp_url", "exchange", "dead_letter_queue")
+    add_setting_flags(
+        parser,
+        "database_url",
+        "amqp_url",
+        "exchange",
+        "dead_letter_queue",
+        *SERVING_SETTINGS,
+    )
     parser.set_defaults(handler=run)
 
 
@@ -134,17 +139,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     auth = auth_from_environment()
     check_bind(args.host, args.allow_remote)
     hosts = served_hosts(args.host, LOOPBACK_HOSTS)
-    if not 0 <= args.port <= 65535:
-        raise ConfigurationError("--port must be between 0 and 65535")
+    check_port(args.port)
     registry = tools(settings)
-    try:
-        from outbox.console.app import Console, create_app
+    with needs_extra("outbox console", "console"):
+        from outbox.console.app import MAX_BODY_BYTES, Console, create_app
         from outbox.console.server import ConsoleServer
-    except ImportError as missing:
-        raise ConfigurationError(
-            f"`outbox console` needs its web stack ({getattr(missing, 'name', None) or '?'} "
-            "is not installed): pip install 'effect-outbox[console]'"
-        ) from None
     login = check_login(settings)
     console = Console(
         settings=settings,
@@ -153,7 +152,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         secure_cookie=args.secure_cookie or args.allow_remote,
         allowed_hosts=hosts,
     )
-    server = ConsoleServer(create_app(console), host=args.host, port=args.port)
+    server = ConsoleServer(
+        create_app(console),
+        host=args.host,
+        port=args.port,
+        limits=Limits.from_settings(settings, max_body=MAX_BODY_BYTES),
+    )
     warn_of_a_local_proxy(auth)
     superuser = (
         " (a superuser: give it a login that is only an operator)" if login.superuser else ""

@@ -24,6 +24,7 @@ from outbox.mcp.config import (
     bearer_credentials,
     check_exposure,
 )
+from outbox.serving import SERVING_SETTINGS, Limits, add_bind_flags, check_port, needs_extra
 from outbox.settings import Settings
 
 
@@ -47,13 +48,13 @@ def register(commands: Any) -> None:
         default="stdio",
         help="stdio (the host starts this process) or streamable HTTP [stdio]",
     )
-    parser.add_argument(
-        "--host",
-        default=None,
-        help=f"HTTP: address to bind; anything but loopback needs a bearer token [{DEFAULT_HOST}]",
-    )
-    parser.add_argument(
-        "--port", type=int, default=None, help=f"HTTP: port to bind [{DEFAULT_PORT}]"
+    add_bind_flags(
+        parser,
+        DEFAULT_HOST,
+        DEFAULT_PORT,
+        unset=True,
+        prefix="HTTP: ",
+        host_note="; anything but loopback needs a bearer token",
     )
     parser.add_argument(
         "--bearer-token-env",
@@ -85,7 +86,7 @@ def register(commands: Any) -> None:
         action="store_true",
         help="refuse every call without a decision key, reads and idempotent writes too",
     )
-    add_setting_flags(parser, "database_url", *DATABASE_BOUND_SETTINGS)
+    add_setting_flags(parser, "database_url", *DATABASE_BOUND_SETTINGS, *SERVING_SETTINGS)
     parser.set_defaults(handler=run)
 
 
@@ -97,28 +98,27 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigurationError("--host, --port and --bearer-token-env apply to --transport http")
     host = args.host or DEFAULT_HOST
     port = DEFAULT_PORT if args.port is None else args.port
-    if not 0 <= port <= 65535:
-        raise ConfigurationError("--port must be between 0 and 65535")
+    check_port(port)
     # Checked before anything is loaded or bound: an open door must never start serving.
     credentials = bearer_credentials(args.bearer_token_env) if http else ()
     if http:
         check_exposure(host, credentials)
     registry = load_registry(module_list([settings.tools]))
-    try:
+    with needs_extra("outbox mcp", "mcp", "the MCP SDK"):
         from outbox.mcp import server as mcp_server
         from outbox.mcp import transports
-    except ImportError as missing:
-        raise ConfigurationError(
-            f"`outbox mcp` needs the MCP SDK ({getattr(missing, 'name', None) or 'mcp'} is "
-            "not installed): pip install 'effect-outbox[mcp]'"
-        ) from None
     server = mcp_server.build_server(
         registry,
         settings,
         ServerOptions(run_id=args.run_id, wait=args.wait, require_key=args.require_key),
     )
     if http:
-        run_async(transports.serve_http(server, host=host, port=port, credentials=credentials))
+        limits = Limits.from_settings(settings, max_body=transports.MAX_BODY)
+        run_async(
+            transports.serve_http(
+                server, host=host, port=port, credentials=credentials, limits=limits
+            )
+        )
     else:
         run_async(transports.serve_stdio(server))
     return 0

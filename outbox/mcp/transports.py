@@ -9,23 +9,26 @@ address is refused unread (429) for the rest of the window.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, cast
 
 from mcp.server import Server
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from starlette.applications import Starlette
 
 from outbox.credentials import Credential, FailureThrottle, credential_for
-from outbox.errors import ServiceUnavailable
 from outbox.logs import log_fields
 from outbox.mcp.config import LOOPBACK_PRINCIPAL, PRINCIPAL_SCOPE_KEY, check_exposure
 from outbox.mcp.server import ToolHost
-from outbox.signals import run_until_signalled
+from outbox.serving import Limits
 
 logger = logging.getLogger("outbox.mcp")
+
+# The largest request body read: the SDK's own bound (4 MiB), enforced by the serving
+# layer before the SDK reads anything.
+MAX_BODY: int = DEFAULT_MAX_REQUEST_BODY_SIZE
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -170,62 +173,28 @@ async def serve_stdio(server: Server[ToolHost]) -> None:
         raise _sole_failure(group) from None
 
 
-# In-flight calls get this long after SIGTERM; a cut one is retried with its key, safely.
-GRACEFUL_SHUTDOWN_SECONDS = 5
-
-
 async def serve_http(
-    server: Server[ToolHost], *, host: str, port: int, credentials: Sequence[Credential]
+    server: Server[ToolHost],
+    *,
+    host: str,
+    port: int,
+    credentials: Sequence[Credential],
+    limits: Limits,
 ) -> None:
-    """Serve streamable HTTP at ``http://host:port/mcp``; SIGTERM or SIGINT stops it
-    gracefully (exit 0), a second one at once."""
-    import uvicorn
-
-    class HTTPServer(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # Signals are handled as the daemons handle them (run_until_signalled below):
-            # uvicorn's own handling would re-raise the signal after shutdown and end the
-            # process before the database and watcher are closed.
-            yield
+    """Serve streamable HTTP at ``http://host:port/mcp`` through the serving layer;
+    SIGTERM or SIGINT stops it gracefully (exit 0), a second one at once."""
+    from outbox.serving.server import AppServer
 
     app = http_app(server, host=host, credentials=credentials)
-    http_server = HTTPServer(
-        # The lifespan (database, watcher, sessions) is entered here, not by uvicorn: a
-        # database that cannot be reached then fails the command in one line, before
-        # anything listens. No access log: request lines would only repeat the path.
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_config=None,
-            access_log=False,
-            # The client address is the TCP peer's: an X-Forwarded-For from a local
-            # process would otherwise choose the address the throttle counts.
-            proxy_headers=False,
-            lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-        )
-    )
-
-    def stop() -> None:
-        http_server.should_exit = True
-
+    # Bound before the lifespan is entered: a port that is taken is refused in one line
+    # before the database is touched.
+    http_server = AppServer(app, host, port, name="mcp", limits=limits)
     try:
+        # The lifespan (database, watcher, sessions) is entered here, not by uvicorn: a
+        # database that cannot be reached then fails the command in one line.
         async with server.session_manager.run():
-            try:
-                await run_until_signalled(
-                    "mcp", http_server.serve, stop, finishing="finishing the calls in hand"
-                )
-            except SystemExit:
-                # uvicorn exits the process when it cannot bind; it has logged why.
-                if http_server.started:
-                    raise
-            if not http_server.started:
-                raise ServiceUnavailable(
-                    f"the MCP HTTP server could not listen on {host}:{port} (the log line "
-                    "above says why)"
-                )
+            print(f"outbox mcp: serving on {http_server.url}/mcp", flush=True)
+            await http_server.serve_async()
     except BaseExceptionGroup as group:
         raise _sole_failure(group) from None
 

@@ -185,7 +185,7 @@ def serving_over_http(
         ],
     )
     try:
-        server.wait_for_line("Uvicorn running on", within=60)
+        server.wait_for_line(f"serving on http://127.0.0.1:{port}/mcp", within=60)
         yield f"http://127.0.0.1:{port}/mcp", server
     finally:
         server.kill()
@@ -290,6 +290,6 @@ def test_http_on_a_taken_port_fails_in_one_line(database_url: str) -> None:
 
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
-        f"outbox mcp: error: the MCP HTTP server could not listen on 127.0.0.1:{port} (the "
-        "log line above says why)"
+        f"outbox mcp: error: port {port} on 127.0.0.1 is already in use: stop what listens "
+        "there, or give another --port (0 for any free one)"
     )

@@ -185,6 +185,13 @@ def test_an_oversized_body_is_refused_413_before_it_is_read(
     assert (declared.status_code, declared.json()) == (413, {"error": "too_large"})
     assert (streamed.status_code, streamed.json()) == (413, {"error": "too_large"})
     assert inbox(database_url) == []
+    refused = value(
+        scrape(port_of(server)),
+        "outbox_callbacks_refused_total",
+        provider="payments",
+        reason="too_large",
+    )
+    assert refused == 2
 
 
 def test_a_rotated_secret_is_accepted_with_either_secret_during_the_rotation(

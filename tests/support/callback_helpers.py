@@ -27,8 +27,9 @@ from outbox.callback_policy import (
     Scheme,
 )
 from outbox.callbacks import CallbackReceiver
-from outbox.callbacks_server import CallbackService, create_app
-from outbox.serving import AppServer
+from outbox.callbacks_server import CallbackService, create_app, refused_at_the_door
+from outbox.serving import Limits
+from outbox.serving.server import AppServer
 from outbox.webhooks import sign_standard_webhooks, sign_stripe
 
 from support.sample_tools import Ledger, refund_contract, ticket_contract
@@ -157,6 +158,7 @@ def receiving(
     *,
     max_body: int = 64 * 1024,
     tolerance: float = 300.0,
+    limits: Limits | None = None,
 ) -> Iterator[Receiving]:
     """`outbox callbacks serve`'s application on 127.0.0.1 (a free port), connected to
     ``database_url`` (a login of the outbox_callbacks role, in the tests that prove the
@@ -166,6 +168,12 @@ def receiving(
         receiver, settings.model_copy(update={"database_url": SecretStr(database_url)})
     )
     with AppServer(
-        create_app(service), "127.0.0.1", 0, name="outbox-callbacks-test", lifespan="on"
+        create_app(service),
+        "127.0.0.1",
+        0,
+        name="outbox-callbacks-test",
+        limits=limits or Limits.from_settings(settings, max_body=max_body),
+        lifespan="on",
+        refused=refused_at_the_door(service),
     ) as server:
         yield Receiving(server.url, service)
