@@ -932,6 +932,13 @@ RETURN hashtextextended('outbox.callback:' || p_operation_id::text, 0);
 -- And any login may take an advisory lock, so the scan passes over a held key for at
 -- most 10 s of the operation being due: past that, a holder is a stuck or hostile
 -- session, not a callback being recorded.
+--
+-- An operation takes at most 64 callbacks (a provider sends a handful: pending, done, a
+-- late failure): each one the consumer reads before it decides, and an operator's page
+-- lists them. Past that, a callback is kept, for the operator, as unmatched, naming the
+-- operation it named (named_operation_id): a signing secret in the wrong hands cannot
+-- grow what every decision on one operation reads. Counted without a lock, so two
+-- recorded at the same moment may both pass at 63; bounded all the same.
 CREATE OR REPLACE FUNCTION outbox_record_callback(
     p_provider text, p_event_id text, p_status text, p_operation_id uuid,
     p_provider_reference text, p_payload_digest text
@@ -951,6 +958,11 @@ BEGIN
         WHERE o.provider_reference = p_provider_reference
         ORDER BY o.created_at, o.id
         LIMIT 1;
+    END IF;
+    IF matched IS NOT NULL
+       AND (SELECT count(*) FROM (SELECT 1 FROM @schema@.callbacks c
+                                  WHERE c.operation_id = matched LIMIT 64) AS kept) >= 64 THEN
+        matched := NULL;
     END IF;
     IF matched IS NOT NULL THEN
         PERFORM pg_try_advisory_xact_lock_shared(@schema@.outbox_callback_lock_key(matched));

@@ -190,6 +190,25 @@ def test_one_event_id_from_two_providers_is_two_callbacks(
     assert first.callback_id != second.callback_id
 
 
+def test_an_operation_takes_sixty_four_callbacks_and_the_rest_are_kept_unmatched(
+    database_url: str, registry: Registry
+) -> None:
+    # A signing secret in the wrong hands cannot grow what the consumer reads before
+    # each decision on one operation, or what its page lists.
+    operation = new_operation(database_url, registry)
+
+    receipts = [
+        record(database_url, operation.id, event_id=f"evt_flood_{number}") for number in range(70)
+    ]
+
+    assert [r.result for r in receipts] == ["recorded"] * 64 + ["unmatched"] * 6
+    kept = run(database_url, outbox_store.callbacks_of([operation.id]))[operation.id]
+    assert len(kept) == 64
+    listed = run(database_url, outbox_store.list_callbacks(unmatched=True))
+    assert {c.named_operation_id for c in listed} == {operation.id}
+    assert len(listed) == 6
+
+
 def test_a_callback_for_no_operation_is_kept_as_unmatched(database_url: str) -> None:
     stranger = uuid.uuid4()
 
