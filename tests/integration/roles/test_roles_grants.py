@@ -12,7 +12,6 @@ from urllib.parse import urlsplit
 
 import psycopg
 import psycopg.errors
-import psycopg.sql
 import pytest
 
 from outbox import schema as outbox_schema
@@ -311,37 +310,3 @@ def test_migrate_with_roles_stops_for_a_login_that_may_create_in_the_schema(
     assert "warning: roles other than the schema's owner may still create" in allowed.stderr
     assert agent in allowed.stderr
     assert execute_admin(database_url, PUBLIC_MAY_CREATE) == [(0,)]
-
-
-def session_bounds(url: str) -> tuple[str, str]:
-    with psycopg.connect(url) as connection:
-        rows = connection.execute(
-            "SELECT current_setting('idle_in_transaction_session_timeout'), "
-            "current_setting('statement_timeout')"
-        ).fetchall()
-    return rows[0][0], rows[0][1]
-
-
-def test_migrate_with_roles_bounds_the_sessions_of_agent_and_callbacks_logins(
-    login: Login, database_url: str, postgres_server_url: str
-) -> None:
-    agent, receiver, consumer = login(AGENT), login(CALLBACKS), login(CONSUMER)
-    chosen = login(AGENT)  # a deployment that set its own bound keeps it
-    with psycopg.connect(postgres_server_url, autocommit=True) as admin:
-        admin.execute(
-            psycopg.sql.SQL("ALTER ROLE {} SET statement_timeout = '5s'").format(
-                psycopg.sql.Identifier(str(urlsplit(chosen).username))
-            )
-        )
-    assert session_bounds(agent) == ("0", "0")  # created after the roles were applied
-
-    migrate(database_url, roles=True)
-
-    assert session_bounds(agent) == ("1min", "30s")
-    assert session_bounds(receiver) == ("1min", "30s")
-    assert session_bounds(chosen) == ("1min", "5s")
-    # The daemons bound their own sessions (libpq options), whatever the role says.
-    assert session_bounds(consumer) == ("0", "0")
-    # The login's own session may still set it back: a default, not the protection.
-    with psycopg.connect(agent) as connection:
-        connection.execute("SET idle_in_transaction_session_timeout = 0")
