@@ -19,7 +19,7 @@ from outbox.cli import (
 )
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.daemon import freeze_startup_heap
-from outbox.loading import load_registry, module_list
+from outbox.loading import registry_from
 from outbox.settings import Settings, settings_in
 from outbox.signals import run_until_signalled
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
         return supervise(settings, args.processes, port)
     freeze_startup_heap()
-    consumer = Consumer(settings, load_registry(module_list([settings.tools])))
+    consumer = Consumer(settings, registry_from(settings, required=True))
     run_async(
         run_until_signalled(
             "consumer", consumer.run, consumer.stop, finishing="finishing the effects in hand"

@@ -31,7 +31,7 @@ from outbox.connections import DatabaseBounds, SessionPool
 from outbox.contracts import Registry
 from outbox.daemon import is_transient_database_error
 from outbox.errors import CallbackRefused, ConfigurationError, DatabaseError, SchemaMissing
-from outbox.loading import load_registry, module_list
+from outbox.loading import registry_from
 from outbox.logs import log_fields
 from outbox.metrics import CallbackMetrics, prime
 from outbox.models import display_operation_id
@@ -276,8 +276,7 @@ def check_schema(settings: Settings) -> None:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     check_port(args.port)
-    modules = module_list([settings.tools])
-    registry = load_registry(modules)
+    registry = registry_from(settings, required=True)
     receiver = receiver_for(registry, settings)
     with needs_extra("outbox callbacks serve", "callbacks"):
         import starlette  # noqa: F401  (create_app's stack, imported when it runs)

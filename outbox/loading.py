@@ -11,10 +11,13 @@ import importlib
 import re
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import ConfigurationError, ContractRefused, OutboxError
+
+if TYPE_CHECKING:
+    from outbox.settings import Settings
 
 TOOLS_ENV = "OUTBOX_TOOLS"
 
@@ -24,6 +27,21 @@ _MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 def module_list(values: Iterable[str]) -> list[str]:
     """Module paths from flags and variables that may each hold a comma-separated list."""
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+@overload
+def registry_from(settings: Settings, *, required: Literal[True]) -> Registry: ...
+@overload
+def registry_from(settings: Settings, *, required: bool) -> Registry | None: ...
+def registry_from(settings: Settings, *, required: bool) -> Registry | None:
+    """The tools a command runs, from ``--tools`` / ``OUTBOX_TOOLS``: a daemon, the MCP
+    server and the callbacks receiver need them (``required``: none is an error saying
+    how to name them); an operator command or the console reads contracts only when it
+    has them (None without)."""
+    modules = module_list([settings.tools])
+    if not modules and not required:
+        return None
+    return load_registry(modules)
 
 
 def load_registry(module_paths: Sequence[str]) -> Registry:

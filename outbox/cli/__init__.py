@@ -41,7 +41,7 @@ from outbox.cli.run import (
 )
 from outbox.connections import command_transaction
 from outbox.errors import OutboxError
-from outbox.loading import load_registry, module_list
+from outbox.loading import registry_from
 from outbox.metrics import version
 from outbox.migrate import LOCK_TIMEOUT_SECONDS, LOCK_TRIES, declare_broker_topology, migrate
 from outbox.operator import commands as operator_commands
@@ -116,7 +116,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_contracts(args: argparse.Namespace, settings: Settings) -> int:
-    registry = load_registry(module_list([settings.tools]))
+    registry = registry_from(settings, required=True)
     if args.json:
         cards = [
             {

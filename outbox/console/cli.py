@@ -27,7 +27,7 @@ from outbox.console.config import (
 )
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
-from outbox.loading import load_registry, module_list
+from outbox.loading import registry_from
 from outbox.logs import log_fields
 from outbox.serving import SERVING_SETTINGS, Limits, add_bind_flags, check_port, needs_extra
 from outbox.settings import Settings, redact_url
@@ -105,8 +105,7 @@ def check_login(settings: Settings) -> store.ConsoleLogin:
 
 
 def tools(settings: Settings) -> Registry | None:
-    modules = module_list([settings.tools])
-    return load_registry(modules) if modules else None
+    return registry_from(settings, required=False)
 
 
 def warn_of_a_local_proxy(auth: AuthConfig) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from outbox.cli import add_setting_flags, add_tools_flag, run_async, seconds
 from outbox.connections import DATABASE_BOUND_SETTINGS
 from outbox.errors import ConfigurationError
-from outbox.loading import load_registry, module_list
+from outbox.loading import registry_from
 from outbox.mcp.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     credentials = bearer_credentials(args.bearer_token_env) if http else ()
     if http:
         check_exposure(host, credentials)
-    registry = load_registry(module_list([settings.tools]))
+    registry = registry_from(settings, required=True)
     with needs_extra("outbox mcp", "mcp", "the MCP SDK"):
         from outbox.mcp import server as mcp_server
         from outbox.mcp import transports

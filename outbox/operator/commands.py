@@ -33,7 +33,7 @@ from outbox.cli.run import EXIT_FAILED
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError, OperationNotFound
-from outbox.loading import load_registry, module_list
+from outbox.loading import registry_from
 from outbox.models import ApprovalDecision, display_operation_id
 from outbox.operator import one_operation, render, render_providers, rules, timeline, views
 from outbox.operator.input import DEFAULT_APPROVAL_TTL, MAX_TYPED_REFERENCE
@@ -64,8 +64,7 @@ def _minutes(lifetime: timedelta) -> str:
 
 
 def _registry(settings: Settings) -> Registry | None:
-    modules = module_list([settings.tools])
-    return load_registry(modules) if modules else None
+    return registry_from(settings, required=False)
 
 
 def _print_json(document: object) -> None:

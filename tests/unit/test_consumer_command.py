@@ -24,7 +24,7 @@ def test_the_command_freezes_the_start_up_heap_before_it_consumes(
         frozen_when_consuming.append(gc.get_freeze_count())
 
     monkeypatch.setattr(consumer.cli, "run_async", fake_run_async)
-    monkeypatch.setattr(consumer.cli, "load_registry", lambda _modules: build_registry())
+    monkeypatch.setattr(consumer.cli, "registry_from", lambda _settings, required: build_registry())
     gc.unfreeze()
     try:
         code = consumer.cli.run(argparse.Namespace(processes=1), Settings(tools="x"))
