@@ -1,6 +1,6 @@
 """A property over every write path a role holds: whatever JSON, text or time an agent,
-consumer, operator or dispatcher login writes, the database refuses it or stores a value
-every reader survives. Then the real dispatcher and consumer run: both stay up, every
+consumer, operator, dispatcher or callbacks login writes, the database refuses it or
+stores a value every reader survives. Then the real dispatcher and consumer run: both stay up, every
 decision reaches one of the three endings, every operator view renders every operation,
 and `outbox ops verify` finds the evidence as the chain trigger wrote it.
 
@@ -186,6 +186,21 @@ class Writes:
             "VALUES (%s, %s, %s::timestamptz)",
             (target, text, when),
         )
+        # The callbacks receiver: its one write path with hostile ids and references; the
+        # consumer applies (and chains) what is kept while the daemons run below.
+        callback = "SELECT * FROM outbox_record_callback(%s, %s, %s, %s, %s, %s)"
+        digest = "0" * 64
+        self.attempt(CALLBACKS, callback, ("payments", text, "committed", target, text, digest))
+        self.attempt(
+            CALLBACKS,
+            callback,
+            ("payments", f"evt_{uuid.uuid4().hex}", "rejected", target, text, digest),
+        )
+        self.attempt(
+            CALLBACKS,
+            callback,
+            (text, f"evt_{uuid.uuid4().hex}", "pending", None, text, digest),
+        )
         # The operator: a hand-typed approval and an event of any name.
         self.attempt(
             OPERATOR,
@@ -223,9 +238,13 @@ def settled(database_url: str) -> Callable[[], Any]:
         rows = await asyncio.to_thread(
             execute_admin, database_url, "SELECT state FROM operations GROUP BY state"
         )
-        # And every agent report kept is in its chain: none stopped the ones behind it.
+        # And every agent report and callback kept is in its chain: none stopped the
+        # ones behind it.
         waiting = await asyncio.to_thread(
-            execute_admin, database_url, "SELECT count(*) FROM agent_reports"
+            execute_admin,
+            database_url,
+            "SELECT (SELECT count(*) FROM agent_reports) "
+            "+ (SELECT count(*) FROM callbacks WHERE applied_at IS NULL)",
         )
         return {S(state) for (state,) in rows} <= ENDINGS and waiting == [(0,)]
 
@@ -271,6 +290,15 @@ async def test_every_write_a_role_holds_leaves_every_reader_standing(
         writes.all_paths(writes.new_target(), value, text, when)
 
     write_everywhere()
+    # And one callback surely kept, with a reference that reverses the text after it:
+    # the views and the chain below must carry at least one applied callback.
+    kept = writes.kept
+    writes.attempt(
+        CALLBACKS,
+        "SELECT * FROM outbox_record_callback('payments', 'evt_sure', 'committed', %s, %s, %s)",
+        (writes.new_target(), "re_\u202eevil", "0" * 64),
+    )
+    assert writes.kept == kept + 1
     assert writes.refused > 0
     assert writes.kept > 0
 
@@ -291,6 +319,11 @@ async def test_every_write_a_role_holds_leaves_every_reader_standing(
     verified = run_command(["ops", "verify", "--all", "--json"])
     report = json.loads(capsys.readouterr().out)
 
+    chained = execute_admin(
+        database_url,
+        "SELECT count(*) FROM operation_events WHERE name = 'operation.callback_received'",
+    )
+    assert chained[0][0] >= 1
     assert problems == []
     assert verified == 0
     assert report["intact"]
