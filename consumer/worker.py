@@ -110,7 +110,7 @@ class Consumer(Daemon):
             settings,
             self.metrics,
             self.server_tracker(self.metrics.database_failovers),
-            on_lock_wait=self.lock_waits(),
+            on_lock_wait=self.lock_waits(self.metrics.lock_waits),
         )
         # One copy of the providers' breakers for the deliveries and the reconciler.
         self.providers = Providers(

@@ -75,7 +75,7 @@ class Dispatcher(Daemon):
         prime(self.metrics.slow_transactions, SLOW_VERDICTS)
         # A batch past its soft deadline is cut only if its link is silent.
         self.probe = LivenessProbe(lambda: self._open_database(autocommit=True))
-        self.on_lock_wait = self.lock_waits()
+        self.on_lock_wait = self.lock_waits(self.metrics.lock_waits)
         # Backpressure against a slow broker or database: a batch that fails, or whose
         # confirms take half the publish timeout, halves the next batches.
         self.pacing = AIMDLimit(

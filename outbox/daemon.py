@@ -119,14 +119,18 @@ class Daemon(Stoppable):
         """One line as data: action ``<name>.<event>``, ``text`` for a person."""
         log_fields(self.logger, level, f"{self.name}.{event}", text, **fields)
 
-    def lock_waits(self) -> Callable[[tuple[LockHolder, ...]], None]:
-        """What a transaction of this daemon waiting for a lock says: one line naming
-        the sessions it waits for (pid, role, state, how long), at most once every
-        :data:`LOCK_WAIT_REPEAT_SECONDS` for the same ones, however many of its
-        transactions wait for them."""
+    def lock_waits(
+        self, counted: Counter | None = None
+    ) -> Callable[[tuple[LockHolder, ...]], None]:
+        """What a transaction of this daemon waiting for a lock says: ``counted`` goes up
+        by one for each, and one line names the sessions it waits for (pid, role,
+        state, how long), at most once every :data:`LOCK_WAIT_REPEAT_SECONDS` for the
+        same ones, however many of its transactions wait for them."""
         said: dict[frozenset[int], float] = {}
 
         def waiting(blockers: tuple[LockHolder, ...]) -> None:
+            if counted is not None:
+                counted.inc()
             pids = frozenset(holder.pid for holder in blockers)
             now = time.monotonic()
             if now - said.get(pids, -LOCK_WAIT_REPEAT_SECONDS) < LOCK_WAIT_REPEAT_SECONDS:

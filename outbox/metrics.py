@@ -96,6 +96,7 @@ class MetricNames:
     CALLBACKS_APPLIED = f"{PREFIX}_callbacks_applied"
     CALLBACKS_CONTRADICTED = f"{PREFIX}_callbacks_contradicted"
     DATABASE_SLOW_TRANSACTIONS = f"{PREFIX}_database_slow_transactions"
+    DATABASE_LOCK_WAITS = f"{PREFIX}_database_lock_waits"
     CONSUMER_LIMIT = f"{PREFIX}_consumer_limit"
     CONSUMER_DELIVERIES_HELD = f"{PREFIX}_consumer_deliveries_held"
     DISPATCHER_LIMIT = f"{PREFIX}_dispatcher_limit"
@@ -143,6 +144,16 @@ def _slow_transactions(registry: CollectorRegistry) -> Counter:
     )
 
 
+def _lock_waits(registry: CollectorRegistry) -> Counter:
+    # Unlabelled, so exported at 0 from the start: the first wait is an increase.
+    return Counter(
+        MetricNames.DATABASE_LOCK_WAITS,
+        "Transactions of this daemon found waiting for a lock another session holds, "
+        "1 s in (the log names that session: action=*.lock_wait)",
+        registry=registry,
+    )
+
+
 def _database_failovers(registry: CollectorRegistry) -> Counter:
     # Unlabelled, so exported at 0 from the start: the first failover is an increase.
     return Counter(
@@ -181,6 +192,7 @@ class DispatcherMetrics:
     operations: Gauge
     queue_messages: Gauge
     slow_transactions: Counter
+    lock_waits: Counter
     limit: Gauge
 
     @classmethod
@@ -191,6 +203,7 @@ class DispatcherMetrics:
             registry=registry,
             broker_connected=_about_the_daemon(registry),
             slow_transactions=_slow_transactions(registry),
+            lock_waits=_lock_waits(registry),
             limit=Gauge(
                 names.DISPATCHER_LIMIT,
                 "The dispatcher's current backpressure limit: batch (rows claimed per "
@@ -291,6 +304,7 @@ class ConsumerMetrics:
     callbacks_applied: Counter
     callbacks_contradicted: Counter
     slow_transactions: Counter
+    lock_waits: Counter
     limit: Gauge
     deliveries_held: Counter
     provider_available: Gauge
@@ -305,6 +319,7 @@ class ConsumerMetrics:
             registry=registry,
             broker_connected=_about_the_daemon(registry),
             slow_transactions=_slow_transactions(registry),
+            lock_waits=_lock_waits(registry),
             limit=Gauge(
                 names.CONSUMER_LIMIT,
                 "The consumer's current backpressure limits: prefetch (deliveries in hand "

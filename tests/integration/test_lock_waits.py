@@ -13,7 +13,7 @@ import pytest
 from outbox import OperationState, Registry, Settings, record_decision
 
 from support.consume_helpers import in_state, running_consumer
-from support.dispatch_helpers import running_dispatcher
+from support.dispatch_helpers import counter_value, running_dispatcher
 from support.logs import records_of
 from support.waiting import eventually
 
@@ -56,17 +56,15 @@ async def test_the_consumer_names_the_session_whose_row_lock_it_waits_for(
 ) -> None:
     caplog.set_level(logging.WARNING)
     operation = decide(engine, registry)
-    async with running_consumer(settings, registry):
+    async with running_consumer(settings, registry) as consumer:
         with psycopg.connect(database_url) as holder:
             # An analyst's session (or any login's) holding the operation's row.
             holder.execute("SELECT 1 FROM operations WHERE id = %s FOR UPDATE", (operation.id,))
             async with running_dispatcher(settings):
                 await named_in_a_line(caplog, "consumer.lock_wait", holder_of(holder))
-                [line] = [
-                    r
-                    for r in records_of(caplog, "consumer.lock_wait")
-                    if r.levelno == logging.WARNING
-                ][:1]
+                assert counter_value(consumer, "outbox_database_lock_waits_total") >= 1
+                line = records_of(caplog, "consumer.lock_wait")[0]
+                assert line.levelno == logging.WARNING
                 assert "commit" in str(getattr(line, "do", ""))
                 holder.rollback()
                 await eventually(
@@ -87,8 +85,10 @@ async def test_the_dispatcher_names_the_session_whose_table_lock_it_waits_for(
     operation = decide(engine, registry)
     with psycopg.connect(database_url) as holder:
         holder.execute("LOCK TABLE outbox IN EXCLUSIVE MODE")
-        async with running_dispatcher(settings):
+        async with running_dispatcher(settings) as dispatcher:
+            assert counter_value(dispatcher, "outbox_database_lock_waits_total") == 0
             await named_in_a_line(caplog, "dispatcher.lock_wait", holder_of(holder))
+            assert counter_value(dispatcher, "outbox_database_lock_waits_total") >= 1
             holder.rollback()
             async with running_consumer(settings, registry):
                 await eventually(
