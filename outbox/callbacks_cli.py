@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from outbox import store
 from outbox.cli import add_setting_flags, positive_int
 from outbox.connections import command_transaction
-from outbox.models import Callback, display_operation_id
-from outbox.operator.render import instant, stamp, table
+from outbox.operator import render
 from outbox.settings import Settings
 from outbox.store import Store
 
@@ -65,53 +63,6 @@ def register(commands: Any) -> None:
     listing.set_defaults(handler=cmd_list)
 
 
-def _operation(callback: Callback) -> str:
-    if callback.operation_id is not None:
-        return display_operation_id(callback.operation_id)
-    if callback.named_operation_id is not None:
-        return f"{display_operation_id(callback.named_operation_id)} (unknown)"
-    return "-"
-
-
-def callback_json(callback: Callback) -> dict[str, Any]:
-    def shown(operation_id: Any) -> str | None:
-        return display_operation_id(operation_id) if operation_id is not None else None
-
-    return {
-        "id": callback.id,
-        "provider": callback.provider,
-        "event_id": callback.event_id,
-        "status": str(callback.status),
-        "operation_id": shown(callback.operation_id),
-        "named_operation_id": shown(callback.named_operation_id),
-        "provider_reference": callback.provider_reference,
-        "payload_digest": callback.payload_digest,
-        "received_at": instant(callback.received_at),
-        "outcome": str(callback.outcome) if callback.outcome else None,
-        "applied_at": instant(callback.applied_at),
-    }
-
-
-def listing_text(callbacks: Sequence[Callback]) -> str:
-    if not callbacks:
-        return "no callbacks match"
-    rows = [
-        [
-            str(c.id),
-            c.provider,
-            c.event_id,
-            str(c.status),
-            _operation(c),
-            c.provider_reference or "-",
-            str(c.outcome) if c.outcome else "not applied yet",
-            stamp(c.received_at),
-        ]
-        for c in callbacks
-    ]
-    headers = ["ID", "PROVIDER", "EVENT", "STATUS", "OPERATION", "REFERENCE", "OUTCOME", "RECEIVED"]
-    return table(headers, rows)
-
-
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     with command_transaction(settings) as connection:
         callbacks = Store(connection).run(
@@ -124,7 +75,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
             )
         )
     if args.json:
-        print(json.dumps([callback_json(c) for c in callbacks], indent=2))
+        print(json.dumps([render.callback_json(c) for c in callbacks], indent=2))
     else:
-        print(listing_text(callbacks))
+        print(render.callbacks_listing_text(callbacks))
     return 0
