@@ -1,8 +1,12 @@
-"""The ``outbox`` command, one ``configure_*`` per command group it builds itself.
+"""The ``outbox`` command: the parser of every command group (:func:`build_parser`), and
+the two groups that are not an operator's (``migrate``, ``contracts``). The operator's
+commands (``ops``, ``approvals``, ``stats``, ``providers``, ``dlq``) are
+:mod:`outbox.operator`'s; this package imports them and they never import it back.
 
-The toolkit every command uses lives beside it: the shared flags and argument types in
-:mod:`outbox.cli.arguments`, how a command runs and exits in :mod:`outbox.cli.run`. Both
-are re-exported here, as the daemons and the other front ends import them.
+The toolkit every command uses lives beside it, in leaves that import no command group:
+the shared flags and argument types in :mod:`outbox.cli.arguments`, how a command runs
+and exits in :mod:`outbox.cli.run`. Both are re-exported here, as the daemons and the
+other front ends import them.
 
 The daemons add their own subcommands through the ``outbox.commands`` entry point
 group: the base package never imports them (docs/design.md section 2).
@@ -13,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import UTC, datetime
+from collections.abc import Sequence
 from importlib.metadata import entry_points
 from typing import Any
-
-import psycopg
 
 from outbox.cli.arguments import (
     add_declare_topology_flag,
@@ -36,23 +38,12 @@ from outbox.cli.run import (
     EXIT_OK,
     Command,
     run_async,
-    run_command,
     run_parsed,
 )
-from outbox.connections import command_transaction
-from outbox.errors import OutboxError
 from outbox.loading import registry_from
 from outbox.metrics import version
 from outbox.migrate import LOCK_TIMEOUT_SECONDS, LOCK_TRIES, declare_broker_topology, migrate
-from outbox.operator import commands as operator_commands
-from outbox.operator import dlq, render
-from outbox.operator.views import (
-    DeadLetterView,
-    dead_letter_views,
-    dead_letter_views_without_database,
-)
 from outbox.settings import Settings, settings_in
-from outbox.store import Store
 from outbox.urls import redact_url
 
 __all__ = [
@@ -134,48 +125,13 @@ def cmd_contracts(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_dlq_list(args: argparse.Namespace, settings: Settings) -> int:
-    listing = run_async(dlq.list_dead_letters(settings, limit=args.limit))
-    now = datetime.now(UTC)
-    views = _dead_letter_views(settings, listing)
-    if args.json:
-        print(json.dumps(render.dead_letters_json(listing, views, now), indent=2))
-    else:
-        print(render.dead_letters_text(listing, views, now))
-    return 0
-
-
-def _dead_letter_views(settings: Settings, listing: dlq.Listing) -> list[DeadLetterView]:
-    """The messages with their operations, as the console's dead-letter page reads them;
-    the broker's view alone (and a line on stderr) when the operations cannot be read."""
-    if not any(message.parsed for message in listing.messages):
-        return [dead_letter_views_without_database(m) for m in listing.messages]
-    try:
-        with command_transaction(settings) as connection:
-            connection.read_only = True
-            return dead_letter_views(Store(connection), listing.messages)
-    except (OutboxError, psycopg.Error) as error:
-        print(
-            f"outbox dlq list: the operations could not be read ({type(error).__name__}); "
-            "showing what the broker holds",
-            file=sys.stderr,
-        )
-        return [dead_letter_views_without_database(m) for m in listing.messages]
-
-
-def cmd_dlq_requeue(args: argparse.Namespace, settings: Settings) -> int:
-    report = run_async(
-        dlq.requeue_dead_letters(
-            settings,
-            message_ids=None if args.all_messages else args.message_ids,
-            limit=args.limit,
-        )
-    )
-    print(report.text())
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    # Here rather than at the top: the operator layer imports outbox.cli.arguments and
+    # outbox.cli.run, and Python runs this package's __init__ before either, so a
+    # top-level import would load every operator command for anyone who wants a flag.
+    from outbox.operator import commands as operator_commands
+    from outbox.operator import dlq_commands
+
     parser = argparse.ArgumentParser(
         prog="outbox", description="effect-outbox: the runtime that owns your agent's effects."
     )
@@ -185,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     configure_migrate(commands)
     configure_contracts(commands)
-    configure_dlq(commands)
+    dlq_commands.configure_dlq(commands)
     operator_commands.configure_ops(commands)
     operator_commands.configure_approvals(commands)
     operator_commands.configure_stats(commands)
@@ -262,62 +218,15 @@ def configure_contracts(commands: Commands) -> None:
     parser.set_defaults(handler=cmd_contracts)
 
 
-def configure_dlq(commands: Commands) -> None:
-    parser: argparse.ArgumentParser = commands.add_parser(
-        "dlq",
-        help="list or requeue the messages in the dead-letter queue",
-        description="Look at the dead-letter queue without losing anything, and send "
-        "dead-lettered operation messages back to the operations exchange. Bodies are "
-        "never printed beyond the thin envelope (operation id, tool, tool version).",
-    )
-    actions = parser.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
-    listing = actions.add_parser(
-        "list",
-        help="show dead-lettered messages and why they died; leaves them all in the queue",
-        description="A snapshot of the dead-letter queue: a count, then per message its id, "
-        "its envelope (or its size, if the body is not an envelope), RabbitMQ's x-death "
-        "reason, queue and count, why it died (the consumer's reason, read from the "
-        "database, where it wrote one) and whether its operation is already escalated or "
-        "settled. Messages are read without ack and handed back.",
-    )
-    add_setting_flags(listing, "amqp_url", "dead_letter_queue", "database_url")
-    listing.add_argument(
-        "--limit",
-        type=positive_int,
-        default=dlq.DEFAULT_LIST_LIMIT,
-        help="show at most N messages from the head of the queue "
-        f"(default {dlq.DEFAULT_LIST_LIMIT})",
-    )
-    listing.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    listing.set_defaults(handler=cmd_dlq_list)
-    requeue = actions.add_parser(
-        "requeue",
-        help="publish dead-lettered operation messages back to the operations exchange",
-        description="Republish each selected message with its original routing key, with "
-        "publisher confirms and mandatory, and ack its dead-lettered copy only after the "
-        "confirm (a crash duplicates, never loses). Bodies that are not an operation "
-        "envelope stay in the dead-letter queue. Fix what killed the messages first.",
-    )
-    add_setting_flags(requeue, "amqp_url", "exchange", "dead_letter_queue")
-    requeue.add_argument(
-        "--limit", type=positive_int, help="requeue at most N messages (default: no limit)"
-    )
-    selection = requeue.add_mutually_exclusive_group(required=True)
-    selection.add_argument(
-        "--all",
-        dest="all_messages",
-        action="store_true",
-        help="every message in the queue when the command starts",
-    )
-    selection.add_argument(
-        "--message-id",
-        dest="message_ids",
-        action="extend",
-        nargs="+",
-        metavar="ID",
-        help="only messages with these ids (repeatable)",
-    )
-    requeue.set_defaults(handler=cmd_dlq_requeue)
+def run_command(argv: Sequence[str] | None = None) -> int:
+    """Parse, configure logging, run one subcommand; errors become a message and a code
+    (2 for configuration, 1 for anything else the runtime refused)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_OK
+    return run_parsed(args, f"outbox {args.command}")
 
 
 def main() -> None:

@@ -1,13 +1,17 @@
-"""How an ``outbox`` command runs: its event loop, its settings and logging, and how its
-errors become one line on stderr and an exit code."""
+"""How an ``outbox`` command runs: its event loop, its settings and logging, its JSON
+output, and how its errors become one line on stderr and an exit code.
+
+A leaf: it imports no command group, so the operator layer and every other front end can
+import it without loading the ``outbox`` command (:mod:`outbox.cli`), which imports them."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import psycopg
@@ -43,25 +47,15 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
-def run_command(argv: Sequence[str] | None = None) -> int:
-    """Parse, configure logging, run one subcommand; errors become a message and a code
-    (2 for configuration, 1 for anything else the runtime refused)."""
-    # Here rather than at the top: the parser is built from every command group, and
-    # those import this module to run.
-    from outbox.cli import build_parser
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_OK
-    return run_parsed(args, f"outbox {args.command}")
+def print_json(document: object) -> None:
+    """A command's ``--json`` output: one indented document, as every command prints it."""
+    print(json.dumps(document, indent=2))
 
 
 def run_parsed(args: argparse.Namespace, name: str) -> int:
-    """Run ``args.handler`` as :func:`run_command` does; ``name`` heads error messages.
-    Shared with commands that are not in the wheel (``python -m harness.chaos``), so they
-    load settings and fail the same way."""
+    """Run ``args.handler`` as ``outbox`` does (:func:`outbox.cli.run_command`); ``name``
+    heads error messages. Shared with commands that are not in the wheel (``python -m
+    harness.chaos``), so they load settings and fail the same way."""
     try:
         settings = settings_from(args)
         configure_logging(settings.log_level, settings.log_format)

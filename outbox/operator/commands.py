@@ -1,5 +1,7 @@
 """``outbox ops``, ``outbox approvals``, ``outbox stats`` and ``outbox providers``: the
-handlers and their parsers, one ``configure_*`` per command group.
+handlers and their parsers, one ``configure_*`` per command group (``outbox dlq`` is
+:mod:`outbox.operator.dlq_commands`, ``outbox callbacks list``
+:mod:`outbox.operator.callbacks_commands`).
 
 What a person on call needs: which operations are stuck and why, the evidence of one
 operation, a way to settle an escalation with their name and evidence on it, the
@@ -12,7 +14,6 @@ the writes are :mod:`outbox.operator.rules` (the console uses the same), the out
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -29,7 +30,7 @@ from outbox.cli.arguments import (
     positive_int_up_to,
     since,
 )
-from outbox.cli.run import EXIT_FAILED
+from outbox.cli.run import EXIT_FAILED, print_json
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError, OperationNotFound
@@ -67,10 +68,6 @@ def _registry(settings: Settings) -> Registry | None:
     return registry_from(settings, required=False)
 
 
-def _print_json(document: object) -> None:
-    print(json.dumps(document, indent=2))
-
-
 def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
     window = args.since
     with command_transaction(settings) as connection:
@@ -88,7 +85,7 @@ def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
         escalations = views.escalations(runner, ((s.id, s.state) for s in summaries))
     now = datetime.now(UTC)
     if args.json:
-        _print_json(
+        print_json(
             [
                 render.summary_json(s, key, render.escalation_json(escalations.get(s.id), now))
                 for s in summaries
@@ -118,7 +115,7 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
             check = runner.run(store.check_approval(operation_id))
             decided_by = runner.run(store.approver_of(check))
     if args.json:
-        _print_json(one_operation.show_json(operation, page, check, decided_by, key, callbacks))
+        print_json(one_operation.show_json(operation, page, check, decided_by, key, callbacks))
         return 0
     approval = render.approval_text(check, decided_by) if check is not None else None
     print(one_operation.show_text(operation, page, approval, key, callbacks))
@@ -149,7 +146,7 @@ def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 2
     if args.json:
-        _print_json(render.chain_json(report))
+        print_json(render.chain_json(report))
     else:
         print(render.chain_text(report, operation_id))
     return 0 if report.intact else 1
@@ -203,7 +200,7 @@ def cmd_approvals_pending(args: argparse.Namespace, settings: Settings) -> int:
             p.operation.id: runner.run(store.get_operation(p.operation.id)).input for p in pending
         }
     if args.json:
-        _print_json([render.pending_json(p, key, inputs[p.operation.id]) for p in pending])
+        print_json([render.pending_json(p, key, inputs[p.operation.id]) for p in pending])
     else:
         print(render.pending_text(pending, key, inputs))
     return 0
@@ -222,7 +219,7 @@ def _decide(args: argparse.Namespace, settings: Settings, decision: ApprovalDeci
             shown=args.intent,
         )
     if getattr(args, "json", False):
-        _print_json(render.approval_decided_json(decided))
+        print_json(render.approval_decided_json(decided))
     else:
         print(render.approval_decided_text(decided))
     return 0
@@ -240,7 +237,10 @@ def cmd_stats(args: argparse.Namespace, settings: Settings) -> int:
     with command_transaction(settings) as connection:
         stats = Store(connection).run(store.operation_stats())
     numbers = render.stats_json(stats)
-    print(json.dumps(numbers, indent=2) if args.json else render.stats_text(numbers))
+    if args.json:
+        print_json(numbers)
+    else:
+        print(render.stats_text(numbers))
     return 0
 
 
@@ -259,7 +259,7 @@ def cmd_providers(args: argparse.Namespace, settings: Settings) -> int:
         events = [] if wanted is None else runner.run(store.provider_events(wanted, limit=limit))
     if wanted is None:
         if args.json:
-            _print_json(render_providers.providers_json(providers))
+            print_json(render_providers.providers_json(providers))
         else:
             print(render_providers.providers_text(providers))
         return 0
@@ -274,7 +274,7 @@ def cmd_providers(args: argparse.Namespace, settings: Settings) -> int:
         )
         return EXIT_FAILED
     if args.json:
-        _print_json(render_providers.provider_events_json(wanted, view, events))
+        print_json(render_providers.provider_events_json(wanted, view, events))
     else:
         print(render_providers.provider_events_text(wanted, view, events, limit))
     return 0

@@ -11,6 +11,7 @@ from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import ApprovalCheck, Callback, Operation
 from outbox.operator import timeline
 from outbox.operator.render import (
+    callback_json,
     callbacks_text,
     event_attributes_text,
     instant,
@@ -103,16 +104,5 @@ def show_json(
                 "attributes": event.attributes,
             },
         ),
-        "callbacks": [
-            {
-                "id": c.id,
-                "provider": c.provider,
-                "event_id": c.event_id,
-                "status": str(c.status),
-                "provider_reference": c.provider_reference,
-                "outcome": str(c.outcome) if c.outcome else None,
-                "received_at": instant(c.received_at),
-            }
-            for c in callbacks
-        ],
+        "callbacks": [callback_json(c) for c in callbacks],
     }

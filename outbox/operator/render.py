@@ -188,26 +188,87 @@ def _scalar(value: Any) -> str | int | float | bool | None:
     return json.dumps(value, sort_keys=True)
 
 
+def callback_json(callback: Callback) -> dict[str, Any]:
+    """One callback in every ``--json``: ``callbacks list`` and ``ops show``'s
+    ``callbacks`` (docs/operating.md#provider-callbacks-as-json). ``operation_id`` is the
+    operation it was matched to; ``named_operation_id`` the one it named, which this
+    database may not have."""
+
+    def shown(operation_id: UUID | None) -> str | None:
+        return display_operation_id(operation_id) if operation_id is not None else None
+
+    return {
+        "id": callback.id,
+        "provider": callback.provider,
+        "event_id": callback.event_id,
+        "status": str(callback.status),
+        "operation_id": shown(callback.operation_id),
+        "named_operation_id": shown(callback.named_operation_id),
+        "provider_reference": callback.provider_reference,
+        "payload_digest": callback.payload_digest,
+        "received_at": instant(callback.received_at),
+        "outcome": str(callback.outcome) if callback.outcome else None,
+        "applied_at": instant(callback.applied_at),
+    }
+
+
+def _callback_operation(callback: Callback) -> str:
+    if callback.operation_id is not None:
+        return display_operation_id(callback.operation_id)
+    if callback.named_operation_id is not None:
+        return f"{display_operation_id(callback.named_operation_id)} (unknown)"
+    return "-"
+
+
+_CALLBACK_COLUMNS = (
+    "ID",
+    "PROVIDER",
+    "EVENT",
+    "STATUS",
+    "OPERATION",
+    "REFERENCE",
+    "OUTCOME",
+    "RECEIVED",
+)
+
+
+def _callback_row(callback: Callback) -> list[str]:
+    return [
+        str(callback.id),
+        callback.provider,
+        callback.event_id,
+        str(callback.status),
+        _callback_operation(callback),
+        callback.provider_reference or "-",
+        str(callback.outcome) if callback.outcome else "not applied yet",
+        stamp(callback.received_at),
+    ]
+
+
+def callbacks_table(callbacks: Sequence[Callback], *, operation: bool) -> str:
+    """One row per callback, in every table of them: what it reported, and what the
+    reconciler did with it. ``operation``: the column of the operation it named, which
+    ``ops show`` leaves out as its page is that operation's. Every field a provider
+    chose is escaped (:func:`table`)."""
+    kept = [i for i, name in enumerate(_CALLBACK_COLUMNS) if operation or name != "OPERATION"]
+    rows = [[row[i] for i in kept] for row in map(_callback_row, callbacks)]
+    return table([_CALLBACK_COLUMNS[i] for i in kept], rows)
+
+
 def callbacks_text(callbacks: Sequence[Callback]) -> str:
-    """An operation's callbacks, in the order they came: what each reported, and what
-    the reconciler did with it. Every field a provider chose is escaped."""
+    """An operation's callbacks, in the order they came, under ``ops show``."""
     head = f"callbacks ({len(callbacks)})"
     if not callbacks:
         return head
-    rows = [
-        [
-            str(c.id),
-            c.provider,
-            c.event_id,
-            str(c.status),
-            c.provider_reference or "-",
-            str(c.outcome) if c.outcome else "not applied yet",
-            stamp(c.received_at),
-        ]
-        for c in callbacks
-    ]
-    headers = ["ID", "PROVIDER", "EVENT", "STATUS", "REFERENCE", "OUTCOME", "RECEIVED"]
-    return "\n".join([head, *("  " + line for line in table(headers, rows).splitlines())])
+    lines = callbacks_table(callbacks, operation=False).splitlines()
+    return "\n".join([head, *("  " + line for line in lines)])
+
+
+def callbacks_listing_text(callbacks: Sequence[Callback]) -> str:
+    """``outbox callbacks list``: the inbox, with the operation each callback named."""
+    if not callbacks:
+        return "no callbacks match"
+    return callbacks_table(callbacks, operation=True)
 
 
 def chain_json(report: ChainReport) -> dict[str, Any]:

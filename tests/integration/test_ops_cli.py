@@ -1014,6 +1014,24 @@ def test_callbacks_list_shows_the_inbox_newest_first_and_filters_it(cli: Cli, op
     }
 
 
+def test_a_callback_has_one_json_shape_in_ops_show_and_callbacks_list(cli: Cli, ops: Ops) -> None:
+    operation = ops.at(S.COMMITTED)
+    callback(ops, operation.id, "evt_same_1", "pending")
+    callback(ops, operation.id, "evt_same_2", "committed", "re_same")
+
+    shown = json.loads(cli.ok("ops", "show", operation.display_id, "--json"))["callbacks"]
+    listed = json.loads(cli.ok("callbacks", "list", "--json"))
+    mine = [entry for entry in listed if entry["operation_id"] == operation.display_id]
+
+    # ops show lists them in the order they came, the inbox newest first.
+    assert shown == list(reversed(mine))
+    assert [entry["event_id"] for entry in shown] == ["evt_same_1", "evt_same_2"]
+    assert shown[1]["provider_reference"] == "re_same"
+    assert shown[1]["named_operation_id"] == operation.display_id
+    assert shown[1]["payload_digest"] == "d" * 64
+    assert shown[1]["applied_at"] is None
+
+
 def test_a_reference_a_provider_chose_in_a_callback_is_shown_escaped(cli: Cli, ops: Ops) -> None:
     operation = ops.at(S.COMMITTED)
     callback(ops, operation.id, "evt_bidi", "committed", "re_\u202eevil")

@@ -4,6 +4,8 @@ None of the three imports the chaos harness, which the wheel leaves out."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,77 @@ def test_the_front_end_scan_sees_a_module_imported_from_its_package() -> None:
     # A front end's prefix is not a prefix of every name it starts with.
     assert not within("outbox.mcp_tools_extra", ("outbox.mcp_tools",))
     assert not within("outbox.clients", ("outbox.cli",))
+
+
+# The `outbox` command (outbox.cli) builds its parser from the operator's commands, so
+# those import only the leaves beside it, the flags and how a command runs: were an
+# operator module to import the package, which one loaded first would decide whether
+# the import worked (#47).
+CLI_LEAVES = ("outbox/cli/arguments.py", "outbox/cli/run.py")
+LEAF_MODULES = ("outbox.cli.arguments", "outbox.cli.run")
+
+
+def imports_of(relative: str) -> set[str]:
+    return imported_modules((REPOSITORY / relative).read_text(encoding="utf-8"))
+
+
+def test_no_operator_command_imports_the_outbox_command() -> None:
+    operator = sorted((REPOSITORY / "outbox" / "operator").rglob("*.py"))
+    assert len(operator) > 1
+    modules = [str(path.relative_to(REPOSITORY)) for path in operator]
+    found = [
+        f"{module} imports {name}"
+        for module in [*modules, "outbox/callbacks_cli.py"]
+        for name in sorted(imports_of(module))
+        if name == "outbox.cli"
+    ]
+    assert found == []
+
+
+def test_the_command_toolkit_imports_no_command_group() -> None:
+    found = [
+        f"{leaf} imports {name}"
+        for leaf in CLI_LEAVES
+        for name in sorted(imports_of(leaf))
+        if within(name, ("outbox.cli", "outbox.operator", "outbox.callbacks_cli"))
+        and not within(name, LEAF_MODULES)
+    ]
+    assert found == []
+
+
+def printed(source: str) -> str:
+    """What ``source`` prints in a fresh interpreter, where nothing is imported yet."""
+    done = subprocess.run(
+        [sys.executable, "-c", source], capture_output=True, text=True, cwd=REPOSITORY, check=False
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    return done.stdout
+
+
+def test_the_command_toolkit_loads_without_the_operator_commands() -> None:
+    source = (
+        "import sys\n"
+        "import outbox.cli.arguments, outbox.cli.run\n"
+        "print(sorted(m for m in sys.modules if m.startswith('outbox.operator')))\n"
+    )
+    assert printed(source) == "[]\n"
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "outbox.operator.commands",
+        "outbox.operator.dlq_commands",
+        "outbox.operator.callbacks_commands",
+        "outbox.callbacks_cli",
+        "outbox.cli",
+    ],
+)
+def test_the_outbox_command_builds_whichever_module_loads_first(first: str) -> None:
+    source = (
+        f"import {first}\n"
+        "from outbox.cli import build_parser\n"
+        "actions = build_parser()._subparsers._group_actions[0].choices\n"
+        "print(' '.join(name for name in ('ops', 'dlq', 'callbacks') if name in actions))\n"
+    )
+    assert printed(source) == "ops dlq callbacks\n"
