@@ -798,6 +798,12 @@ CREATE TRIGGER outbox_guard_update
 -- them (before version 6 it passed them, and so could dress its words as the
 -- runtime's). PL/pgSQL keeps the statement's plan for the session, where a SQL function
 -- with a SET clause is planned again on every call.
+--
+-- Version 11: it waits at most 5 s for a lock (another session's LOCK TABLE, a
+-- transaction holding the same decision key), whatever the caller's own lock_timeout:
+-- an agent's decision that cannot be written says so (LockNotAvailable, which
+-- record_decision raises as DecisionBlocked) instead of hanging its tool call for as
+-- long as the lock is held. Nothing was written; the same decision key retries it.
 DROP FUNCTION IF EXISTS outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
     text, boolean, jsonb, jsonb);
 CREATE OR REPLACE FUNCTION outbox_record_decision(
@@ -805,7 +811,9 @@ CREATE OR REPLACE FUNCTION outbox_record_decision(
     p_tool_version integer, p_side_effect text, p_input jsonb,
     p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb
 ) RETURNS SETOF operations
-LANGUAGE plpgsql SECURITY DEFINER AS $$
+LANGUAGE plpgsql SECURITY DEFINER
+SET lock_timeout = '5s'
+AS $$
 BEGIN
     RETURN QUERY
     WITH operation AS (

@@ -7,16 +7,18 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
+import psycopg.errors
 from pydantic import BaseModel
 
 from outbox import store, tracing
 from outbox.contracts import Registry
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, DatabaseError, DecisionBlocked
 from outbox.intent import prepare_decision
 from outbox.models import Approval, ApprovalCheck, ApprovalDecision, RecordedDecision
 from outbox.store import AsyncConnection, AsyncStore, Store, SyncConnection
@@ -78,7 +80,10 @@ def record_decision(
         tool_version=tool_version,
         traceparent=_traceparent_or_current(traceparent),
     )
-    return Store(connection, own_transaction=own_transaction).run(store.record_decision(decision))
+    with _blocked_said():
+        return Store(connection, own_transaction=own_transaction).run(
+            store.record_decision(decision)
+        )
 
 
 async def record_decision_async(
@@ -105,7 +110,23 @@ async def record_decision_async(
         traceparent=_traceparent_or_current(traceparent),
     )
     runner = await AsyncStore.on(connection, own_transaction=own_transaction)
-    return await runner.run(store.record_decision(decision))
+    with _blocked_said():
+        return await runner.run(store.record_decision(decision))
+
+
+@contextlib.contextmanager
+def _blocked_said() -> Iterator[None]:
+    """A decision that waited out outbox_record_decision's lock_timeout (5 s) raises
+    :class:`DecisionBlocked`, saying what the agent can do about it."""
+    try:
+        yield
+    except DatabaseError as error:
+        if not isinstance(error.driver_error, psycopg.errors.LockNotAvailable):
+            raise
+        raise DecisionBlocked(
+            "the decision waited 5 s for a lock another session holds and was not "
+            "recorded; nothing was written: retry it with the same decision key"
+        ) from error
 
 
 def grant_approval(

@@ -105,6 +105,12 @@ class TransientDatabaseError(DatabaseError):
     """The database failed in a way that a new transaction may not: retry the transaction."""
 
 
+class DecisionBlocked(TransientDatabaseError):
+    """A decision waited its 5 s for a lock another session holds (a LOCK TABLE, a
+    transaction holding the same decision key) and was not recorded: nothing was
+    written. Retry it, with the same decision key, once that session ends."""
+
+
 class ReadOnlyDatabase(TransientDatabaseError):
     """The server took no write: it is a standby, or a primary demoted by a failover.
     The connection must be dropped, so that the next one finds the writable host (a URL

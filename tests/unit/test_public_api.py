@@ -23,6 +23,7 @@ PUBLIC = {
     "ConfigurationError": "class",
     "ContractRefused": "class",
     "DatabaseError": "class",
+    "DecisionBlocked": "class",
     "DecisionConflict": "class",
     "DefinitiveRejection": "class",
     "EffectResult": "class",

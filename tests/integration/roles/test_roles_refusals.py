@@ -15,13 +15,13 @@ from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 
 from consumer.worker import Consumer
-from outbox import Operation, Registry, Settings, record_decision
+from outbox import DecisionBlocked, Operation, Registry, Settings, record_decision
 from outbox import schema as outbox_schema
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
 from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.errors import DatabaseError
-from outbox.models import ApprovalDecision, CallbackOutcome
+from outbox.models import ApprovalDecision, CallbackOutcome, RecordedDecision
 from outbox.store.runner import Store
 
 from support.db_helpers import execute_admin
@@ -349,6 +349,43 @@ def recorded_by(login_url: str, registry: Registry) -> Operation:
         return record_decision(
             connection, registry, "send_refund", {"payment_id": "p", "amount_cents": 1}, run_id="r"
         ).operation
+
+
+def test_a_decision_behind_another_sessions_lock_says_so_and_its_retry_records_it_once(
+    login: Login, roles_database: str, registry: Registry
+) -> None:
+    # Before version 11 the agent's write waited as long as the lock was held (a 60 s
+    # LOCK TABLE held its tool call 60 s); the session's own 20 s bound here would have
+    # ended it as an unexplained cancel instead.
+    agent = login(AGENT)
+
+    def decide(connection: psycopg.Connection[Any]) -> RecordedDecision:
+        return record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": "p_blocked", "amount_cents": 1},
+            run_id="r",
+            decision_key="k_blocked",
+        )
+
+    with psycopg.connect(roles_database) as analyst:
+        analyst.execute("LOCK TABLE operations IN SHARE ROW EXCLUSIVE MODE")
+        with (
+            psycopg.connect(agent, options="-c statement_timeout=20000") as connection,
+            pytest.raises(DecisionBlocked, match="retry it with the same decision key"),
+        ):
+            decide(connection)
+    assert execute_admin(
+        roles_database, "SELECT count(*) FROM operations WHERE decision_key = 'k_blocked'"
+    ) == [(0,)]
+
+    with psycopg.connect(agent) as connection:
+        first = decide(connection)
+    with psycopg.connect(agent) as connection:
+        again = decide(connection)
+    assert (first.created, again.created) == (True, False)
+    assert again.operation.id == first.operation.id
 
 
 def test_the_agent_reports_on_its_own_operation_and_the_reconciler_chains_it(
