@@ -1,6 +1,6 @@
 """``outbox callbacks list``: the provider callbacks inbox, for an operator.
 
-``outbox callbacks`` is registered by :mod:`outbox.callbacks_cli`, which keeps ``serve``
+``outbox callbacks`` is registered by :mod:`outbox.callbacks.cli`, which keeps ``serve``
 beside the web stack and adds this action from here; each callback reads as it does
 under ``ops show`` (:func:`outbox.operator.render.callback_json`,
 :func:`outbox.operator.render.callbacks_table`).

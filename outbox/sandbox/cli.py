@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from outbox.callbacks.verify import SECRETS_ENV, SECRETS_FILE_ENV, secrets_from_environment
 from outbox.errors import ConfigurationError
 from outbox.logs import configure_logging, log_fields
 from outbox.sandbox.provider import (
@@ -29,7 +30,6 @@ from outbox.sandbox.provider import (
 )
 from outbox.sandbox.webhooks import EMAIL, PAYMENTS, WebhookTarget
 from outbox.settings import Settings, load_settings
-from outbox.webhooks import SECRETS_ENV, SECRETS_FILE_ENV, secrets_from_environment
 
 logger = logging.getLogger(__name__)
 

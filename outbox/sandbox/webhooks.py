@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from outbox.callback_policy import CallbackProvider, CallbackReport, CallbackStatus, Scheme
-from outbox.webhooks import sign_standard_webhooks, sign_stripe
+from outbox.callbacks.verify import sign_standard_webhooks, sign_stripe
 
 if TYPE_CHECKING:
     from outbox.sandbox.provider import Faults

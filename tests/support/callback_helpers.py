@@ -27,10 +27,10 @@ from outbox.callback_policy import (
     Scheme,
 )
 from outbox.callbacks import CallbackReceiver
-from outbox.callbacks_server import CallbackService, create_app, refused_at_the_door
+from outbox.callbacks.server import CallbackService, create_app, refused_at_the_door
+from outbox.callbacks.verify import sign_standard_webhooks, sign_stripe
 from outbox.serving import Limits
 from outbox.serving.server import AppServer
-from outbox.webhooks import sign_standard_webhooks, sign_stripe
 
 from support.sample_tools import Ledger, refund_contract, ticket_contract
 

@@ -60,8 +60,8 @@ def test_the_import_scan_sees_every_import_form() -> None:
 # the sandbox. pgqueuer's import-linter contracts draw the same line.
 FRONT_ENDS = (
     "outbox.__main__",
-    "outbox.callbacks_cli",
-    "outbox.callbacks_server",
+    "outbox.callbacks.cli",
+    "outbox.callbacks.server",
     "outbox.cli",
     "outbox.console",
     "outbox.integrations",
@@ -142,7 +142,7 @@ def test_no_operator_command_imports_the_outbox_command() -> None:
     modules = [str(path.relative_to(REPOSITORY)) for path in operator]
     found = [
         f"{module} imports {name}"
-        for module in [*modules, "outbox/callbacks_cli.py"]
+        for module in [*modules, "outbox/callbacks/cli.py"]
         for name in sorted(imports_of(module))
         if name == "outbox.cli"
     ]
@@ -154,7 +154,7 @@ def test_the_command_toolkit_imports_no_command_group() -> None:
         f"{leaf} imports {name}"
         for leaf in CLI_LEAVES
         for name in sorted(imports_of(leaf))
-        if within(name, ("outbox.cli", "outbox.operator", "outbox.callbacks_cli"))
+        if within(name, ("outbox.cli", "outbox.operator", "outbox.callbacks.cli"))
         and not within(name, LEAF_MODULES)
     ]
     assert found == []
@@ -184,7 +184,7 @@ def test_the_command_toolkit_loads_without_the_operator_commands() -> None:
         "outbox.operator.commands",
         "outbox.operator.dlq_commands",
         "outbox.operator.callbacks_commands",
-        "outbox.callbacks_cli",
+        "outbox.callbacks.cli",
         "outbox.cli",
     ],
 )

@@ -20,7 +20,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from consumer.telemetry import prime_metrics
-from outbox.callbacks_server import prime_callback_metrics
+from outbox.callbacks.server import prime_callback_metrics
 from outbox.metrics import CallbackMetrics, ConsumerMetrics, DispatcherMetrics
 
 from support.prometheus import PROMETHEUS, promtool_version, run_promtool

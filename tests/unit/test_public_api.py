@@ -1,6 +1,7 @@
 """The public API, pinned before the house moves (#27): ``outbox.__all__`` with each
 function's signature, and ``outbox.store.__all__``, the named operations every
-component calls. A change here is deliberate: update the pin in the same commit and say
+component calls, and ``outbox.callbacks.__all__``, what a web app receiving callbacks
+imports. A change here is deliberate: update the pin in the same commit and say
 why (temporalio's tests/test_client_exports.py keeps the same watch)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import inspect
 from typing import Any
 
 import outbox
+import outbox.callbacks
 import outbox.store
 
 PUBLIC = {
@@ -212,6 +214,22 @@ STORE = [
 ]
 
 
+# What a web app of the user's imports to receive callbacks itself (docs/callbacks.md):
+# outbox.callbacks, a package since #47 (verify, inbox, server, cli).
+CALLBACKS = {
+    "DEFAULT_MAX_BODY": "int",
+    "REFUSED_STATUS": "dict",
+    "CallbackReceiver": "class",
+    "Endpoint": "class",
+    "Received": "class",
+    "digest": "(body: 'bytes') -> 'str'",
+    "record_callback": "(connection: 'SyncConnection', receiver: 'CallbackReceiver', "
+    "provider: 'str', body: 'bytes', headers: 'Mapping[str, str]') -> 'Received'",
+    "record_callback_async": "(connection: 'AsyncConnection', receiver: 'CallbackReceiver', "
+    "provider: 'str', body: 'bytes', headers: 'Mapping[str, str]') -> 'Received'",
+}
+
+
 def shape(obj: Any) -> str:
     if inspect.isclass(obj):
         return "class"
@@ -222,6 +240,11 @@ def shape(obj: Any) -> str:
 
 def test_the_public_names_and_signatures_are_pinned() -> None:
     assert {name: shape(getattr(outbox, name)) for name in outbox.__all__} == PUBLIC
+
+
+def test_the_callbacks_entry_points_are_pinned() -> None:
+    exported = outbox.callbacks.__all__
+    assert {name: shape(getattr(outbox.callbacks, name)) for name in exported} == CALLBACKS
 
 
 def test_the_store_operations_are_pinned() -> None:

@@ -1,7 +1,7 @@
 """The payment sandbox's webhooks: after each committed refund (Stripe-signed) and each
 accepted email (Standard Webhooks), a signed callback to the configured receiver, with
 faults to inject: duplicate, delay, reorder, drop, forged signature, stale timestamp.
-Received here by a plain HTTP server and checked with outbox.webhooks's verifiers and
+Received here by a plain HTTP server and checked with outbox.callbacks.verify's verifiers and
 the sandbox providers' own readers, as `outbox callbacks serve` would."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from outbox.callback_policy import CallbackReport, CallbackStatus
+from outbox.callbacks.verify import StandardWebhooksVerifier, StripeVerifier
 from outbox.errors import CallbackRefused
 from outbox.sandbox import cli
 from outbox.sandbox.provider import SandboxProvider
 from outbox.sandbox.webhooks import EMAIL, PAYMENTS, WebhookTarget
-from outbox.webhooks import StandardWebhooksVerifier, StripeVerifier
 
 from support.logs import rendered
 from support.waiting import eventually_sync

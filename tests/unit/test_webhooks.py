@@ -1,4 +1,4 @@
-"""outbox/webhooks.py: verifying a provider's signed callbacks, and where the secrets come
+"""outbox/callbacks/verify.py: verifying a provider's signed callbacks, and where the secrets come
 from. Standard Webhooks is checked against the `standardwebhooks` package's own signing,
 the Stripe-style scheme against the `stripe` package's signing and verifying, both ways."""
 
@@ -15,8 +15,7 @@ import standardwebhooks
 import stripe
 
 from outbox.callback_policy import Scheme
-from outbox.errors import CallbackRefused, ConfigurationError
-from outbox.webhooks import (
+from outbox.callbacks.verify import (
     MAX_TOLERANCE_SECONDS,
     SECRETS_ENV,
     SECRETS_FILE_ENV,
@@ -27,6 +26,7 @@ from outbox.webhooks import (
     sign_stripe,
     verifier_for,
 )
+from outbox.errors import CallbackRefused, ConfigurationError
 
 OLD = "whsec_" + base64.b64encode(b"o" * 32).decode()
 NEW = "whsec_" + base64.b64encode(b"n" * 32).decode()

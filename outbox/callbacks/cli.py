@@ -20,7 +20,7 @@ def register(commands: Any) -> None:
         "consumer's reconciler applies them, `list` shows the inbox.",
     )
     actions = parser.add_subparsers(dest="callbacks_command", required=True, metavar="ACTION")
-    from outbox.callbacks_server import add_serve_command
+    from outbox.callbacks.server import add_serve_command
 
     add_serve_command(actions)
     configure_callbacks_list(actions)

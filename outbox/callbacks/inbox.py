@@ -37,10 +37,7 @@ from outbox.bounds import (
     load,
 )
 from outbox.callback_policy import CallbackProvider, CallbackReport
-from outbox.contracts import Registry
-from outbox.errors import CallbackRefused, ConfigurationError
-from outbox.store import AsyncConnection, AsyncStore, CallbackReceipt, Store, SyncConnection
-from outbox.webhooks import (
+from outbox.callbacks.verify import (
     MAX_TOLERANCE_SECONDS,
     SECRETS_ENV,
     SECRETS_FILE_ENV,
@@ -48,6 +45,9 @@ from outbox.webhooks import (
     secrets_from_environment,
     verifier_for,
 )
+from outbox.contracts import Registry
+from outbox.errors import CallbackRefused, ConfigurationError
+from outbox.store import AsyncConnection, AsyncStore, CallbackReceipt, Store, SyncConnection
 
 # A provider's event is a few KiB; Stripe's largest are tens. The limit is what one
 # request can make this process buffer before its signature is checked.

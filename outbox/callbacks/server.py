@@ -26,6 +26,7 @@ import psycopg.errors
 from outbox import schema
 from outbox.callback_policy import CallbackStatus
 from outbox.callbacks import REFUSED_STATUS, CallbackReceiver, Received, record_callback_async
+from outbox.callbacks.verify import REFUSED_REASONS, SECRETS_ENV, SECRETS_FILE_ENV
 from outbox.cli import add_setting_flags, add_tools_flag
 from outbox.connections import DatabaseBounds, SessionPool
 from outbox.contracts import Registry
@@ -37,7 +38,6 @@ from outbox.metrics import CallbackMetrics, prime
 from outbox.models import display_operation_id
 from outbox.serving import SERVING_SETTINGS, Limits, add_bind_flags, check_port, needs_extra
 from outbox.settings import Settings, redact_url
-from outbox.webhooks import REFUSED_REASONS, SECRETS_ENV, SECRETS_FILE_ENV
 
 logger = logging.getLogger("outbox.callbacks")
 
