@@ -81,7 +81,9 @@ DEFAULT_POLL_INTERVAL = 1.0
 # --- what callers pass ----------------------------------------------------------------
 
 
-def operation_id_of(operation: UUID | RecordedDecision | Operation | Outcome) -> UUID:
+def awaited_id(operation: UUID | RecordedDecision | Operation | Outcome) -> UUID:
+    """The id of what an agent waits on, whichever of its handles it passed (not a name
+    a person typed: that is :func:`outbox.operator.views.operation_id_of`)."""
     if isinstance(operation, UUID):
         return operation
     if isinstance(operation, RecordedDecision):
@@ -286,7 +288,7 @@ class OutcomeWatcher:
         outcome when ``timeout`` passes. Raises :class:`OperationNotFound` for an id no
         session can see, and :class:`TransientDatabaseError` only when no read at all
         succeeded before the timeout."""
-        operation_id = operation_id_of(operation)
+        operation_id = awaited_id(operation)
         target = statuses_until(until)
         seconds = _seconds(timeout)
         if self._closed_by_caller:
@@ -523,7 +525,7 @@ def await_outcome_sync(
     length of the call (LISTEN, then read; re-read on a notification or every
     ``poll_interval``)."""
     _refuse_connection(source)
-    operation_id = operation_id_of(operation)
+    operation_id = awaited_id(operation)
     target = statuses_until(until)
     seconds = _seconds(timeout)
     deadline = None if seconds is None else time.monotonic() + seconds
