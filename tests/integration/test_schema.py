@@ -268,4 +268,4 @@ def test_a_version_9_database_pinned_to_its_schema_is_told_to_migrate_and_migrat
     assert execute_admin(
         database_url,
         "SELECT proconfig FROM pg_proc WHERE proname = 'outbox_record_decision'",
-    ) == [(["search_path=pg_catalog, pg_temp"],)]
+    ) == [(["lock_timeout=5s", "search_path=pg_catalog, pg_temp"],)]
