@@ -15,6 +15,7 @@ import psycopg
 from consumer.policy import Transition
 from consumer.telemetry import log
 from outbox import lifecycle, schema, store
+from outbox.bounds import bind as bind_json_bounds
 from outbox.bounds import unreadable_reason
 from outbox.connections import DatabaseBounds, SessionPool
 from outbox.daemon import is_transient_database_error
@@ -96,6 +97,7 @@ class Database:
             application_name=APPLICATION_NAME,
             **self.bounds.libpq_parameters(),
         )
+        bind_json_bounds(connection)
         if self.tracker is not None:
             self.tracker.observe(connection)
         return connection

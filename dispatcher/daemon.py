@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from dispatcher.publisher import PUBLISH_FAILURE_REASONS, Publisher, PublishOutcome
-from outbox import store
+from outbox import bounds, store
 from outbox.backoff import exponential_delay
 from outbox.broker import BrokerUnavailable, Topology
 from outbox.connections import SLOW_VERDICTS, DatabaseBounds, LivenessProbe, deadline
@@ -485,5 +485,6 @@ class Dispatcher(Daemon):
             application_name=APPLICATION_NAME,
             **self.database_bounds.libpq_parameters(),
         )
+        bounds.bind(connection)
         self._server.observe(connection)
         return connection

@@ -237,7 +237,8 @@ class _PsycopgExecutor(_ConnectionFacts):
 
     def fetch(self, step: Step) -> list[Row]:
         with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
-            bounds.bind(cursor)
+            if not bounds.bound(self._connection):
+                bounds.bind(cursor)
             cursor.execute(QUERIES[step.query].sql, step.params)
             return cursor.fetchall() if _has_rows(cursor) else []
 
@@ -279,7 +280,8 @@ class _PsycopgAsyncExecutor(_ConnectionFacts):
 
     async def fetch(self, step: Step) -> list[Row]:
         async with self._connection.cursor(row_factory=psycopg.rows.dict_row) as cursor:
-            bounds.bind(cursor)
+            if not bounds.bound(self._connection):
+                bounds.bind(cursor)
             await cursor.execute(QUERIES[step.query].sql, step.params)
             return await cursor.fetchall() if _has_rows(cursor) else []
 

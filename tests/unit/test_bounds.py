@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
+import psycopg
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from psycopg.adapt import AdaptersMap
+from psycopg.pq import Format
 
 from outbox import bounds
 from outbox.bounds import (
@@ -180,3 +184,20 @@ def test_no_bound_is_left_only_in_a_comment() -> None:
     code = "\n".join(line for line in SCHEMA.splitlines() if not line.lstrip().startswith("--"))
     for number in (MAX_STORED_INPUT_TEXT, MAX_ATTRIBUTES_TEXT, MAX_RESULT_TEXT):
         assert re.search(rf"\b{number}\b", code)
+
+
+def test_a_connection_bound_once_decodes_through_the_bounds_in_every_cursor() -> None:
+    # What a daemon does at connect, so that its statements skip the per-cursor binding.
+    connection = SimpleNamespace(adapters=AdaptersMap(psycopg.adapters), connection=None)
+    assert not bounds.bound(connection)
+    bounds.bind(connection)
+    cursor = SimpleNamespace(adapters=AdaptersMap(connection.adapters), connection=None)
+    assert bounds.bound(cursor)
+    jsonb = psycopg.postgres.types["jsonb"].oid
+    loader_class = cursor.adapters.get_loader(jsonb, Format.BINARY)
+    assert loader_class is not None
+    too_deep = b"\x01" + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1)
+    assert loader_class(jsonb, cursor).load(too_deep) == load(too_deep[1:])
+    assert unreadable_reason(loader_class(jsonb, cursor).load(too_deep)) is not None
+    # The driver's own map is left alone: other connections decode as before.
+    assert not bounds.bound(SimpleNamespace(adapters=psycopg.adapters, connection=None))
