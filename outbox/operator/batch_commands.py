@@ -20,6 +20,7 @@ from outbox.contracts import Registry
 from outbox.errors import ConfigurationError
 from outbox.models import display_operation_id
 from outbox.operator import batch
+from outbox.operator import input as person_input
 from outbox.operator.render import stamp
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
@@ -95,6 +96,8 @@ def resolve_many(
     """Exit 0 after a dry run or a batch with nothing refused; 1 when anything was
     refused, the batch stopped, or the confirmation was not given."""
     batch.batch_resolution(resolution)
+    # Judged before the dry run too: a listing must not end in a refusal at --yes.
+    person_input.evidence(args.evidence)
     where = EscalationFilter(**{name: getattr(args, name) for name in _FILTERS})
     with command_transaction(settings) as connection:
         connection.read_only = True

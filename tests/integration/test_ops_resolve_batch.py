@@ -224,10 +224,11 @@ def test_a_bad_batch_is_refused_as_a_usage_error_with_nothing_changed(
     if "--evidence" not in flags:
         flags += ["--evidence", "fault 4711"]
 
-    code, _, err = outbox(capsys, "ops", "resolve", *flags, "--by", "ana", "--yes")
+    for confirmed in (["--yes"], []):  # the dry run refuses it too
+        code, _, err = outbox(capsys, "ops", "resolve", *flags, "--by", "ana", *confirmed)
 
-    assert code == 2
-    assert says in err
+        assert code == 2
+        assert says in err
     assert states(ops, waiting) == [S.ESCALATED]
 
 
