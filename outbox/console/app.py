@@ -347,7 +347,7 @@ async def read_form(request: Request) -> FormData:
 
 def create_app(console: Console) -> Starlette:
     # Imported here: the views import this module for render/page/action.
-    from outbox.console import actions, auth_views, pages
+    from outbox.console import actions, auth_views, batch, pages
 
     routes = [
         Route("/", pages.overview, methods=["GET"]),
@@ -356,6 +356,8 @@ def create_app(console: Console) -> Starlette:
         Route("/operations/{operation_id}/resolve", actions.resolve, methods=["POST"]),
         Route("/operations/{operation_id}/approval", actions.decide, methods=["POST"]),
         Route("/escalations", pages.escalations, methods=["GET"]),
+        Route("/escalations/batch", batch.preview, methods=["GET"]),
+        Route("/escalations/batch", batch.resolve, methods=["POST"]),
         Route("/approvals", pages.approvals, methods=["GET"]),
         Route("/dead-letters", pages.dead_letters, methods=["GET"]),
         Route("/dead-letters/requeue", actions.requeue, methods=["POST"]),

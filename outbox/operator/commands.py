@@ -37,6 +37,7 @@ from outbox.errors import ConfigurationError, OperationNotFound
 from outbox.loading import registry_from
 from outbox.models import ApprovalDecision, display_operation_id
 from outbox.operator import one_operation, render, render_providers, rules, timeline, views
+from outbox.operator.batch_commands import add_batch_flags, is_batch, resolve_many
 from outbox.operator.input import DEFAULT_APPROVAL_TTL, MAX_TYPED_REFERENCE
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
@@ -157,6 +158,8 @@ def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
     person = _person(args.by)
     # Only a retry asks the contract (its dedupe window); the other two never load tools.
     registry = _registry(settings) if resolution is Resolution.NOT_COMMITTED else None
+    if is_batch(args):
+        return resolve_many(args, settings, resolution, person, registry)
     with command_transaction(settings) as connection:
         runner = Store(connection)
         resolved = rules.resolve(
@@ -443,7 +446,7 @@ def _configure_resolve(ops: Commands) -> None:
         ops,
         "resolve",
         cmd_ops_resolve,
-        "settle an escalated operation, with your name and evidence",
+        "settle an escalated operation (or many, by filter), with your name and evidence",
         "Settle an escalated operation after finding out what happened: --committed (the "
         "effect happened: give the provider's reference), --not-committed (it provably did "
         "not: one more attempt is queued, under the same idempotency key) or --rejected "
@@ -451,7 +454,7 @@ def _configure_resolve(ops: Commands) -> None:
         "as an operation.resolved event with your name, decision and evidence; the "
         "evidence (1 to 500 characters) is stored there, never logged.",
     )
-    resolve.add_argument("operation_id", metavar="OP_ID", help=OP_ID_HELP)
+    resolve.add_argument("operation_id", metavar="OP_ID", nargs="?", help=OP_ID_HELP)
     decision = resolve.add_mutually_exclusive_group(required=True)
     for resolution in Resolution:
         decision.add_argument(
@@ -478,6 +481,7 @@ def _configure_resolve(ops: Commands) -> None:
     )
     # A retry of a deduplicated write asks its contract whether the window still holds.
     add_tools_flag(resolve)
+    add_batch_flags(resolve)
 
 
 def configure_approvals(commands: Commands) -> None:

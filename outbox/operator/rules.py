@@ -158,12 +158,15 @@ def resolve(
     provider_reference: str | None,
     force: bool,
     registry: Registry | None,
+    batch_id: UUID | None = None,
 ) -> Resolved:
     """Settle an escalated operation (an unknown outcome only with ``force``) as the
     person found it, with their name and evidence in its ``operation.resolved`` event.
 
     ``evidence`` and ``provider_reference`` are what the person typed, judged here by
-    :mod:`outbox.operator.input` before anything is read."""
+    :mod:`outbox.operator.input` before anything is read. ``batch_id`` names the batch
+    (:mod:`outbox.operator.batch`) this resolution is one of: the same rules, one more
+    attribute on the event."""
     kept = person_input.evidence(evidence)
     reference = person_input.provider_reference(
         provider_reference, committed=resolution is Resolution.COMMITTED
@@ -186,6 +189,7 @@ def resolve(
             resolved_by=by,
             evidence=kept,
             provider_reference=reference,
+            batch_id=batch_id,
         )
     )
     return Resolved(before=current, after=after)

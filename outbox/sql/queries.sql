@@ -916,6 +916,40 @@ WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
 ORDER BY updated_at DESC, id
 LIMIT %(limit)s
 
+-- name: escalations_matching
+-- Escalated operations whose latest escalation matches a filter (tool, reason, run, escalated-at range), oldest escalation first, at most `limit`: what `outbox ops resolve` over a filter and the console's batch preview select, each with its reason and time; beside them, how many match in all and the database's clock at the selection (one row even when none match). Never the input.
+WITH matching AS (
+    SELECT o.id, o.run_id, o.tool_name, o.tool_version, o.side_effect, o.input_fingerprint,
+           o.requires_approval, o.state, o.attempts, o.reconcile_attempts,
+           o.provider_reference, o.last_error_class, o.created_at, o.updated_at,
+           last.reason, last.created_at AS escalated_at
+    FROM operations o
+    CROSS JOIN LATERAL (
+        SELECT e.attributes->>'reason' AS reason, e.created_at
+        FROM operation_events e
+        WHERE e.operation_id = o.id AND e.name = 'operation.escalated'
+        ORDER BY e.id DESC
+        LIMIT 1
+    ) AS last
+    WHERE o.state = 'escalated'
+      AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s::text)
+      AND (%(run_id)s::text IS NULL OR o.run_id = %(run_id)s::text)
+      AND (%(reason)s::text IS NULL OR last.reason = %(reason)s::text)
+      AND (%(since)s::timestamptz IS NULL OR last.created_at >= %(since)s::timestamptz)
+      AND (%(until)s::timestamptz IS NULL OR last.created_at < %(until)s::timestamptz)
+      AND (%(since_ago)s::interval IS NULL
+           OR last.created_at >= clock_timestamp() - %(since_ago)s::interval)
+      AND (%(until_ago)s::interval IS NULL
+           OR last.created_at < clock_timestamp() - %(until_ago)s::interval)
+), chosen AS (
+    SELECT * FROM matching ORDER BY escalated_at, id LIMIT %(limit)s
+)
+SELECT clock_timestamp() AS selected_at, (SELECT count(*) FROM matching)::bigint AS matched,
+       c.*
+FROM (SELECT 1) AS one
+LEFT JOIN chosen c ON true
+ORDER BY c.escalated_at, c.id
+
 -- name: operation_ids_in_range
 -- Up to two operation ids between two bounds, lowest first: the operations a short id (a uuid prefix) names; two mean it is ambiguous.
 SELECT id

@@ -4,7 +4,7 @@ resolve one with evidence."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -126,6 +126,79 @@ def _last_reasons(
     return {row["operation_id"]: (row["reason"], row["created_at"]) for row in rows}
 
 
+@dataclass(frozen=True)
+class EscalationFilter:
+    """Which escalated operations a batch resolution selects: every given field must
+    match the operation's latest escalation. A time is an instant, or a duration back
+    from the database's clock (so a skewed operator machine cannot shift the window);
+    ``until`` is exclusive."""
+
+    tool: str | None = None
+    reason: str | None = None
+    run_id: str | None = None
+    since: datetime | timedelta | None = None
+    until: datetime | timedelta | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return all(value is None for value in astuple(self))
+
+
+@dataclass(frozen=True)
+class MatchedEscalation:
+    operation: OperationSummary
+    reason: str | None
+    escalated_at: datetime
+
+
+@dataclass(frozen=True)
+class EscalationSelection:
+    """At most ``limit`` matching escalations, oldest escalation first, and how many
+    matched in all when the database's clock read ``selected_at``."""
+
+    escalations: list[MatchedEscalation]
+    matched: int
+    selected_at: datetime
+
+
+def escalations_matching(where: EscalationFilter, *, limit: int) -> Plan[EscalationSelection]:
+    """The escalated operations ``where`` selects, each with its latest escalation's
+    reason and time, read from its newest escalation event alone."""
+
+    def instant(value: datetime | timedelta | None) -> datetime | None:
+        return value if isinstance(value, datetime) else None
+
+    def ago(value: datetime | timedelta | None) -> timedelta | None:
+        return value if isinstance(value, timedelta) else None
+
+    rows = yield Step(
+        "escalations_matching",
+        {
+            "tool": where.tool,
+            "reason": where.reason,
+            "run_id": where.run_id,
+            "since": instant(where.since),
+            "until": instant(where.until),
+            "since_ago": ago(where.since),
+            "until_ago": ago(where.until),
+            "limit": limit,
+        },
+    )
+    found = [
+        MatchedEscalation(
+            operation=OperationSummary.from_row(row),
+            reason=row["reason"],
+            escalated_at=row["escalated_at"],
+        )
+        for row in rows
+        if row["id"] is not None
+    ]
+    first = rows[0]
+    return EscalationSelection(
+        escalations=found, matched=int(first["matched"]), selected_at=first["selected_at"]
+    )
+
+
 def operations_with_prefix(hex_prefix: str) -> Plan[list[UUID]]:
     """At most two operation ids that start with ``hex_prefix`` (lowercase hex digits,
     no dashes): one when a short id names a single operation, two when it is ambiguous.
@@ -206,6 +279,7 @@ def resolve_operation(
     resolved_by: str,
     evidence: str,
     provider_reference: str | None = None,
+    batch_id: UUID | None = None,
 ) -> Plan[Operation]:
     """A person settles an operation: ``source -> target`` with an
     ``operation.resolved`` event carrying their name, their decision and their evidence.
@@ -214,7 +288,8 @@ def resolve_operation(
     it is stored whole in the event, and never logged. Evidence over
     ``RESOLUTION_EVIDENCE_LIMIT`` characters is refused, with nothing written. Moving to
     ``prepared`` queues a fresh outbox row available at once: the resolution authorizes
-    a retry.
+    a retry. ``batch_id`` names the batch resolution the operation was settled in (the
+    event carries it, so a batch can be found and read back).
     """
     if not resolved_by.strip():
         raise ValueError("resolved_by must name the person who resolved the operation")
@@ -241,6 +316,8 @@ def resolve_operation(
     }
     if provider_reference is not None:
         logged["provider_reference"] = provider_reference
+    if batch_id is not None:
+        logged["batch_id"] = str(batch_id)
     # Who and why are kept in the event, where they belong; a log line carries ids.
     stored = {**logged, "by": resolved_by, "evidence": evidence}
     retry = target is OperationState.PREPARED

@@ -81,6 +81,41 @@ def test_an_escalation_is_found_read_and_resolved(
     assert "operation.resolved" in browser.text("timeline")
 
 
+def test_many_escalations_from_one_fault_are_previewed_then_resolved_at_once(
+    browser: Browser, database_url: str, registry: Registry
+) -> None:
+    ops = Ops(database_url, registry)
+    fault = [ops.escalated_for("lookups_unavailable", run_id="run_fault_4711") for _ in range(3)]
+    other = ops.escalated_for("tampered", run_id="run_fault_4711")
+    browser.login()
+
+    browser.open("/escalations")
+    browser.driver.find_element(By.ID, "batch-run").send_keys("run_fault_4711")
+    browser.driver.find_element(By.ID, "batch-reason").send_keys("lookups_unavailable")
+    browser.driver.find_element(By.ID, "batch-preview").click()
+    browser.wait_for(lambda d: d.find_elements(By.ID, "batch-count"), "the preview")
+
+    assert browser.text("batch-count").startswith("3 escalated operation(s) match; 3 would be")
+    listed = browser.text("batch-operations")
+    assert all(op.display_id[:11] in listed for op in fault)
+    assert other.display_id[:11] not in listed
+    assert [ops.get(op.id).state for op in [*fault, other]] == [S.ESCALATED] * 4
+
+    browser.driver.find_element(By.ID, "batch-resolution-rejected").click()
+    browser.driver.find_element(By.ID, "batch-evidence").send_keys("provider incident 4711")
+    browser.driver.find_element(By.ID, "batch-submit").click()
+    browser.wait_for(lambda d: d.find_elements(By.ID, "batch-result"), "the batch's result")
+
+    assert browser.text("batch-result").startswith("3 of 3 resolved as rejected")
+    batch_id = browser.text("batch-id")
+    for op in fault:
+        assert ops.get(op.id).state is S.REJECTED
+        event = ops.events(op.id)[-1]
+        assert event.attributes["by"] == OPERATOR
+        assert event.attributes["batch_id"] == batch_id
+    assert ops.get(other.id).state is S.ESCALATED
+
+
 async def test_an_approval_granted_in_the_page_lets_the_consumer_execute(
     browser: Browser,
     settings: Settings,

@@ -107,6 +107,20 @@ class Ops:
         )
         return moved
 
+    def escalated_for(self, reason: str, **new: Any) -> Operation:
+        """A fresh operation attempted, its outcome unknown, then escalated for
+        ``reason`` (as a provider fault leaves many)."""
+        unknown = self.at(S.OUTCOME_UNKNOWN, **new)
+        moved: Operation = self.run(
+            outbox_store.transition(
+                unknown.id,
+                source=S.OUTCOME_UNKNOWN,
+                target=S.ESCALATED,
+                attributes={"reason": reason},
+            )
+        )
+        return moved
+
     def move(self, operation: Operation, target: OperationState) -> Operation:
         if target is S.IN_FLIGHT:
             claimed: Operation | None = self.run(

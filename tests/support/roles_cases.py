@@ -133,6 +133,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         # The reason and time of each escalated operation's latest escalation, and each
         # dead letter's operation's latest dead-lettering (`outbox dlq list`).
         "last_reasons",
+        # `ops resolve` over a filter and the console's batch preview select by it.
+        "escalations_matching",
         # `ops show op_74ca7733`: the short id the console prints.
         "operation_ids_in_range",
         "get_operation",

@@ -38,6 +38,7 @@ def state_changing_paths(op: Operation) -> list[str]:
     return [
         f"/operations/{op.display_id}/resolve",
         f"/operations/{op.display_id}/approval",
+        "/escalations/batch",
         "/dead-letters/requeue",
         "/logout",
     ]
@@ -47,12 +48,14 @@ def state_changing_paths(op: Operation) -> list[str]:
 
 
 PAGES = ["/", "/operations", "/escalations", "/approvals", "/dead-letters"]
+# Pages that need a filter in their query string to show anything.
+FILTERED = ["/escalations/batch?run_id=run"]
 
 
 def test_every_page_sends_a_stranger_to_the_login_page(browser: TestClient, ops: Ops) -> None:
     op = ops.at(S.ESCALATED)
 
-    for path in [*PAGES, f"/operations/{op.display_id}"]:
+    for path in [*PAGES, *FILTERED, f"/operations/{op.display_id}"]:
         answer = browser.get(path)
         assert answer.status_code == 303, path
         assert answer.headers["location"] == "/login"

@@ -499,6 +499,20 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
             ]
         ),
         run_command(["approvals", "grant", waiting.display_id, "--by", "lead@example.com"]),
+        # Over a filter: the dry run selects (escalations_matching), changes nothing.
+        run_command(
+            [
+                "ops",
+                "resolve",
+                "--run",
+                stuck.run_id,
+                "--rejected",
+                "--evidence",
+                "e",
+                "--by",
+                "ana",
+            ]
+        ),
         run_command(["callbacks", "list", "--unmatched"]),
     ]
     rows = run(operator, outbox_store.outbox_rows(waiting.id))
