@@ -90,5 +90,5 @@ def test_a_consumer_reads_the_default_queue_or_a_named_group() -> None:
     )
     default = Settings(tool_queues=groups, consume_queue="outbox.operations")
     assert Topology.from_settings(default).consumed == "outbox.operations"
-    with pytest.raises(ConfigurationError, match="OUTBOX_CONSUME_QUEUE 'q.mail' is neither"):
+    with pytest.raises(ConfigurationError, match=r"OUTBOX_CONSUME_QUEUE 'q\.mail' is neither"):
         load_settings(tool_queues=groups, consume_queue="q.mail")
