@@ -32,6 +32,7 @@ MAX_PROCESSES = 64
 SETTINGS = (
     "database_url",
     *settings_in("broker"),
+    "consume_queue",
     "amqp_heartbeat",
     "prefetch",
     "lease_margin",

@@ -172,7 +172,7 @@ class Consumer(Daemon):
             async with self.serving(
                 self.metrics.registry,
                 tools=self.registry.describe(),
-                queue=self._topology.queue,
+                queue=self._topology.consumed,
                 database=redact_url(self.settings.libpq_url),
                 **self.database.bounds.fields(),
             ):

@@ -30,7 +30,7 @@ from outbox.broker import BrokerUnavailable, Topology
 from outbox.connections import SLOW_VERDICTS, DatabaseBounds, LivenessProbe, deadline
 from outbox.daemon import PEERS, Daemon, is_transient
 from outbox.errors import OutboxError, TransientDatabaseError
-from outbox.metrics import QUEUES, DispatcherMetrics, prime
+from outbox.metrics import DispatcherMetrics, prime
 from outbox.pacing import AIMDLimit
 from outbox.settings import Settings, redact_url
 from outbox.store import AsyncStore, FailedPublish
@@ -66,8 +66,8 @@ class Dispatcher(Daemon):
         self.metrics = metrics or DispatcherMetrics.create()
         prime(self.metrics.publish_failures, PUBLISH_FAILURE_REASONS)
         prime(self.metrics.reconnects, PEERS)
-        self._broker_session(False)
         self._topology = Topology.from_settings(settings)
+        self._broker_session(False)
         # A batch's transaction stays open while its confirms are awaited.
         self.database_bounds = DatabaseBounds.from_settings(
             settings, held_open_for=settings.publish_timeout
@@ -145,7 +145,7 @@ class Dispatcher(Daemon):
         """Whether a broker session is held; without one the queue depths are unknown."""
         self.metrics.broker_connected.set(1 if held else 0)
         if not held:
-            for queue in QUEUES:
+            for queue, _ in self._topology.depth_labels():
                 self.metrics.queue_messages.labels(queue).set(math.nan)
 
     async def _session(self) -> None:
@@ -366,7 +366,7 @@ class Dispatcher(Daemon):
             try:
                 depths = await publisher.queue_depths()
             except Exception as error:
-                depths = dict.fromkeys(QUEUES, math.nan)
+                depths = {queue: math.nan for queue, _ in self._topology.depth_labels()}
                 self.log(
                     logging.WARNING if is_transient(error) else logging.ERROR,
                     "queue_depths_failed",

@@ -34,7 +34,6 @@ from outbox.broker import (
     message_id,
 )
 from outbox.broker import connect as connect_to_broker
-from outbox.metrics import QUEUES
 from outbox.store import ClaimedRow
 
 logger = logging.getLogger(__name__)
@@ -175,7 +174,11 @@ def classify(error: BaseException) -> tuple[str, str]:
     if isinstance(error, aiormq.exceptions.PublishError):
         frame = error.frame
         reply = getattr(frame, "reply_text", "") or "returned"
-        return "unroutable", f"unroutable: broker returned the message ({reply})"
+        return "unroutable", (
+            f"unroutable: broker returned the message ({reply}); no queue is bound for its "
+            "routing key: run `outbox migrate --broker` with this deployment's OUTBOX_QUEUE "
+            "and OUTBOX_TOOL_QUEUES"
+        )
     if isinstance(error, aiormq.exceptions.DeliveryError):
         return "nacked", f"nacked: broker refused the message ({type(error.frame).__name__})"
     if isinstance(error, aiormq.exceptions.ChannelNotFoundEntity):
@@ -244,8 +247,8 @@ class Publisher:
                 logger.debug("broker connection did not close cleanly")
 
     async def queue_depths(self) -> dict[str, float]:
-        """Messages ready in the work queue and in the dead-letter queue (by the labels of
-        :data:`outbox.metrics.QUEUES`), from passive declares on a channel of their own:
+        """Messages ready in the work queue, the dead-letter queue and each tool queue
+        (by :meth:`Topology.depth_labels`), from passive declares on a channel of their own:
         a queue deleted meanwhile closes that channel, never the one that publishes. NaN
         for a queue the broker does not have."""
         connection = self._connection
@@ -253,10 +256,9 @@ class Publisher:
             # aio-pika opens no channel on a closed connection (a RuntimeError): this is
             # the lost session the next publish would find too.
             raise BrokerUnavailable("the broker connection is closed")
-        names = (self._topology.queue, self._topology.dead_letter_queue)
         depths: dict[str, float] = {}
         async with asyncio.timeout(SESSION_SETUP_SECONDS):
-            for queue, name in zip(QUEUES, names, strict=True):
+            for queue, name in self._topology.depth_labels():
                 if self._depth_channel is None or self._depth_channel.is_closed:
                     self._depth_channel = await connection.channel(publisher_confirms=False)
                 try:

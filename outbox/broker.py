@@ -29,6 +29,7 @@ from outbox.settings import (
     redact_amqp_urls,
     split_amqp_urls,
 )
+from outbox.tool_queues import binding_key
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -150,6 +151,11 @@ class Topology:
     dead_letter_exchange: str
     dead_letter_queue: str
     delivery_limit: int
+    tool_queues: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """``OUTBOX_TOOL_QUEUES``: each group's queue and its tools; empty, every tool is on
+    ``queue`` and the topology is the one exchange and queue it always was."""
+    consume_queue: str | None = None
+    """The queue a consumer reads (``OUTBOX_CONSUME_QUEUE``); None is ``queue``."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Topology:
@@ -159,6 +165,8 @@ class Topology:
             dead_letter_exchange=settings.dead_letter_exchange,
             dead_letter_queue=settings.dead_letter_queue,
             delivery_limit=settings.delivery_limit,
+            tool_queues=tuple(settings.tool_queue_groups.items()),
+            consume_queue=settings.consume_queue,
         )
 
     @property
@@ -173,31 +181,66 @@ class Topology:
             "x-overflow": "reject-publish",
         }
 
+    @property
+    def by_tool_exchange(self) -> str:
+        """With groups: where the exchange sends every message (one ``#`` binding), and
+        where each group's queue is bound by its tools' keys."""
+        return f"{self.exchange}.by-tool"
+
+    @property
+    def other_tools_exchange(self) -> str:
+        """With groups: the by-tool exchange's alternate exchange, a fanout to ``queue``,
+        which takes every message no group's binding matched."""
+        return f"{self.exchange}.other-tools"
+
+    @property
+    def consumed(self) -> str:
+        return self.consume_queue or self.queue
+
+    def depth_labels(self) -> list[tuple[str, str]]:
+        """(gauge label, queue name) for every queue the dispatcher reports the depth of:
+        the default and dead-letter queues by their roles (:data:`outbox.metrics.QUEUES`),
+        each group's queue by its name (operator configuration, never user input)."""
+        return [
+            ("operations", self.queue),
+            ("dead_letter", self.dead_letter_queue),
+            *((name, name) for name, _ in self.tool_queues),
+        ]
+
 
 @dataclass(frozen=True)
 class DeclaredTopology:
     exchange: AbstractExchange
     queue: AbstractQueue
+    """The queue a consumer of this topology reads (:attr:`Topology.consumed`)."""
     dead_letter_queue: AbstractQueue
 
 
-async def declare_topology(channel: AbstractChannel, topology: Topology) -> DeclaredTopology:
+async def declare_topology(
+    channel: AbstractChannel, topology: Topology, *, reroute: bool = False
+) -> DeclaredTopology:
     """Declare exchanges, queues and bindings; idempotent while the arguments match.
+
+    ``reroute`` (``outbox migrate --broker``) also removes the routes the settings no
+    longer name: a tool moved out of a group, groups given up. A daemon's own declare
+    only adds, so a reconnect never disturbs routing.
 
     A queue that exists with other arguments makes the broker close the channel with
     PRECONDITION_FAILED: a :class:`ConfigurationError` here, since no retry cures it.
     """
     try:
-        return await _declare(channel, topology)
+        return await _declare(channel, topology, reroute=reroute)
     except aiormq.exceptions.ChannelPreconditionFailed as mismatch:
         raise ConfigurationError(
             f"the broker refused the topology: {mismatch}. A queue or exchange already "
             "exists with other arguments; delete it or choose other names (OUTBOX_QUEUE, "
-            "OUTBOX_EXCHANGE, ...)"
+            "OUTBOX_EXCHANGE, OUTBOX_TOOL_QUEUES, ...)"
         ) from None
 
 
-async def _declare(channel: AbstractChannel, topology: Topology) -> DeclaredTopology:
+async def _declare(
+    channel: AbstractChannel, topology: Topology, *, reroute: bool
+) -> DeclaredTopology:
     exchange = await channel.declare_exchange(
         topology.exchange, aio_pika.ExchangeType.TOPIC, durable=True
     )
@@ -211,8 +254,68 @@ async def _declare(channel: AbstractChannel, topology: Topology) -> DeclaredTopo
     queue = await channel.declare_queue(
         topology.queue, durable=True, arguments=topology.queue_arguments
     )
-    await queue.bind(exchange, routing_key="#")
-    return DeclaredTopology(exchange=exchange, queue=queue, dead_letter_queue=dead_letter_queue)
+    if topology.tool_queues:
+        consumed = await _route_by_tool(channel, topology, exchange, queue, reroute=reroute)
+    else:
+        if reroute:
+            # Groups given up: their exchanges go first (a message then finds no route
+            # for a moment and is returned, kept pending and published again), so that
+            # no message ever reaches a group's queue and the default one both.
+            await channel.exchange_delete(topology.by_tool_exchange)
+        await queue.bind(exchange, routing_key="#")
+        if reroute:
+            await channel.exchange_delete(topology.other_tools_exchange)
+        consumed = queue
+    return DeclaredTopology(exchange=exchange, queue=consumed, dead_letter_queue=dead_letter_queue)
+
+
+async def _route_by_tool(
+    channel: AbstractChannel,
+    topology: Topology,
+    exchange: AbstractExchange,
+    queue: AbstractQueue,
+    *,
+    reroute: bool,
+) -> AbstractQueue:
+    """Each group's tools to its queue, every other tool to ``queue``, none to both.
+
+    A topic binding cannot say "every key but these", and the exchange cannot take an
+    alternate exchange without being declared again with other arguments (which RabbitMQ
+    refuses for an exchange that exists). So the exchange sends everything, by one ``#``
+    binding, to an internal by-tool exchange declared with an alternate exchange: a
+    message a group's binding matches goes to that group's queue only, and one no binding
+    matches goes to the alternate, a fanout to ``queue``. Nothing is left unroutable.
+    """
+    other_tools = await channel.declare_exchange(
+        topology.other_tools_exchange, aio_pika.ExchangeType.FANOUT, durable=True, internal=True
+    )
+    await queue.bind(other_tools, routing_key="")
+    group_queues = {
+        name: await channel.declare_queue(name, durable=True, arguments=topology.queue_arguments)
+        for name, _ in topology.tool_queues
+    }
+    # Before the by-tool route exists, or a grouped tool would reach both queues.
+    await queue.unbind(exchange, routing_key="#")
+    if reroute:
+        # Deleting the by-tool exchange takes every binding of a tool moved or dropped
+        # along with it: AMQP has no way to list bindings, and a stale one would send a
+        # tool to its old queue as well as its new. Until it is bound again below, a
+        # message finds no route, is returned to its publisher and stays pending.
+        await channel.exchange_delete(topology.by_tool_exchange)
+    by_tool = await channel.declare_exchange(
+        topology.by_tool_exchange,
+        aio_pika.ExchangeType.TOPIC,
+        durable=True,
+        internal=True,
+        arguments={"alternate-exchange": topology.other_tools_exchange},
+    )
+    for name, tools in topology.tool_queues:
+        for tool in tools:
+            await group_queues[name].bind(by_tool, routing_key=binding_key(tool))
+    await by_tool.bind(exchange, routing_key="#")
+    if topology.consume_queue is not None and topology.consume_queue in group_queues:
+        return group_queues[topology.consume_queue]
+    return queue
 
 
 async def require_topology(channel: AbstractChannel, topology: Topology) -> DeclaredTopology:
@@ -220,7 +323,8 @@ async def require_topology(channel: AbstractChannel, topology: Topology) -> Decl
 
     Declaring them here would turn a mistyped name into a new queue that nobody
     consumes (or that no dispatcher publishes to) while every daemon looks healthy.
-    Only existence is checked: a passive declare cannot compare arguments.
+    Only existence is checked: a passive declare cannot compare arguments, nor see
+    bindings.
     """
     exchange = await _existing(
         channel.get_exchange(topology.exchange, ensure=True),
@@ -237,7 +341,19 @@ async def require_topology(channel: AbstractChannel, topology: Topology) -> Decl
         channel.get_queue(topology.dead_letter_queue, ensure=True),
         f"queue {topology.dead_letter_queue!r} (OUTBOX_DEAD_LETTER_QUEUE)",
     )
-    return DeclaredTopology(exchange=exchange, queue=queue, dead_letter_queue=dead_letter_queue)
+    consumed = queue
+    if topology.tool_queues:
+        await _existing(
+            channel.get_exchange(topology.by_tool_exchange, ensure=True),
+            f"exchange {topology.by_tool_exchange!r} (routing by OUTBOX_TOOL_QUEUES)",
+        )
+        for name, _ in topology.tool_queues:
+            found = await _existing(
+                channel.get_queue(name, ensure=True), f"queue {name!r} (OUTBOX_TOOL_QUEUES)"
+            )
+            if name == topology.consume_queue:
+                consumed = found
+    return DeclaredTopology(exchange=exchange, queue=consumed, dead_letter_queue=dead_letter_queue)
 
 
 async def establish_topology(
@@ -258,8 +374,11 @@ async def delete_topology(amqp_url: str, topology: Topology) -> None:
         channel = await connection.channel()
         for kind, name in (
             ("queue", topology.queue),
+            *(("queue", group) for group, _ in topology.tool_queues),
             ("queue", topology.dead_letter_queue),
             ("exchange", topology.exchange),
+            ("exchange", topology.by_tool_exchange),
+            ("exchange", topology.other_tools_exchange),
             ("exchange", topology.dead_letter_exchange),
         ):
             try:
@@ -279,7 +398,8 @@ async def _existing(declare: Awaitable[T], what: str) -> T:
     except aiormq.exceptions.ChannelNotFoundEntity:
         raise TopologyMissing(
             f"the broker has no {what}: run `outbox migrate --broker` with the same "
-            "OUTBOX_EXCHANGE, OUTBOX_QUEUE and dead-letter settings as this daemon, check "
+            "OUTBOX_EXCHANGE, OUTBOX_QUEUE, OUTBOX_TOOL_QUEUES and dead-letter settings as "
+            "this daemon, check "
             "those settings for a typo, or pass --declare-topology (OUTBOX_DECLARE_TOPOLOGY="
             "true) to let the daemon declare them"
         ) from None

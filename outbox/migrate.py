@@ -175,9 +175,10 @@ class SchemaCreatorsRefused(ConfigurationError):
 
 async def declare_broker_topology(settings: Settings) -> Topology:
     """Declare the exchanges and queues both daemons require (unless they run with
-    --declare-topology)."""
+    --declare-topology), and route each group of ``OUTBOX_TOOL_QUEUES`` to its queue,
+    removing the routes the setting no longer names."""
     topology = Topology.from_settings(settings)
     connection = await connect_for_command(settings)
     async with connection:
-        await declare_topology(await connection.channel(), topology)
+        await declare_topology(await connection.channel(), topology, reroute=True)
     return topology

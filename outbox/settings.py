@@ -18,7 +18,6 @@ from pydantic import (
     Field,
     JsonValue,
     SecretStr,
-    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -26,6 +25,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from outbox.errors import ConfigurationError
+from outbox.tool_queues import parse_tool_queues, tool_queue_problems
 
 # The URL helpers live in outbox.urls; named here too, where every caller found them
 # before, so that an import of outbox.settings keeps working.
@@ -43,7 +43,7 @@ from outbox.urls import with_database as with_database
 
 # Every other OUTBOX_* variable, and who reads it.
 from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
-from outbox.variables import unknown_variable
+from outbox.variables import environment_value, unknown_variable
 
 ENV_PREFIX = "OUTBOX_"
 
@@ -124,6 +124,16 @@ class Settings(BaseSettings):
         default=5,
         ge=1,
         description="deliveries of one message before it is dead-lettered",
+    )
+    # A quorum queue per group of tools (checked by outbox.tool_queues.tool_queue_problems).
+    tool_queues: str = Field(
+        json_schema_extra=_in("broker"),
+        default="",
+        description="queues of their own for groups of tools: queue=tool,tool;queue=tool",
+    )
+    consume_queue: str | None = Field(
+        default=None,
+        description="the queue of OUTBOX_TOOL_QUEUES a consumer reads (unset: OUTBOX_QUEUE)",
     )
     amqp_heartbeat: int = Field(
         default=15, ge=1, description="AMQP heartbeat seconds: how fast a silent broker is noticed"
@@ -456,6 +466,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _possible_together(self) -> Settings:
         problems = [*self._bounds_past_the_lease(), *self._retry_waits()]
+        problems += tool_queue_problems(
+            self.tool_queues, self.queue, self.dead_letter_queue, self.consume_queue
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -495,6 +508,11 @@ class Settings(BaseSettings):
         return split_amqp_urls(self.amqp_url.get_secret_value())
 
     @property
+    def tool_queue_groups(self) -> dict[str, tuple[str, ...]]:
+        """``OUTBOX_TOOL_QUEUES`` parsed: queue name -> its tools (empty: none)."""
+        return parse_tool_queues(self.tool_queues)
+
+    @property
     def sqlalchemy_url(self) -> str:
         return sqlalchemy_url(self.database_url.get_secret_value())
 
@@ -510,7 +528,7 @@ class Settings(BaseSettings):
         them. Never log it.
         """
         return {
-            setting_variable(name): _environment_value(value)
+            setting_variable(name): environment_value(value)
             for name in type(self).model_fields
             if (value := getattr(self, name)) is not None
         }
@@ -553,25 +571,6 @@ def check_variables(environ: Mapping[str, str]) -> None:
     ]
     if problems:
         raise ConfigurationError("; ".join(problems))
-
-
-_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
-
-
-def _environment_value(value: object) -> str:
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, bool):  # before int: a bool is one
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # the shortest text that reads back as the same float
-    if isinstance(value, timedelta):
-        # ISO 8601 is exact to the microsecond; seconds as a float would not be.
-        return str(_TIMEDELTA.dump_python(value, mode="json"))
-    if isinstance(value, int | str):
-        return str(value)
-    # A new field of another type must say here how its variable is written.
-    raise TypeError(f"no environment form for a {type(value).__name__} setting")
 
 
 def load_settings(**overrides: object) -> Settings:

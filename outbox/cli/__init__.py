@@ -103,6 +103,10 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
             f"{topology.queue!r} (delivery limit {topology.delivery_limit}, dead letters to "
             f"{topology.dead_letter_exchange!r} -> {topology.dead_letter_queue!r})"
         )
+        for queue, tools in topology.tool_queues:
+            print(f"  tools {', '.join(tools)} -> quorum queue {queue!r} (its own leader)")
+        if topology.tool_queues:
+            print(f"  every other tool -> {topology.queue!r}")
     return 0
 
 

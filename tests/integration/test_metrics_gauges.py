@@ -17,6 +17,7 @@ from consumer.worker import Consumer
 from dispatcher.daemon import Dispatcher
 from outbox import OperationState, Registry, Settings
 from outbox import store as outbox_store
+from outbox.broker import Topology, delete_topology
 from outbox.states import EventName
 from outbox.store import Store
 
@@ -147,6 +148,28 @@ async def test_the_dispatcher_reports_the_depth_of_the_queue_and_of_the_dead_let
         connected = value(await scraped(dispatcher), "outbox_broker_connected")
 
     assert connected == 1.0
+
+
+async def test_the_dispatcher_reports_each_tool_queue_by_its_name(
+    settings: Settings, registry: Registry, database_url: str, amqp_server_url: str
+) -> None:
+    pay = f"{settings.queue}.pay"
+    grouped = settings.model_copy(update={"tool_queues": f"{pay}=send_refund"})
+    await asyncio.to_thread(record_many, database_url, registry, 3)
+    try:
+        async with running_dispatcher(grouped) as dispatcher:
+
+            async def depths() -> bool:
+                samples = await scraped(dispatcher)
+                return (
+                    value(samples, "outbox_queue_messages", queue=pay) == 3
+                    and value(samples, "outbox_queue_messages", queue="operations") == 0
+                )
+
+            # The refunds go to their group's queue, and its gauge counts them.
+            await eventually(depths, within=15, what=f"3 messages in {pay}, none elsewhere")
+    finally:
+        await delete_topology(amqp_server_url, Topology.from_settings(grouped))
 
 
 async def test_a_consumer_cut_off_from_the_broker_reports_what_waits_to_execute(

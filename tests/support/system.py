@@ -37,6 +37,7 @@ CONNECTION_SETTINGS = (
     "queue",
     "dead_letter_exchange",
     "dead_letter_queue",
+    "tool_queues",
 )
 # A daemon that does not stop within this after SIGTERM fails the test that waits.
 STOP_SECONDS = 30.0

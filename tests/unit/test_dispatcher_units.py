@@ -114,6 +114,9 @@ def test_an_unroutable_failure_names_the_broker_reply() -> None:
         aiormq.exceptions.PublishError(returned_message(), Basic.Return(reply_text="NO_ROUTE"))
     )
     assert "NO_ROUTE" in text
+    # What to run, for an operator who reads the outbox row's last_error.
+    assert "run `outbox migrate --broker`" in text
+    assert "OUTBOX_TOOL_QUEUES" in text
 
 
 def test_retry_delay_doubles_with_jitter_and_is_capped() -> None:

@@ -152,6 +152,7 @@ def test_the_groups_are_read_from_the_fields_in_declaration_order() -> None:
         "dead_letter_exchange",
         "dead_letter_queue",
         "delivery_limit",
+        "tool_queues",
     )
     assert set(settings_in("lease_bounded")) <= set(settings_in("database_bound"))
     assert set(settings_in("lease_bounded")) <= set(settings_in("duration"))
