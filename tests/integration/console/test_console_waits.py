@@ -7,8 +7,8 @@ person has it, since when, and what to check at the provider."""
 from __future__ import annotations
 
 import re
-from html import unescape
 from datetime import timedelta
+from html import unescape
 
 import aio_pika
 import pytest
@@ -16,7 +16,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import SecretStr
 from starlette.testclient import TestClient
 
-from outbox import Registry, Settings
+from outbox import Operation, Registry, Settings
 from outbox.broker import Topology, declare_topology
 from outbox.callback_policy import CallbackPolicy
 from outbox.console.app import Console
@@ -38,13 +38,13 @@ def text_of(html: str, element_id: str) -> str:
     return " ".join(unescape(re.sub(r"<[^>]+>", "", found.group(2))).split())
 
 
-def published(database_url: str, *operations: object) -> None:
+def published(database_url: str, *operations: Operation) -> None:
     """Their outbox rows published, as the dispatcher leaves them."""
     for operation in operations:
         execute_admin(
             database_url,
             "UPDATE outbox SET published_at = now() WHERE operation_id = %s",
-            (operation.id,),  # type: ignore[attr-defined]
+            (operation.id,),
         )
 
 
@@ -142,8 +142,8 @@ def test_a_prepared_operation_says_whether_it_waits_for_approval_or_a_consumer(
     published(database_url, ready, awaiting, backing_off)
     logged_in(browser)
 
-    def waiting(operation: object) -> str:
-        return text_of(browser.get(f"/operations/{operation.display_id}").text, "waiting")  # type: ignore[attr-defined]
+    def waiting(operation: Operation) -> str:
+        return text_of(browser.get(f"/operations/{operation.display_id}").text, "waiting")
 
     assert waiting(ready).startswith("Waiting for a consumer to claim it: it is due and published")
     assert waiting(awaiting) == (
