@@ -222,7 +222,8 @@ def cmd_load(args: argparse.Namespace, settings: Settings) -> int:
         flush=True,
     )
     report = run_async(record(url, registry, plan))
-    achieved = report.recorded / report.elapsed if report.elapsed > 0 else 0.0
+    # Over the schedule's span, not from the first to the last: n decisions span (n-1)/rate.
+    achieved = report.recorded / max(report.elapsed, plan.count / plan.rate)
     again = report.recorded - report.created
     print(
         f"recorded {report.recorded} decisions in {report.elapsed:.1f} s ({achieved:.1f}/s of "
