@@ -8,8 +8,9 @@ tool inputs; the consumer loads the operation from Postgres and trusts only that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -21,7 +22,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, 
 from pamqp.common import FieldTable
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from outbox.errors import ConfigurationError, TopologyMissing
+from outbox.errors import ConfigurationError, ServiceUnavailable, TopologyMissing
 from outbox.logs import log_fields
 from outbox.settings import (
     MAX_MESSAGE_OPERATIONS,
@@ -531,13 +532,36 @@ async def _connect_one(url: str, connection_name: str | None) -> AbstractConnect
         ) from cut
 
 
-async def connect_for_command(settings: Settings) -> AbstractConnection:
-    """A broker connection for a one-shot command; an unreachable broker is a clear
-    configuration error, with the passwords redacted."""
+class _Silenced(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _silenced(*names: str) -> Iterator[None]:
+    """No records from these loggers meanwhile: a command says what failed in its one
+    line, and aiormq's own "error when creating transport" would be a second."""
+    silenced = _Silenced()
+    loggers = [logging.getLogger(name) for name in names]
+    for each in loggers:
+        each.addFilter(silenced)
     try:
-        return await connect(broker_urls(settings.amqp_urls, settings.amqp_heartbeat))
+        yield
+    finally:
+        for each in loggers:
+            each.removeFilter(silenced)
+
+
+async def connect_for_command(settings: Settings) -> AbstractConnection:
+    """A broker connection for a one-shot command. An unreachable broker is a service
+    that is down, not a setting that is wrong (``outbox`` exits 1, as for any other
+    failure): one error naming every address, passwords redacted, and no log line
+    besides."""
+    try:
+        with _silenced("aiormq.connection", __name__):
+            return await connect(broker_urls(settings.amqp_urls, settings.amqp_heartbeat))
     except (OSError, aiormq.exceptions.AMQPConnectionError) as failure:
-        raise ConfigurationError(
+        raise ServiceUnavailable(
             f"cannot connect to {redact_amqp_urls(settings.amqp_url.get_secret_value())}: "
             f"{type(failure).__name__}. Is RabbitMQ running, and is OUTBOX_AMQP_URL right?"
         ) from None

@@ -251,6 +251,45 @@ def _evidence_answer(contract: ToolContract[Any]) -> str:
     )
 
 
+def provider_check(contract: ToolContract[Any]) -> str:
+    """What a person checks at the provider before resolving an operation of this tool,
+    from the same fields as the card's answers 3, 5 and 8: where the effect would be,
+    under which key, and what each finding lets them decide."""
+    provider = contract.provider_name
+    if contract.side_effect is SideEffect.READ_ONLY:
+        return (
+            f"nothing: a read changes nothing at {provider}, so resolving it prepared (try "
+            "again) or rejected cannot duplicate an effect."
+        )
+    key = (
+        f"Ask {provider} for the effect it made with this operation's id as its idempotency "
+        "key (execute sends it as ctx.idempotency_key)"
+    )
+    if contract.side_effect is SideEffect.DEDUPLICATED_WRITE and contract.dedupe_window:
+        key += (
+            f"; it keeps keys {_duration(contract.dedupe_window)}, so past that search for "
+            "the intent above instead"
+        )
+    elif contract.side_effect is SideEffect.NON_REPEATABLE_WRITE:
+        key += ", or, where it takes no key, for the intent above made after the first attempt"
+    lookups = (
+        " The reconciler's lookups asked the same; their answers are in the timeline."
+        if contract.reconcile is not None
+        else ""
+    )
+    callbacks = (
+        f" Verified callbacks from {contract.callbacks.provider.name} are listed below: "
+        "a success there is the provider's own word that the effect happened."
+        if contract.callbacks is not None
+        else ""
+    )
+    return (
+        f"{key}.{lookups}{callbacks} Found: resolve it committed, with {provider}'s "
+        "reference. Proven absent: prepared (another attempt with the same id) or rejected. "
+        "Not sure: leave it escalated; a guess can make a second effect or lose one."
+    )
+
+
 def _callback_duplicates_answer(contract: ToolContract[Any]) -> str:
     if contract.callbacks is None:
         return (

@@ -54,6 +54,11 @@ class OperationNotFound(OutboxError):
     """No operation has this id."""
 
 
+class MalformedOperationId(OperationNotFound):
+    """What a person typed is no operation id at all: a usage error (``outbox`` exits 2,
+    as for a bad flag), where a well-formed id no operation has is not found (exit 1)."""
+
+
 class InputRefused(OutboxError):
     """What a person typed is not acceptable (evidence, a reference, a lifetime); nothing
     was changed. The message is the one sentence every front end shows."""

@@ -17,7 +17,13 @@ from typing import Any, TypeVar
 import psycopg
 
 from outbox.cli.arguments import settings_from
-from outbox.errors import ConfigurationError, InputRefused, OutboxError, connect_failure
+from outbox.errors import (
+    ConfigurationError,
+    InputRefused,
+    MalformedOperationId,
+    OutboxError,
+    connect_failure,
+)
 from outbox.logs import configure_logging
 from outbox.settings import Settings
 from outbox.text import printable
@@ -69,6 +75,10 @@ def run_parsed(args: argparse.Namespace, name: str) -> int:
     except InputRefused as error:
         # The sentence the console shows for the same value, as a usage error.
         _report(name, f"refused: {error}; nothing was changed")
+        return EXIT_CONFIGURATION
+    except MalformedOperationId as error:
+        # A usage error, as argparse's own: the text given cannot name any operation.
+        _report(name, f"error: {error}")
         return EXIT_CONFIGURATION
     except ConfigurationError as error:
         _report(name, f"configuration error: {error}")

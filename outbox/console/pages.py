@@ -26,18 +26,29 @@ from outbox.bounds import is_unreadable
 from outbox.connections import command_transaction
 from outbox.console.app import HTTPProblem, console_of, page, render
 from outbox.console.forms import APPROVAL_TTLS, DEFAULT_TTL_CHOICE, resolution_choices
-from outbox.contracts import Registry
+from outbox.contract_card import provider_check
+from outbox.contracts import Registry, ToolContract
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation
-from outbox.operator import dlq, timeline, views
+from outbox.operator import dlq, queues, timeline, views, waits
 from outbox.operator.input import has_controls
+from outbox.operator.queues import QueueState
 from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
 from outbox.operator.render_providers import outage_text, waiting_by_tool_text
 from outbox.operator.views import Escalation, ProvidersView
 from outbox.settings import Settings
 from outbox.states import OperationState
-from outbox.store import ChainReport, Cursor, EventsPage, OperationFilter, OperationPage, Store
+from outbox.store import (
+    ChainReport,
+    Cursor,
+    EventsPage,
+    OperationFilter,
+    OperationPage,
+    PreparedWait,
+    PreparedWaits,
+    Store,
+)
 from outbox.text import printable
 
 S = OperationState
@@ -76,24 +87,44 @@ async def _dead_letter_count(settings: Settings) -> tuple[int | None, str | None
     return listing.count, None
 
 
+async def _operations_queue(settings: Settings) -> tuple[QueueState | None, str | None]:
+    # Never an error page: the rest of the overview stands without the broker.
+    try:
+        return await queues.operations_queue(settings, seconds=BROKER_SECONDS), None
+    except OutboxError as error:
+        return None, str(error)
+
+
 @page
 async def overview(request: Request) -> Response:
     registry = console_of(request).registry
 
-    def work(runner: Store) -> tuple[dict[str, Any], OperationPage, ProvidersView]:
+    def work(
+        runner: Store,
+    ) -> tuple[dict[str, Any], OperationPage, ProvidersView, PreparedWaits]:
         stats = runner.run(store.operation_stats())
         escalated = runner.run(
             store.operations_page(OperationFilter(states=(S.ESCALATED,)), limit=10)
         )
         # Which providers are down, and what waits for them (as `outbox providers`).
-        return stats_json(stats), escalated, views.provider_views(runner, registry)
+        providers = views.provider_views(runner, registry)
+        # What the prepared operations wait for: a person, or a consumer that is not there.
+        return stats_json(stats), escalated, providers, runner.run(store.prepared_waits())
 
-    numbers, escalated, providers = await read(request, work)
-    dead, dead_error = await _dead_letter_count(console_of(request).settings)
+    numbers, escalated, providers, waits = await read(request, work)
+    settings = console_of(request).settings
+    (dead, dead_error), (queue, queue_error) = await asyncio.gather(
+        _dead_letter_count(settings), _operations_queue(settings)
+    )
     return render(
         request,
         "overview.html",
         refresh=True,
+        waits=waits,
+        wait_kinds=PreparedWait,
+        queue=queue,
+        queue_error=queue_error,
+        age_text=age_text,
         numbers=numbers,
         states=[str(s) for s in S],
         escalated=escalated.rows,
@@ -247,25 +278,50 @@ class OperationView:
     approvals: list[Approval]
     fingerprint_key: str
     callbacks: list[Callback]
+    unpublished: bool
+    """An outbox row of it waits for the dispatcher."""
+    escalation: Escalation | None
+    """Why and since when a person has it, when it is escalated."""
 
     def short(self, fingerprint: str) -> str:
         """The keyed short fingerprint, the one form a person reads anywhere."""
         return keyed_fingerprint(self.fingerprint_key, fingerprint)
 
 
+def contract_of(registry: Registry | None, operation: Operation) -> ToolContract[Any] | None:
+    if registry is None:
+        return None
+    try:
+        return registry.get(operation.tool_name, operation.tool_version)
+    except OutboxError:
+        return None
+
+
 def contract_card(registry: Registry | None, operation: Operation) -> str:
+    contract = contract_of(registry, operation)
+    if contract is not None:
+        return contract.card()
     if registry is None:
         return (
             "no tools modules are loaded in this console: start it with --tools MODULE "
             "(or OUTBOX_TOOLS) to see the contract card"
         )
-    try:
-        return registry.get(operation.tool_name, operation.tool_version).card()
-    except OutboxError:
+    return (
+        f"{operation.tool_name} v{operation.tool_version} is not registered in the tools "
+        "modules this console loaded"
+    )
+
+
+def provider_check_text(registry: Registry | None, operation: Operation) -> str:
+    """What to check at the provider, from the contract card's fields."""
+    contract = contract_of(registry, operation)
+    if contract is None:
         return (
-            f"{operation.tool_name} v{operation.tool_version} is not registered in the tools "
-            "modules this console loaded"
+            f"Ask the provider of {operation.tool_name} for the effect it made with this "
+            "operation's id as its idempotency key. The contract card says more: "
+            + contract_card(registry, operation)
         )
+    return provider_check(contract)
 
 
 def intent_json(tool_input: dict[str, Any]) -> str:
@@ -306,6 +362,10 @@ def load_operation(
         approvals=runner.run(store.operation_approvals(operation_id)),
         fingerprint_key=runner.run(store.fingerprint_key()),
         callbacks=runner.run(store.callbacks_of([operation_id])).get(operation_id, []),
+        unpublished=any(
+            row.published_at is None for row in runner.run(store.outbox_rows(operation_id))
+        ),
+        escalation=views.escalations(runner, [(operation_id, operation.state)]).get(operation_id),
     )
 
 
@@ -341,11 +401,23 @@ async def operation(request: Request) -> Response:
         raise HTTPProblem(404, "no operation with this id") from None
     chain, chain_error = await _evidence_chain(request, operation_id)
     console = console_of(request)
+    op = view.operation
+    now = datetime.now(UTC)
     return render(
         request,
         "operation.html",
         view=view,
-        op=view.operation,
+        op=op,
+        wait=waits.operation_wait(
+            op,
+            approval=view.approval,
+            unpublished=view.unpublished,
+            contract=contract_of(console.registry, op),
+            now=now,
+        ),
+        now=now,
+        age_text=age_text,
+        provider_check=provider_check_text(console.registry, op),
         intent=intent_json(view.operation.input),
         card=contract_card(console.registry, view.operation),
         attributes_text=attributes_text,

@@ -16,7 +16,7 @@ from outbox import store
 from outbox.breaker import BreakerState, ProviderHealth
 from outbox.broker import MAX_ENVELOPE_BYTES
 from outbox.contracts import Registry
-from outbox.errors import OperationNotFound
+from outbox.errors import MalformedOperationId, OperationNotFound
 from outbox.models import display_operation_id, parse_operation_id
 from outbox.operator.dlq import DeadLetter
 from outbox.states import OperationState
@@ -38,7 +38,7 @@ def operation_id_of(runner: Store, text: str) -> UUID:
         pass
     prefix = given.lower().removeprefix("op_").replace("-", "")
     if len(prefix) < MIN_SHORT_ID or len(prefix) > 32 or not set(prefix) <= _HEX:
-        raise OperationNotFound(
+        raise MalformedOperationId(
             f"{given!r} is not an operation id: expected op_<uuid>, a bare uuid, or the "
             f"start of one (at least {MIN_SHORT_ID} hex digits, as the console shows it)"
         )

@@ -362,8 +362,15 @@ class SandboxState:
                 by_payment[refund.payment_id] = by_payment.get(refund.payment_id, 0) + 1
             return {
                 "refunds": [refund.as_json() for refund in refunds],
+                # Each email with the reference its sender passed (None without one), so
+                # the ledger shows which decision sent which email, not only how many.
                 "emails": [
-                    {"id": email.id, "to": email.to, "subject": email.subject}
+                    {
+                        "id": email.id,
+                        "to": email.to,
+                        "subject": email.subject,
+                        "reference": email.reference,
+                    }
                     for email in self._emails
                 ],
                 "refunds_by_payment": by_payment,

@@ -1008,6 +1008,42 @@ FROM approvals
 WHERE operation_id = %(operation_id)s
 ORDER BY created_at DESC, id
 
+-- name: console_prepared_waits
+-- What the prepared operations wait for, counted by the first that applies: a person's approval (it needs one and its latest decision is no valid grant of its intent, as approval_status rules), its provider (waiting_since), the dispatcher (an outbox row not yet published), the time of its next attempt (a backoff), else a consumer to claim it; with the oldest of each (by next_attempt_at) and how long it has been due, by the database's clock. Never the input.
+WITH prepared AS (
+    SELECT o.id, o.next_attempt_at,
+           CASE
+               WHEN o.requires_approval AND NOT COALESCE(
+                   a.decision = 'granted' AND a.expires_at > now()
+                   AND a.intent_hash = o.input_fingerprint, false) THEN 'approval'
+               WHEN o.waiting_since IS NOT NULL THEN 'provider'
+               WHEN EXISTS (
+                   SELECT 1 FROM outbox b WHERE b.operation_id = o.id AND b.published_at IS NULL
+               ) THEN 'unpublished'
+               WHEN o.next_attempt_at > now() THEN 'scheduled'
+               ELSE 'ready'
+           END AS waits_for
+    FROM operations o
+    LEFT JOIN LATERAL (
+        SELECT decision, expires_at, intent_hash FROM approvals
+        WHERE operation_id = o.id
+        ORDER BY created_at DESC
+        LIMIT 1
+    ) a ON o.requires_approval
+    WHERE o.state = 'prepared'
+), counted AS (
+    SELECT waits_for, count(*) AS operations FROM prepared GROUP BY waits_for
+), oldest AS (
+    SELECT DISTINCT ON (waits_for) waits_for, id, next_attempt_at
+    FROM prepared
+    ORDER BY waits_for, next_attempt_at, id
+)
+SELECT c.waits_for, c.operations::bigint AS operations, o.id AS oldest_id,
+       greatest(0, extract(epoch FROM now() - o.next_attempt_at))::float8 AS oldest_due_seconds
+FROM counted c
+JOIN oldest o USING (waits_for)
+ORDER BY c.waits_for
+
 -- ==== outbox.store.evidence: `outbox ops verify` and the console's check of an operation's evidence chain
 
 -- name: verify_event_chains

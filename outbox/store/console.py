@@ -10,8 +10,9 @@ top instead of shifting every later page by one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from uuid import UUID
 
 from outbox.models import Approval, OperationEvent
@@ -161,3 +162,42 @@ def console_login() -> Plan[ConsoleLogin]:
     return ConsoleLogin(
         login=row["login"], operator=bool(row["operator"]), superuser=bool(row["superuser"])
     )
+
+
+class PreparedWait(StrEnum):
+    """What a prepared operation waits for: the first that applies, in this order."""
+
+    APPROVAL = "approval"
+    """A person's grant: it needs one and its latest decision is none valid for its
+    intent (missing, denied, expired, or for another intent)."""
+    PROVIDER = "provider"
+    """Its provider, which could not be reached: it spends no attempt meanwhile."""
+    UNPUBLISHED = "unpublished"
+    """The dispatcher: its outbox row is not published yet."""
+    SCHEDULED = "scheduled"
+    """The time of its next attempt (a retry's backoff)."""
+    READY = "ready"
+    """A consumer to claim it: due, published, nothing else holds it back."""
+
+
+@dataclass(frozen=True)
+class PreparedWaits:
+    """The prepared operations by what they wait for, with the oldest of each."""
+
+    counts: dict[PreparedWait, int] = field(default_factory=dict)
+    oldest: dict[PreparedWait, tuple[UUID, float]] = field(default_factory=dict)
+    """Per kind, the operation due longest and for how many seconds it has been due."""
+
+    def count(self, kind: PreparedWait) -> int:
+        return self.counts.get(kind, 0)
+
+
+def prepared_waits() -> Plan[PreparedWaits]:
+    """What every prepared operation waits for, counted, in one statement."""
+    rows = yield Step("console_prepared_waits", {})
+    waits = PreparedWaits()
+    for row in rows:
+        kind = PreparedWait(row["waits_for"])
+        waits.counts[kind] = int(row["operations"])
+        waits.oldest[kind] = (row["oldest_id"], float(row["oldest_due_seconds"]))
+    return waits

@@ -20,6 +20,7 @@ from outbox.callback_policy import CallbackReport, CallbackStatus
 from outbox.cli import run_command
 from outbox.models import ApprovalStatus, OperationEvent
 
+from support.console_cases import counts
 from support.db_helpers import execute_admin
 from support.logs import rendered
 from support.ops_helpers import LEASE, Ops
@@ -268,14 +269,30 @@ def test_show_names_the_approval_status_of_an_operation_that_needs_one(cli: Cli,
     assert "approval      missing: no approval was granted for this operation" in out
 
 
-@pytest.mark.parametrize("given", ["op_" + str(UUID(int=7)), "not-an-id"])
-def test_show_of_an_unknown_id_exits_1_with_a_message(cli: Cli, given: str) -> None:
-    code, out, err = cli("ops", "show", given)
+def test_show_of_an_unknown_id_exits_1_with_a_message(cli: Cli) -> None:
+    code, out, err = cli("ops", "show", "op_" + str(UUID(int=7)))
 
     assert code == 1
     assert out == ""
     assert "outbox ops: error:" in err
-    assert "no operation with id" in err or "is not an operation id" in err
+    assert "no operation with id" in err
+
+
+@pytest.mark.parametrize("command", [["show"], ["cancel", "--reason", "r", "--by", "ada"]])
+def test_a_malformed_id_is_a_usage_error_exit_2_in_one_line(
+    cli: Cli, database_url: str, command: list[str]
+) -> None:
+    before = counts(database_url)
+
+    code, out, err = cli("ops", command[0], "not-an-id", *command[1:])
+
+    assert code == 2
+    assert out == ""
+    assert err.splitlines() == [
+        "outbox ops: error: 'not-an-id' is not an operation id: expected op_<uuid>, a bare "
+        "uuid, or the start of one (at least 8 hex digits, as the console shows it)"
+    ]
+    assert counts(database_url) == before
 
 
 def test_show_and_the_commands_that_act_take_the_short_id_the_console_prints(
@@ -310,7 +327,7 @@ def test_a_short_id_two_operations_share_is_refused_by_name(
     assert "is ambiguous" in err
     assert first.display_id in err or f"op_{twin}" in err
     code, _, err = cli("ops", "show", "op_1234")
-    assert code == 1
+    assert code == 2  # too short to name one: a usage error
     assert "at least 8 hex digits" in err
 
 
@@ -790,7 +807,7 @@ def test_text_output_escapes_every_field_someone_else_chose(
 def test_an_error_message_is_one_line_without_terminal_controls(cli: Cli) -> None:
     code, out, err = cli("ops", "show", f"op_{HOSTILE}")
 
-    assert code == 1
+    assert code == 2
     assert out == ""
     assert len(err.splitlines()) == 1
     assert terminal_controls(err) == []

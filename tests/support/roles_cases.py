@@ -176,7 +176,13 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     # The checker judges each operation's whole timeline (harness/checker.py).
     CHAOS: {"terminate_backends", "session_snapshot", "list_events"},
-    CONSOLE: {"console_login", "console_operations_page", "console_operation_approvals"},
+    CONSOLE: {
+        "console_login",
+        "console_operations_page",
+        "console_operation_approvals",
+        # The overview's count of what the prepared operations wait for.
+        "console_prepared_waits",
+    },
 }
 
 

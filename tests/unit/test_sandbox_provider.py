@@ -624,10 +624,38 @@ def test_emails_are_not_deduplicated(client: httpx.Client) -> None:
     assert first.json()["id"].startswith("em_")
     ledger = client.get("/ledger").json()
     assert ledger["emails"] == [
-        {"id": first.json()["id"], "to": "customer@example.com", "subject": "Your refund"},
-        {"id": second.json()["id"], "to": "customer@example.com", "subject": "Your refund"},
+        {
+            "id": first.json()["id"],
+            "to": "customer@example.com",
+            "subject": "Your refund",
+            "reference": None,
+        },
+        {
+            "id": second.json()["id"],
+            "to": "customer@example.com",
+            "subject": "Your refund",
+            "reference": None,
+        },
     ]
     assert ledger["totals"] == {"refunds": 0, "emails": 2}
+
+
+def test_the_ledger_lists_each_email_with_its_reference(client: httpx.Client) -> None:
+    body = {"to": "customer@example.com", "subject": "Your refund", "body": "Sent today."}
+    sent = [
+        client.post("/emails", json=body, headers={"X-Reference": reference}).json()["id"]
+        for reference in ("op_a", "op_b", "op_a")
+    ]
+    unreferenced = email(client).json()["id"]
+
+    emails = client.get("/ledger").json()["emails"]
+
+    assert [(e["id"], e["reference"]) for e in emails] == [
+        (sent[0], "op_a"),
+        (sent[1], "op_b"),
+        (sent[2], "op_a"),
+        (unreferenced, None),
+    ]
 
 
 def test_a_malformed_email_is_refused(client: httpx.Client) -> None:

@@ -209,7 +209,8 @@ def test_every_front_end_accepts_or_refuses_alike(
         return
     said = f"{case.refused}; nothing was changed" if not case.not_found else case.refused
     if case.not_found:
-        assert (code, status) == (1, 404)
+        # Malformed: a usage error for the command (2), no such page for the console.
+        assert (code, status) == (2, 404)
     else:
         assert (code, status) == (2, 400)
     assert said in err.strip().splitlines()[-1]
@@ -242,6 +243,6 @@ def test_the_operation_page_reads_the_names_ops_show_reads(
         assert operation.display_id in shown.out
         assert operation.display_id in page.text
         return
-    assert (code, page.status_code) == (1, 404)
+    assert (code, page.status_code) == (2, 404)
     assert BAD_NAME in shown.err.splitlines()[-1]
     assert BAD_NAME in html.unescape(page.text)
