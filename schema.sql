@@ -1201,6 +1201,31 @@ CREATE TABLE IF NOT EXISTS provider_calls (
     PRIMARY KEY (provider, operation_id)
 );
 
+-- Version 12: the record of every dead letter an operator discarded (`outbox dlq
+-- discard`, the console's dead-letter page), written and committed before the message
+-- is removed from the dead-letter queue: a discard is an audit fact, never a silent
+-- purge. The body is kept only as its SHA-256 and size (it may hold anything a
+-- publisher chose). What the envelope named, where it parsed: the operations and their
+-- tools. Appended by operators, never changed (no UPDATE or DELETE is granted to
+-- anyone); who recorded it and when are the database's.
+CREATE TABLE IF NOT EXISTS discarded_dead_letters (
+    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id     text CHECK (length(message_id) BETWEEN 1 AND 300),
+    operation_ids  uuid[] NOT NULL DEFAULT '{}' CHECK (cardinality(operation_ids) <= 1000),
+    tools          text[] NOT NULL DEFAULT '{}'
+                       CHECK (cardinality(tools) <= 1000
+                              AND octet_length(array_to_string(tools, ',')) <= 65536),
+    body_sha256    text NOT NULL CHECK (body_sha256 ~ '^[0-9a-f]{64}$'),
+    body_bytes     bigint NOT NULL CHECK (body_bytes >= 0),
+    death_reason   text CHECK (length(death_reason) BETWEEN 1 AND 300),
+    died_at        timestamptz,
+    reason         text NOT NULL CHECK (length(reason) BETWEEN 1 AND 500),
+    discarded_by   text NOT NULL CHECK (length(discarded_by) BETWEEN 1 AND 200),
+    recorded_as    name NOT NULL DEFAULT current_user,
+    discarded_at   timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS discarded_dead_letters_at ON discarded_dead_letters (discarded_at);
+
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;
@@ -1212,3 +1237,4 @@ INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (9) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (11) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (12) ON CONFLICT (version) DO NOTHING;

@@ -949,6 +949,22 @@ FROM operations
 GROUP BY tool_name, state
 ORDER BY tool_name, state
 
+-- name: record_discarded_dead_letter
+-- Record one dead letter an operator is about to discard (its digest and size, never its body); the database stamps the login and the time.
+INSERT INTO discarded_dead_letters (message_id, operation_ids, tools, body_sha256, body_bytes,
+                                    death_reason, died_at, reason, discarded_by)
+VALUES (%(message_id)s, %(operation_ids)b::uuid[], %(tools)b::text[], %(body_sha256)s,
+        %(body_bytes)s, %(death_reason)s, %(died_at)s, %(reason)s, %(discarded_by)s)
+RETURNING id, recorded_as, discarded_at
+
+-- name: list_discarded_dead_letters
+-- The record of discarded dead letters for `outbox dlq discarded`, newest first.
+SELECT id, message_id, operation_ids, tools, body_sha256, body_bytes, death_reason, died_at,
+       reason, discarded_by, recorded_as, discarded_at
+FROM discarded_dead_letters
+ORDER BY id DESC
+LIMIT %(limit)s
+
 -- ==== outbox.store.console: `outbox console`, the operator's web pages
 
 -- name: console_operations_page
@@ -1133,7 +1149,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1143,6 +1159,7 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regclass('provider_calls') IS NOT NULL
        AND to_regproc('outbox_chain_agent_reports') IS NOT NULL
        AND to_regproc('outbox_chain_callback') IS NOT NULL
+       AND to_regclass('discarded_dead_letters') IS NOT NULL
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2
