@@ -10,7 +10,6 @@ it; the text and JSON are :mod:`outbox.operator.render`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -79,22 +78,6 @@ def cmd_dlq_requeue(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def recorder(settings: Settings) -> dlq_discard.Recorder:
-    """Records discards in one committed transaction of their own, on a worker thread
-    (the broker's channel stays on the event loop)."""
-
-    async def record(
-        discards: list[store.DeadLetterDiscard],
-    ) -> list[store.DiscardRecord]:
-        def write() -> list[store.DiscardRecord]:
-            with command_transaction(settings) as connection:
-                return Store(connection).run(store.record_discarded_dead_letters(discards))
-
-        return await asyncio.to_thread(write)
-
-    return record
-
-
 def cmd_dlq_discard(args: argparse.Namespace, settings: Settings) -> int:
     # Everything a person typed is judged before a message is taken.
     reason = discard_reason(args.reason)
@@ -111,7 +94,7 @@ def cmd_dlq_discard(args: argparse.Namespace, settings: Settings) -> int:
         dlq_discard.discard_dead_letters(
             settings,
             selection,
-            record=recorder(settings) if args.yes else None,
+            record=dlq_discard.recorder(settings) if args.yes else None,
             reason=reason,
             by=by,
             limit=args.limit,

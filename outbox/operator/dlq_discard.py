@@ -19,13 +19,16 @@ are taken with ``basic.get`` without ack, as ``list`` and ``requeue`` take them
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from outbox import store
+from outbox.connections import command_transaction
 from outbox.errors import OutboxError
 from outbox.operator.dlq import (
     _BROKER_ERRORS,
@@ -39,7 +42,7 @@ from outbox.operator.render import instant, stamp
 from outbox.operator.views import DeadLetterView
 from outbox.settings import Settings
 from outbox.states import OperationState
-from outbox.store import DeadLetterDiscard, DiscardRecord
+from outbox.store import DeadLetterDiscard, DiscardRecord, Store
 from outbox.text import printable
 
 S = OperationState
@@ -49,6 +52,24 @@ DISCARD_WINDOW = 64
 DEATH_REASONS = ("rejected", "delivery_limit", "expired")
 
 Recorder = Callable[[list[DeadLetterDiscard]], Awaitable[list[DiscardRecord]]]
+
+
+def digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def recorder(settings: Settings) -> Recorder:
+    """Records discards in one committed transaction of their own, on a worker thread
+    (the broker's channel stays on the event loop)."""
+
+    async def record(discards: list[DeadLetterDiscard]) -> list[DiscardRecord]:
+        def write() -> list[DiscardRecord]:
+            with command_transaction(settings) as connection:
+                return Store(connection).run(store.record_discarded_dead_letters(discards))
+
+        return await asyncio.to_thread(write)
+
+    return record
 
 
 class DiscardIncomplete(OutboxError):
@@ -66,6 +87,12 @@ class Selection:
     """Only envelopes (or chunks) whose every operation is of this tool."""
     death_reason: str | None = None
     """Only messages RabbitMQ dead-lettered for this reason (x-death)."""
+    bodies: frozenset[str] | None = None
+    """Only bodies with these SHA-256 digests: the ones a preview showed (the console)."""
+
+    def shown_in(self, digests: Collection[str]) -> Selection:
+        """This selection, narrowed to the bodies a preview showed."""
+        return replace(self, bodies=frozenset(digests))
 
     @classmethod
     def of(
@@ -91,6 +118,8 @@ class Selection:
         return selection
 
     def matches(self, message: AbstractIncomingMessage, letter: DeadLetter) -> bool:
+        if self.bodies is not None and digest(message.body) not in self.bodies:
+            return False
         if self.message_ids is not None and message.message_id not in self.message_ids:
             return False
         if self.malformed and letter.parsed:
@@ -180,9 +209,7 @@ async def discard_dead_letters(
                     if message.message_id is not None:
                         found.add(message.message_id)
                     window.append(message)
-                    report.selected.append(
-                        Candidate(letter, hashlib.sha256(message.body).hexdigest())
-                    )
+                    report.selected.append(Candidate(letter, digest(message.body)))
                 if record is not None and window:
                     chosen = report.selected[-len(window) :]
                     records = await record([c.discard(reason=reason, by=by) for c in chosen])

@@ -11,16 +11,15 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 
-import aio_pika
 import psycopg
 import pytest
 
 from outbox import Registry
-from outbox.broker import OperationMessage, Topology, declare_topology, message_id
+from outbox.broker import OperationMessage, message_id
 from outbox.cli import run_command
 from outbox.settings import Settings
 
-from support.broker_helpers import message_count, read_raw, wait_for_dead_letter_queue
+from support.broker_helpers import message_count, read_raw
 from support.console_helpers import dead_letter_one
 from support.ops_helpers import Ops
 from support.waiting import eventually
@@ -32,25 +31,12 @@ Cli = Callable[..., Awaitable[tuple[int, str, str]]]
 
 
 @pytest.fixture
-async def declared(settings: Settings) -> Settings:
-    """This test's topology, declared as the daemons declare it, and ready to take
-    dead letters."""
-    url = settings.amqp_url.get_secret_value()
-    connection = await aio_pika.connect(url)
-    async with connection:
-        await declare_topology(await connection.channel(), Topology.from_settings(settings))
-    await wait_for_dead_letter_queue(url, settings.dead_letter_queue)
-    return settings
-
-
-@pytest.fixture
 def cli(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    declared: Settings,
+    settings: Settings,
     database_url: str,
 ) -> Cli:
-    settings = declared
     monkeypatch.setenv("OUTBOX_AMQP_URL", settings.amqp_url.get_secret_value())
     monkeypatch.setenv("OUTBOX_DEAD_LETTER_QUEUE", settings.dead_letter_queue)
     monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
@@ -62,30 +48,6 @@ def cli(
         return code, out, err
 
     return run
-
-
-async def dead_letter_raw(settings: Settings, body: bytes, message_id: str) -> None:
-    """A body that is no envelope, dead-lettered as the consumer rejects poison."""
-    url = settings.amqp_url.get_secret_value()
-    before = await message_count(url, settings.dead_letter_queue)
-    connection = await aio_pika.connect(url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        exchange = await channel.get_exchange(settings.exchange)
-        await exchange.publish(
-            aio_pika.Message(body, message_id=message_id), routing_key="send_refund.v1"
-        )
-        queue = await channel.get_queue(settings.queue)
-
-        async def rejected() -> bool:
-            delivery = await queue.get(no_ack=False, fail=False)
-            if delivery is None:
-                return False
-            await delivery.reject(requeue=False)
-            return True
-
-        await eventually(rejected, within=15, what="the poison rejected")
-    await held(settings, before + 1)
 
 
 async def held(settings: Settings, count: int) -> None:
@@ -111,7 +73,7 @@ async def test_malformed_dead_letters_are_discarded_on_the_record_and_envelopes_
     # Before: a malformed body could only be requeued (and die again) or purged with
     # everything else, unrecorded.
     operation = Ops(database_url, registry).new()
-    await dead_letter_raw(settings, POISON, "poison-1")
+    await dead_letter_one(settings, POISON, message_id="poison-1")
     await dead_letter_one(
         settings,
         OperationMessage(
@@ -231,8 +193,8 @@ async def test_discarding_an_operations_dead_letter_says_what_becomes_of_it(
 async def test_a_discard_by_id_takes_only_that_one(
     settings: Settings, database_url: str, cli: Cli
 ) -> None:
-    await dead_letter_raw(settings, b"not json", "poison-a")
-    await dead_letter_raw(settings, b"not json either", "poison-b")
+    await dead_letter_one(settings, b"not json", message_id="poison-a")
+    await dead_letter_one(settings, b"not json either", message_id="poison-b")
 
     code, out, err = await cli(
         "discard",
@@ -268,7 +230,7 @@ async def test_a_discard_by_id_takes_only_that_one(
 async def test_a_refused_discard_takes_nothing(
     settings: Settings, database_url: str, cli: Cli, flags: list[str], refused: str
 ) -> None:
-    await dead_letter_raw(settings, POISON, "poison-1")
+    await dead_letter_one(settings, POISON, message_id="poison-1")
 
     code, _, err = await cli("discard", *flags, "--yes")
 
@@ -281,7 +243,7 @@ async def test_a_refused_discard_takes_nothing(
 async def test_a_database_that_cannot_record_removes_nothing(
     settings: Settings, cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await dead_letter_raw(settings, POISON, "poison-1")
+    await dead_letter_one(settings, POISON, message_id="poison-1")
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
 
     code, _, err = await cli("discard", "--malformed", "--reason", "junk", "--by", "ana", "--yes")
