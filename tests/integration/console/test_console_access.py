@@ -39,6 +39,7 @@ def state_changing_paths(op: Operation) -> list[str]:
         f"/operations/{op.display_id}/resolve",
         f"/operations/{op.display_id}/approval",
         "/dead-letters/requeue",
+        "/dead-letters/discard",
         "/logout",
     ]
 
@@ -252,6 +253,7 @@ def test_a_post_without_the_sessions_csrf_token_changes_nothing(
             "ttl": "15m",
         },
         "/dead-letters/requeue": {"all": "yes"},
+        "/dead-letters/discard": {"malformed": "yes", "bodies": "0" * 64, "reason": "r"},
         "/logout": {},
     }
 
