@@ -142,7 +142,7 @@ END;
 $$;
 -- A new function is executable by PUBLIC; this one writes decisions, so only the agent.
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator,
+    text, boolean, jsonb, integer) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator,
     outbox_callbacks;
 -- And this one records provider callbacks, so only the callbacks role.
 REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text)
@@ -171,7 +171,7 @@ $$;
 -- cannot write an operation any other way. It appends to no chain (below). No UPDATE or
 -- DELETE anywhere: an agent can decide, never execute, settle or erase.
 GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) TO outbox_agent;
+    text, boolean, jsonb, integer) TO outbox_agent;
 -- What await_outcome and record_decision read back, through the operation_status view
 -- (schema.sql): where each operation stands and what it recorded, never the input
 -- (another run's tool input is not the agent's to read; its own it already holds). Of

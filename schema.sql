@@ -804,17 +804,30 @@ CREATE TRIGGER outbox_guard_update
 -- an agent's decision that cannot be written says so (LockNotAvailable, which
 -- record_decision raises as DecisionBlocked) instead of hanging its tool call for as
 -- long as the lock is held. Nothing was written; the same decision key retries it.
+--
+-- Version 12: the bound is the caller's to choose (record_decision's lock_timeout,
+-- OUTBOX_DECISION_LOCK_TIMEOUT for `outbox mcp`), from 1 ms to 60 s; 5 s when not
+-- given, as before. Set inside the function, so the SET clause below gives the
+-- caller's session its own lock_timeout back when the function returns.
 DROP FUNCTION IF EXISTS outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
     text, boolean, jsonb, jsonb);
+DROP FUNCTION IF EXISTS outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
+    text, boolean, jsonb);
 CREATE OR REPLACE FUNCTION outbox_record_decision(
     p_id uuid, p_run_id text, p_decision_key text, p_tool_name text,
     p_tool_version integer, p_side_effect text, p_input jsonb,
-    p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb
+    p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb,
+    p_lock_timeout_ms integer DEFAULT 5000
 ) RETURNS SETOF operations
 LANGUAGE plpgsql SECURITY DEFINER
 SET lock_timeout = '5s'
 AS $$
 BEGIN
+    IF p_lock_timeout_ms IS NULL OR p_lock_timeout_ms NOT BETWEEN 1 AND 60000 THEN
+        RAISE EXCEPTION 'a decision''s lock timeout is 1 to 60000 ms'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM pg_catalog.set_config('lock_timeout', p_lock_timeout_ms::text || 'ms', true);
     RETURN QUERY
     WITH operation AS (
         INSERT INTO @schema@.operations (id, run_id, decision_key, tool_name, tool_version,
@@ -840,7 +853,7 @@ END;
 $$;
 -- A new function is executable by PUBLIC; roles.sql grants this one to the agent only.
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) FROM PUBLIC;
+    text, boolean, jsonb, integer) FROM PUBLIC;
 
 -- Version 7: provider callbacks (docs/design.md section 5, "Callbacks"). A verified
 -- webhook is evidence, never a command: kept once per provider and event id, with the

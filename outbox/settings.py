@@ -18,13 +18,13 @@ from pydantic import (
     Field,
     JsonValue,
     SecretStr,
-    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from outbox.bounds import DECISION_LOCK_TIMEOUT, MAX_DECISION_LOCK_TIMEOUT
 from outbox.errors import ConfigurationError
 
 # The URL helpers live in outbox.urls; named here too, where every caller found them
@@ -43,7 +43,7 @@ from outbox.urls import with_database as with_database
 
 # Every other OUTBOX_* variable, and who reads it.
 from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
-from outbox.variables import unknown_variable
+from outbox.variables import environment_value, unknown_variable
 
 ENV_PREFIX = "OUTBOX_"
 
@@ -239,6 +239,12 @@ class Settings(BaseSettings):
         default=None,
         description="server-side idle_in_transaction_session_timeout, seconds (default: the "
         "hard transaction timeout; the dispatcher adds its publish timeout)",
+    )
+    decision_lock_timeout: float = Field(
+        json_schema_extra=_in("duration"),
+        default=DECISION_LOCK_TIMEOUT,
+        description="seconds an agent's decision waits for another session's lock before it "
+        "raises DecisionBlocked, nothing written (outbox mcp; record_decision's lock_timeout)",
     )
     db_tcp_user_timeout: float = Field(
         json_schema_extra=_in("database_bound", "duration"),
@@ -453,6 +459,14 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("decision_lock_timeout")
+    @classmethod
+    def _a_decisions_wait(cls, value: float) -> float:
+        # After _a_real_duration; outbox_record_decision refuses a longer one too.
+        if value > MAX_DECISION_LOCK_TIMEOUT:
+            raise ValueError(f"{value:g} s is too long: give {MAX_DECISION_LOCK_TIMEOUT:g} or less")
+        return value
+
     @model_validator(mode="after")
     def _possible_together(self) -> Settings:
         problems = [*self._bounds_past_the_lease(), *self._retry_waits()]
@@ -510,7 +524,7 @@ class Settings(BaseSettings):
         them. Never log it.
         """
         return {
-            setting_variable(name): _environment_value(value)
+            setting_variable(name): environment_value(value)
             for name in type(self).model_fields
             if (value := getattr(self, name)) is not None
         }
@@ -553,25 +567,6 @@ def check_variables(environ: Mapping[str, str]) -> None:
     ]
     if problems:
         raise ConfigurationError("; ".join(problems))
-
-
-_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
-
-
-def _environment_value(value: object) -> str:
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, bool):  # before int: a bool is one
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # the shortest text that reads back as the same float
-    if isinstance(value, timedelta):
-        # ISO 8601 is exact to the microsecond; seconds as a float would not be.
-        return str(_TIMEDELTA.dump_python(value, mode="json"))
-    if isinstance(value, int | str):
-        return str(value)
-    # A new field of another type must say here how its variable is written.
-    raise TypeError(f"no environment form for a {type(value).__name__} setting")
 
 
 def load_settings(**overrides: object) -> Settings:

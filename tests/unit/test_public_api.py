@@ -99,13 +99,15 @@ PUBLIC = {
         "(connection: 'SyncConnection', registry: 'Registry', tool: 'str', "
         "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
         "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
-        "traceparent: 'str | None' = None, own_transaction: 'bool' = False) -> 'RecordedDecision'"
+        "traceparent: 'str | None' = None, own_transaction: 'bool' = False, "
+        "lock_timeout: 'float' = 5.0) -> 'RecordedDecision'"
     ),
     "record_decision_async": (
         "(connection: 'AsyncConnection', registry: 'Registry', tool: 'str', "
         "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
         "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
-        "traceparent: 'str | None' = None, own_transaction: 'bool' = False) -> 'RecordedDecision'"
+        "traceparent: 'str | None' = None, own_transaction: 'bool' = False, "
+        "lock_timeout: 'float' = 5.0) -> 'RecordedDecision'"
     ),
 }
 STORE = [
