@@ -29,7 +29,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from outbox import store
 from outbox.connections import command_transaction
-from outbox.errors import OutboxError
+from outbox.errors import ConfigurationError, OutboxError
 from outbox.operator.dlq import (
     _BROKER_ERRORS,
     DeadLetter,
@@ -110,11 +110,13 @@ class Selection:
             death_reason=death_reason,
         )
         if not (message_ids or malformed or tool or death_reason):
-            raise OutboxError(
+            raise ConfigurationError(
                 "choose what to discard: --message-id, --malformed, --tool or --death-reason"
             )
         if malformed and tool is not None:
-            raise OutboxError("a malformed body names no tool: --malformed or --tool, not both")
+            raise ConfigurationError(
+                "a malformed body names no tool: --malformed or --tool, not both"
+            )
         return selection
 
     def matches(self, message: AbstractIncomingMessage, letter: DeadLetter) -> bool:
