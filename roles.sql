@@ -113,7 +113,8 @@ $$;
 -- holds nothing. One transaction, so no session ever sees the gap.
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
     outbox_schema_applied, outbox_deployment, operation_event_heads, operation_status,
-    callbacks, provider_health, provider_events, provider_calls, agent_reports
+    callbacks, provider_health, provider_events, provider_calls, agent_reports,
+    discarded_dead_letters
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
@@ -141,7 +142,7 @@ END;
 $$;
 -- A new function is executable by PUBLIC; this one writes decisions, so only the agent.
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator,
+    text, boolean, jsonb, integer) FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator,
     outbox_callbacks;
 -- And this one records provider callbacks, so only the callbacks role.
 REVOKE ALL ON FUNCTION outbox_record_callback(text, text, text, uuid, text, text)
@@ -170,7 +171,7 @@ $$;
 -- cannot write an operation any other way. It appends to no chain (below). No UPDATE or
 -- DELETE anywhere: an agent can decide, never execute, settle or erase.
 GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) TO outbox_agent;
+    text, boolean, jsonb, integer) TO outbox_agent;
 -- What await_outcome and record_decision read back, through the operation_status view
 -- (schema.sql): where each operation stands and what it recorded, never the input
 -- (another run's tool input is not the agent's to read; its own it already holds). Of
@@ -264,6 +265,14 @@ GRANT SELECT ON callbacks TO outbox_consumer;
 GRANT UPDATE (outcome) ON callbacks TO outbox_consumer;
 -- Operators read the inbox: `outbox callbacks list`, `ops show`, the console.
 GRANT SELECT ON callbacks TO outbox_operator;
+
+-- A person discarding dead letters (`outbox dlq discard`, the console) records each one
+-- first: what it was (digest, size, envelope), why and by whom. Appended, never
+-- changed; the login and the time are the database's. Operators read the record
+-- (`outbox dlq discarded`).
+GRANT SELECT ON discarded_dead_letters TO outbox_operator;
+GRANT INSERT (message_id, operation_ids, tools, body_sha256, body_bytes, death_reason, died_at,
+              reason, discarded_by) ON discarded_dead_letters TO outbox_operator;
 
 -- The callbacks receiver (`outbox callbacks`, or record_callback() in a web app of the
 -- user's) records verified callbacks through outbox_record_callback (SECURITY DEFINER:

@@ -804,17 +804,30 @@ CREATE TRIGGER outbox_guard_update
 -- an agent's decision that cannot be written says so (LockNotAvailable, which
 -- record_decision raises as DecisionBlocked) instead of hanging its tool call for as
 -- long as the lock is held. Nothing was written; the same decision key retries it.
+--
+-- Version 12: the bound is the caller's to choose (record_decision's lock_timeout,
+-- OUTBOX_DECISION_LOCK_TIMEOUT for `outbox mcp`), from 1 ms to 60 s; 5 s when not
+-- given, as before. Set inside the function, so the SET clause below gives the
+-- caller's session its own lock_timeout back when the function returns.
 DROP FUNCTION IF EXISTS outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
     text, boolean, jsonb, jsonb);
+DROP FUNCTION IF EXISTS outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
+    text, boolean, jsonb);
 CREATE OR REPLACE FUNCTION outbox_record_decision(
     p_id uuid, p_run_id text, p_decision_key text, p_tool_name text,
     p_tool_version integer, p_side_effect text, p_input jsonb,
-    p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb
+    p_input_fingerprint text, p_requires_approval boolean, p_headers jsonb,
+    p_lock_timeout_ms integer DEFAULT 5000
 ) RETURNS SETOF operations
 LANGUAGE plpgsql SECURITY DEFINER
 SET lock_timeout = '5s'
 AS $$
 BEGIN
+    IF p_lock_timeout_ms IS NULL OR p_lock_timeout_ms NOT BETWEEN 1 AND 60000 THEN
+        RAISE EXCEPTION 'a decision''s lock timeout is 1 to 60000 ms'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM pg_catalog.set_config('lock_timeout', p_lock_timeout_ms::text || 'ms', true);
     RETURN QUERY
     WITH operation AS (
         INSERT INTO @schema@.operations (id, run_id, decision_key, tool_name, tool_version,
@@ -840,7 +853,7 @@ END;
 $$;
 -- A new function is executable by PUBLIC; roles.sql grants this one to the agent only.
 REVOKE ALL ON FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb,
-    text, boolean, jsonb) FROM PUBLIC;
+    text, boolean, jsonb, integer) FROM PUBLIC;
 
 -- Version 7: provider callbacks (docs/design.md section 5, "Callbacks"). A verified
 -- webhook is evidence, never a command: kept once per provider and event id, with the
@@ -1201,6 +1214,31 @@ CREATE TABLE IF NOT EXISTS provider_calls (
     PRIMARY KEY (provider, operation_id)
 );
 
+-- Version 12: the record of every dead letter an operator discarded (`outbox dlq
+-- discard`, the console's dead-letter page), written and committed before the message
+-- is removed from the dead-letter queue: a discard is an audit fact, never a silent
+-- purge. The body is kept only as its SHA-256 and size (it may hold anything a
+-- publisher chose). What the envelope named, where it parsed: the operations and their
+-- tools. Appended by operators, never changed (no UPDATE or DELETE is granted to
+-- anyone); who recorded it and when are the database's.
+CREATE TABLE IF NOT EXISTS discarded_dead_letters (
+    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id     text CHECK (length(message_id) BETWEEN 1 AND 300),
+    operation_ids  uuid[] NOT NULL DEFAULT '{}' CHECK (cardinality(operation_ids) <= 1000),
+    tools          text[] NOT NULL DEFAULT '{}'
+                       CHECK (cardinality(tools) <= 1000
+                              AND octet_length(array_to_string(tools, ',')) <= 65536),
+    body_sha256    text NOT NULL CHECK (body_sha256 ~ '^[0-9a-f]{64}$'),
+    body_bytes     bigint NOT NULL CHECK (body_bytes >= 0),
+    death_reason   text CHECK (length(death_reason) BETWEEN 1 AND 300),
+    died_at        timestamptz,
+    reason         text NOT NULL CHECK (length(reason) BETWEEN 1 AND 500),
+    discarded_by   text NOT NULL CHECK (length(discarded_by) BETWEEN 1 AND 200),
+    recorded_as    name NOT NULL DEFAULT current_user,
+    discarded_at   timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS discarded_dead_letters_at ON discarded_dead_letters (discarded_at);
+
 INSERT INTO outbox_schema_version (version) VALUES (1) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (2) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (3) ON CONFLICT (version) DO NOTHING;
@@ -1212,3 +1250,4 @@ INSERT INTO outbox_schema_version (version) VALUES (8) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (9) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (11) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (12) ON CONFLICT (version) DO NOTHING;

@@ -52,6 +52,11 @@ MAX_PROVIDER_REFERENCE = 500
 # character, never cut: a cut reference would match another effect's.
 CALLBACK_EVENT_ID = re.compile(r"^[!-~]{1,255}$")
 CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# How long a decision waits for a lock another session holds (a LOCK TABLE, a
+# transaction holding the same decision key) before it is refused, nothing written
+# (DecisionBlocked): the default, and the longest outbox_record_decision accepts.
+DECISION_LOCK_TIMEOUT = 5.0
+MAX_DECISION_LOCK_TIMEOUT = 60.0
 # The longest a person's grant may last; the database refuses a later expiry.
 MAX_APPROVAL_TTL = timedelta(days=7)
 # What a reader decodes at all: above every bound the database keeps, so only a row

@@ -17,6 +17,7 @@ import psycopg.errors
 from pydantic import BaseModel
 
 from outbox import store, tracing
+from outbox.bounds import DECISION_LOCK_TIMEOUT
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError, DatabaseError, DecisionBlocked
 from outbox.intent import prepare_decision
@@ -50,6 +51,7 @@ def record_decision(
     tool_version: int | None = None,
     traceparent: str | None = None,
     own_transaction: bool = False,
+    lock_timeout: float = DECISION_LOCK_TIMEOUT,
 ) -> RecordedDecision:
     """Record an agent decision in the caller's transaction.
 
@@ -69,6 +71,12 @@ def record_decision(
     lost COMMIT leaves that open), and the key is how its retry finds the decision
     instead of recording a second one. Without the flag an autocommit connection is
     refused, since the caller's other writes would not commit with the decision.
+
+    ``lock_timeout`` is how many seconds the statement waits for a lock another session
+    holds (a ``LOCK TABLE``, a transaction holding the same decision key): 5 by default,
+    at most 60 (``OUTBOX_DECISION_LOCK_TIMEOUT`` for ``outbox mcp``). Past it the call
+    raises :class:`DecisionBlocked` and nothing is written: retry it with the same
+    decision key. The caller's session keeps its own ``lock_timeout``.
     """
     _check_own_transaction(own_transaction, decision_key)
     decision = prepare_decision(
@@ -80,9 +88,9 @@ def record_decision(
         tool_version=tool_version,
         traceparent=_traceparent_or_current(traceparent),
     )
-    with _blocked_said():
+    with _blocked_said(lock_timeout):
         return Store(connection, own_transaction=own_transaction).run(
-            store.record_decision(decision)
+            store.record_decision(decision, lock_timeout=lock_timeout)
         )
 
 
@@ -97,6 +105,7 @@ async def record_decision_async(
     tool_version: int | None = None,
     traceparent: str | None = None,
     own_transaction: bool = False,
+    lock_timeout: float = DECISION_LOCK_TIMEOUT,
 ) -> RecordedDecision:
     """The async twin of :func:`record_decision`."""
     _check_own_transaction(own_transaction, decision_key)
@@ -110,22 +119,22 @@ async def record_decision_async(
         traceparent=_traceparent_or_current(traceparent),
     )
     runner = await AsyncStore.on(connection, own_transaction=own_transaction)
-    with _blocked_said():
-        return await runner.run(store.record_decision(decision))
+    with _blocked_said(lock_timeout):
+        return await runner.run(store.record_decision(decision, lock_timeout=lock_timeout))
 
 
 @contextlib.contextmanager
-def _blocked_said() -> Iterator[None]:
-    """A decision that waited out outbox_record_decision's lock_timeout (5 s) raises
-    :class:`DecisionBlocked`, saying what the agent can do about it."""
+def _blocked_said(lock_timeout: float) -> Iterator[None]:
+    """A decision that waited out its lock timeout raises :class:`DecisionBlocked`,
+    saying what the agent can do about it."""
     try:
         yield
     except DatabaseError as error:
         if not isinstance(error.driver_error, psycopg.errors.LockNotAvailable):
             raise
         raise DecisionBlocked(
-            "the decision waited 5 s for a lock another session holds and was not "
-            "recorded; nothing was written: retry it with the same decision key"
+            f"the decision waited {lock_timeout:g} s for a lock another session holds and "
+            "was not recorded; nothing was written: retry it with the same decision key"
         ) from error
 
 

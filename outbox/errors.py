@@ -111,9 +111,10 @@ class TransientDatabaseError(DatabaseError):
 
 
 class DecisionBlocked(TransientDatabaseError):
-    """A decision waited its 5 s for a lock another session holds (a LOCK TABLE, a
-    transaction holding the same decision key) and was not recorded: nothing was
-    written. Retry it, with the same decision key, once that session ends."""
+    """A decision waited its lock timeout (5 s unless ``record_decision`` was given
+    another) for a lock another session holds (a LOCK TABLE, a transaction holding the
+    same decision key) and was not recorded: nothing was written. Retry it, with the
+    same decision key, once that session ends."""
 
 
 class ReadOnlyDatabase(TransientDatabaseError):

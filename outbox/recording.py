@@ -22,6 +22,7 @@ import time
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
+from outbox.bounds import DECISION_LOCK_TIMEOUT
 from outbox.connections import bounded_transaction
 from outbox.models import RecordedDecision
 from outbox.store import AsyncStore, NewDecision
@@ -32,17 +33,22 @@ CUT_MARGIN_SECONDS = 1.0
 
 
 async def record_decision_whole(
-    engine: AsyncEngine, decision: NewDecision, *, seconds: float
+    engine: AsyncEngine,
+    decision: NewDecision,
+    *,
+    seconds: float,
+    lock_timeout: float = DECISION_LOCK_TIMEOUT,
 ) -> RecordedDecision:
     """Record ``decision`` (validated already: :func:`outbox.intent.prepare_decision`)
     in a transaction of its own on ``engine``, cut if it takes longer than ``seconds``
-    (:class:`~outbox.connections.TransactionDeadlineExceeded`).
+    (:class:`~outbox.connections.TransactionDeadlineExceeded`); the insert waits at
+    most ``lock_timeout`` seconds for a lock (``LockNotAvailable``, nothing written).
 
     If the caller is cancelled meanwhile, the transaction still ends, committed or
     rolled back whole, and the caller waits for that up to the deadline before its
     cancellation goes on; past it, the transaction ends on its own in the background."""
     give_up_at = time.monotonic() + seconds + CUT_MARGIN_SECONDS
-    recording = asyncio.ensure_future(_record(engine, decision, seconds))
+    recording = asyncio.ensure_future(_record(engine, decision, seconds, lock_timeout))
     try:
         return await asyncio.shield(recording)
     except asyncio.CancelledError:
@@ -55,9 +61,13 @@ async def record_decision_whole(
         raise
 
 
-async def _record(engine: AsyncEngine, decision: NewDecision, seconds: float) -> RecordedDecision:
+async def _record(
+    engine: AsyncEngine, decision: NewDecision, seconds: float, lock_timeout: float
+) -> RecordedDecision:
     async with bounded_transaction(engine, seconds) as connection:
-        return await (await AsyncStore.on(connection)).run(store.record_decision(decision))
+        return await (await AsyncStore.on(connection)).run(
+            store.record_decision(decision, lock_timeout=lock_timeout)
+        )
 
 
 def _retrieve_quietly(recording: asyncio.Future[RecordedDecision]) -> None:

@@ -24,6 +24,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from outbox.bounds import DECISION_LOCK_TIMEOUT, MAX_DECISION_LOCK_TIMEOUT
 from outbox.errors import ConfigurationError
 from outbox.tool_queues import parse_tool_queues, tool_queue_problems
 
@@ -250,6 +251,12 @@ class Settings(BaseSettings):
         description="server-side idle_in_transaction_session_timeout, seconds (default: the "
         "hard transaction timeout; the dispatcher adds its publish timeout)",
     )
+    decision_lock_timeout: float = Field(
+        json_schema_extra=_in("duration"),
+        default=DECISION_LOCK_TIMEOUT,
+        description="seconds an agent's decision waits for another session's lock before it "
+        "raises DecisionBlocked, nothing written (outbox mcp; record_decision's lock_timeout)",
+    )
     db_tcp_user_timeout: float = Field(
         json_schema_extra=_in("database_bound", "duration"),
         default=10.0,
@@ -461,6 +468,14 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{value:g} s is longer than the 300 s standardwebhooks allows: give 300 or less"
             )
+        return value
+
+    @field_validator("decision_lock_timeout")
+    @classmethod
+    def _a_decisions_wait(cls, value: float) -> float:
+        # After _a_real_duration; outbox_record_decision refuses a longer one too.
+        if value > MAX_DECISION_LOCK_TIMEOUT:
+            raise ValueError(f"{value:g} s is too long: give {MAX_DECISION_LOCK_TIMEOUT:g} or less")
         return value
 
     @model_validator(mode="after")

@@ -1,9 +1,9 @@
 """The console's state-changing requests: resolve an escalation, grant or deny an
-approval, requeue dead letters.
+approval, requeue or discard dead letters.
 
 Each is :func:`~outbox.console.app.action`-wrapped (session CSRF token checked first),
 takes the operator's name from the session, and calls the same operator functions as
-``outbox ops resolve``, ``outbox approvals grant|deny`` and ``outbox dlq requeue``
+``outbox ops resolve``, ``outbox approvals grant|deny`` and ``outbox dlq requeue|discard``
 (:mod:`outbox.operator`), in one transaction: a refusal at any point changes nothing.
 """
 
@@ -23,8 +23,9 @@ from outbox.connections import command_transaction
 from outbox.console import forms
 from outbox.console.app import HTTPProblem, action, console_of, session_of
 from outbox.logs import log_fields
-from outbox.operator import dlq, views
+from outbox.operator import dlq, dlq_discard, views
 from outbox.operator import rules as operator_rules
+from outbox.operator.input import discard_reason
 from outbox.operator.render import approval_decided_text, resolved_text
 from outbox.store import Store
 
@@ -127,3 +128,44 @@ async def _requeue_action(request: Request, form: FormData, operator: str) -> Re
 
 
 requeue = action(_requeue_action)
+
+
+async def _discard_action(request: Request, form: FormData, operator: str) -> Response:
+    console = console_of(request)
+    # Only what the preview showed: a message dead-lettered since is not taken unseen.
+    selection = forms.discard_selection(form.get("message_id"), form.get("malformed")).shown_in(
+        forms.previewed_bodies(form.get("bodies"))
+    )
+    reason = discard_reason(forms.text(form.get("reason")))
+    report = await dlq_discard.discard_dead_letters(
+        console.settings,
+        selection,
+        record=dlq_discard.recorder(console.settings),
+        reason=reason,
+        by=operator,
+    )
+    # The record in Postgres says who and why; this line says a discard happened, with
+    # ids only (never a body, never the reason a person typed).
+    log_fields(
+        log,
+        logging.WARNING,
+        "console.dlq_discard",
+        "dead letters discarded from the console",
+        operator=operator,
+        discarded=len(report.records),
+        records=",".join(str(record.id) for record in report.records) or "-",
+        selection="malformed" if selection.malformed else "one",
+    )
+    if not report.records:
+        raise HTTPProblem(
+            404,
+            "no such message is in the dead-letter queue (discarded or requeued by someone else?)",
+        )
+    session_of(request).notice = (
+        f"discarded {len(report.records)} dead letter(s), each recorded first "
+        "(outbox dlq discarded lists the record)"
+    )
+    return RedirectResponse("/dead-letters", status_code=303)
+
+
+discard = action(_discard_action)

@@ -361,6 +361,8 @@ def create_app(console: Console) -> Starlette:
         Route("/approvals", pages.approvals, methods=["GET"]),
         Route("/dead-letters", pages.dead_letters, methods=["GET"]),
         Route("/dead-letters/requeue", actions.requeue, methods=["POST"]),
+        Route("/dead-letters/discard", pages.discard_preview, methods=["GET"]),
+        Route("/dead-letters/discard", actions.discard, methods=["POST"]),
         Route("/login", auth_views.login_page, methods=["GET"]),
         Route("/login", auth_views.login, methods=["POST"]),
         Route("/logout", auth_views.logout, methods=["POST"]),

@@ -12,6 +12,7 @@ from datetime import timedelta
 from outbox.contracts import Registry
 from outbox.errors import InputRefused
 from outbox.models import ApprovalDecision, Operation
+from outbox.operator.dlq_discard import Selection
 from outbox.operator.input import DEFAULT_APPROVAL_TTL
 from outbox.operator.rules import Resolution, refusal
 
@@ -84,3 +85,24 @@ def approval_ttl(value: object) -> timedelta | None:
     if not isinstance(value, str) or value not in APPROVAL_TTLS:
         raise FormRefused(f"choose how long the grant lasts: {', '.join(APPROVAL_TTLS)}")
     return APPROVAL_TTLS[value]
+
+
+def discard_selection(message_id: object, malformed: object) -> Selection:
+    """The dead letters a discard names: one message by id, or every malformed one."""
+    one = isinstance(message_id, str) and bool(message_id)
+    every = malformed == "yes"
+    if one == every:
+        raise FormRefused("choose one message, or every malformed one")
+    if one:
+        return Selection.of(message_ids=[str(message_id)])
+    return Selection.of(malformed=True)
+
+
+def previewed_bodies(value: object) -> list[str]:
+    """The digests of the bodies the discard's preview showed: only those go."""
+    digests = value.split(",") if isinstance(value, str) and value else []
+    if not digests or not all(_FINGERPRINT.fullmatch(d) for d in digests):
+        raise FormRefused(
+            "the form does not carry the messages its preview showed: open the preview again"
+        )
+    return digests

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -25,13 +25,18 @@ from outbox import store
 from outbox.bounds import is_unreadable
 from outbox.connections import command_transaction
 from outbox.console.app import HTTPProblem, console_of, page, render
-from outbox.console.forms import APPROVAL_TTLS, DEFAULT_TTL_CHOICE, resolution_choices
+from outbox.console.forms import (
+    APPROVAL_TTLS,
+    DEFAULT_TTL_CHOICE,
+    discard_selection,
+    resolution_choices,
+)
 from outbox.contract_card import provider_check
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation
-from outbox.operator import dlq, queues, timeline, views, waits
+from outbox.operator import dlq, dlq_discard, queues, timeline, views, waits
 from outbox.operator.input import has_controls
 from outbox.operator.queues import QueueState
 from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
@@ -468,25 +473,32 @@ async def approvals(request: Request) -> Response:
     )
 
 
-@page
-async def dead_letters(request: Request) -> Response:
-    settings = console_of(request).settings
+async def _from_broker(work: Awaitable[T]) -> T:
     try:
-        listing = await asyncio.wait_for(
-            dlq.list_dead_letters(settings, limit=dlq.DEFAULT_LIST_LIMIT),
-            timeout=BROKER_SECONDS * 2,
-        )
+        return await asyncio.wait_for(work, timeout=BROKER_SECONDS * 2)
     except TimeoutError:
         raise HTTPProblem(503, "the broker did not answer in time") from None
     except OutboxError as error:
         raise HTTPProblem(503, f"the dead-letter queue cannot be read: {error}") from None
-    database_error = None
+
+
+async def _with_operations(
+    request: Request, letters: list[dlq.DeadLetter]
+) -> tuple[list[views.DeadLetterView], str | None]:
     try:
-        messages = await read(request, lambda r: views.dead_letter_views(r, listing.messages))
+        return await read(request, lambda r: views.dead_letter_views(r, letters)), None
     except (OutboxError, psycopg.Error) as error:
         # The broker's view stands on its own: say why the operations are not beside it.
-        database_error = f"the operations could not be read ({type(error).__name__})"
-        messages = [views.dead_letter_views_without_database(m) for m in listing.messages]
+        return [views.dead_letter_views_without_database(m) for m in letters], (
+            f"the operations could not be read ({type(error).__name__})"
+        )
+
+
+@page
+async def dead_letters(request: Request) -> Response:
+    settings = console_of(request).settings
+    listing = await _from_broker(dlq.list_dead_letters(settings, limit=dlq.DEFAULT_LIST_LIMIT))
+    messages, database_error = await _with_operations(request, list(listing.messages))
     return render(
         request,
         "dead_letters.html",
@@ -495,4 +507,37 @@ async def dead_letters(request: Request) -> Response:
         database_error=database_error,
         now=datetime.now(UTC),
         age_text=age_text,
+        stamp=stamp,
+    )
+
+
+@page
+async def discard_preview(request: Request) -> Response:
+    """What a discard would take, and what becomes of each message's operation; the
+    discard itself is the form this page carries (:func:`outbox.console.actions.discard`)."""
+    query = request.query_params
+    selection = discard_selection(query.get("message_id"), query.get("malformed"))
+    report = await _from_broker(
+        dlq_discard.discard_dead_letters(
+            console_of(request).settings,
+            selection,
+            record=None,
+            reason="",
+            by="",
+            limit=dlq.DEFAULT_LIST_LIMIT,
+        )
+    )
+    letters = [candidate.letter for candidate in report.selected]
+    messages, database_error = await _with_operations(request, letters)
+    return render(
+        request,
+        "discard_dead_letters.html",
+        report=report,
+        rows=list(zip(report.selected, messages, strict=True)),
+        fate=dlq_discard.discard_fate,
+        message_id=query.get("message_id") or "",
+        malformed=query.get("malformed") == "yes",
+        limit=dlq.DEFAULT_LIST_LIMIT,
+        database_error=database_error,
+        stamp=stamp,
     )

@@ -47,6 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox.awaiting import Outcome, OutcomeWatcher, get_outcome_async
+from outbox.bounds import DECISION_LOCK_TIMEOUT
 from outbox.connections import DatabaseBounds, command_parameters
 from outbox.contracts import Registry, ToolContract
 from outbox.errors import (
@@ -128,12 +129,14 @@ class ToolHost:
         engine: AsyncEngine,
         watcher: OutcomeWatcher,
         bounds: DatabaseBounds,
+        decision_lock_timeout: float = DECISION_LOCK_TIMEOUT,
     ) -> None:
         self.registry = registry
         self.options = options
         self.engine = engine
         self.watcher = watcher
         self.bounds = bounds
+        self.decision_lock_timeout = decision_lock_timeout
 
     async def call(
         self, ctx: ServerRequestContext[Any], params: CallToolRequestParams
@@ -279,7 +282,10 @@ class ToolHost:
             # A client timeout cancels this handler: the recording still ends whole,
             # within the transaction's bound.
             return await record_decision_whole(
-                self.engine, decision, seconds=self.bounds.transaction
+                self.engine,
+                decision,
+                seconds=self.bounds.transaction,
+                lock_timeout=self.decision_lock_timeout,
             )
         except DecisionConflict:
             raise _Refused(refusal(CONFLICT), "decision_conflict") from None
@@ -416,7 +422,9 @@ def build_server(
                     tools=len(tools),
                     wait_s=options.wait,
                 )
-                yield ToolHost(registry, options, engine, watcher, bounds)
+                yield ToolHost(
+                    registry, options, engine, watcher, bounds, settings.decision_lock_timeout
+                )
         finally:
             await engine.dispose()
 

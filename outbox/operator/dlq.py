@@ -30,7 +30,9 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
+from uuid import UUID
 
 import aio_pika
 import aiormq.exceptions
@@ -78,6 +80,8 @@ class Death:
     reason: str
     queue: str
     count: int
+    time: datetime | None = None
+    """When the broker first dead-lettered it from this queue for this reason."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,25 @@ class DeadLetter:
     delivery_count: int | None
     chunk: tuple[OperationMessage, ...] = ()
     """The operations of a message that carries several (OUTBOX_MESSAGE_OPERATIONS)."""
+
+    @property
+    def died_at(self) -> datetime | None:
+        """When it first died (the earliest x-death time), where the broker wrote one."""
+        times = [death.time for death in self.deaths if death.time is not None]
+        return min(times) if times else None
+
+    @property
+    def operation_ids(self) -> tuple[UUID, ...]:
+        """The operations its envelope names: one, those of a chunk, or none."""
+        if self.envelope is not None:
+            return (self.envelope.operation_id,)
+        return tuple(entry.operation_id for entry in self.chunk)
+
+    @property
+    def tools(self) -> tuple[str, ...]:
+        """The tools its envelope names, each once, in order."""
+        entries = (self.envelope,) if self.envelope is not None else self.chunk
+        return tuple(dict.fromkeys(entry.tool for entry in entries))
 
     @property
     def parsed(self) -> bool:
@@ -288,6 +311,7 @@ def inspect(message: AbstractIncomingMessage) -> DeadLetter:
                 reason=_shown(entry.get("reason")) or "-",
                 queue=_shown(entry.get("queue")) or "-",
                 count=count if isinstance(count, int) else 0,
+                time=_utc(entry.get("time")),
             )
         )
         keys = entry.get("routing-keys")
@@ -306,6 +330,13 @@ def inspect(message: AbstractIncomingMessage) -> DeadLetter:
         routing_key=routing_keys[0] if routing_keys else message.routing_key or "",
         delivery_count=delivery_count if isinstance(delivery_count, int) else None,
     )
+
+
+def _utc(value: object) -> datetime | None:
+    """An AMQP timestamp, as the broker writes x-death's ``time`` (whole seconds, UTC)."""
+    if not isinstance(value, datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def _envelopes(body: bytes) -> OperationMessage | OperationChunk | None:

@@ -1,6 +1,8 @@
-"""``outbox dlq list`` and ``outbox dlq requeue``: the handlers and their parser.
+"""``outbox dlq list``, ``requeue``, ``discard`` and ``discarded``: the handlers and
+their parser.
 
-The queue itself is :mod:`outbox.operator.dlq`; each message beside its operation is
+The queue itself is :mod:`outbox.operator.dlq` (a discard and its record
+:mod:`outbox.operator.dlq_discard`); each message beside its operation is
 :func:`outbox.operator.views.dead_letter_views`, as the console's dead-letter page reads
 it; the text and JSON are :mod:`outbox.operator.render`.
 """
@@ -9,16 +11,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TypeAlias
 
 import psycopg
 
+from outbox import store
 from outbox.cli.arguments import add_setting_flags, positive_int
 from outbox.cli.run import print_json, run_async
 from outbox.connections import command_transaction
-from outbox.errors import OutboxError
-from outbox.operator import dlq, render
+from outbox.errors import ConfigurationError, OutboxError
+from outbox.operator import dlq, dlq_discard, render
+from outbox.operator.input import discard_reason
 from outbox.operator.views import (
     DeadLetterView,
     dead_letter_views,
@@ -33,7 +38,7 @@ Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 def cmd_dlq_list(args: argparse.Namespace, settings: Settings) -> int:
     listing = run_async(dlq.list_dead_letters(settings, limit=args.limit))
     now = datetime.now(UTC)
-    views = _dead_letter_views(settings, listing)
+    views = _dead_letter_views(settings, listing.messages)
     if args.json:
         print_json(render.dead_letters_json(listing, views, now))
     else:
@@ -41,22 +46,24 @@ def cmd_dlq_list(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _dead_letter_views(settings: Settings, listing: dlq.Listing) -> list[DeadLetterView]:
+def _dead_letter_views(
+    settings: Settings, messages: Sequence[dlq.DeadLetter]
+) -> list[DeadLetterView]:
     """The messages with their operations, as the console's dead-letter page reads them;
     the broker's view alone (and a line on stderr) when the operations cannot be read."""
-    if not any(message.parsed for message in listing.messages):
-        return [dead_letter_views_without_database(m) for m in listing.messages]
+    if not any(message.parsed for message in messages):
+        return [dead_letter_views_without_database(m) for m in messages]
     try:
         with command_transaction(settings) as connection:
             connection.read_only = True
-            return dead_letter_views(Store(connection), listing.messages)
+            return dead_letter_views(Store(connection), messages)
     except (OutboxError, psycopg.Error) as error:
         print(
-            f"outbox dlq list: the operations could not be read ({type(error).__name__}); "
+            f"outbox dlq: the operations could not be read ({type(error).__name__}); "
             "showing what the broker holds",
             file=sys.stderr,
         )
-        return [dead_letter_views_without_database(m) for m in listing.messages]
+        return [dead_letter_views_without_database(m) for m in messages]
 
 
 def cmd_dlq_requeue(args: argparse.Namespace, settings: Settings) -> int:
@@ -71,10 +78,51 @@ def cmd_dlq_requeue(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_dlq_discard(args: argparse.Namespace, settings: Settings) -> int:
+    # Everything a person typed is judged before a message is taken.
+    reason = discard_reason(args.reason)
+    by = args.by.strip()
+    if not by:
+        raise ConfigurationError("--by must name the person discarding")
+    selection = dlq_discard.Selection.of(
+        message_ids=args.message_ids,
+        malformed=args.malformed,
+        tool=args.tool,
+        death_reason=args.death_reason,
+    )
+    report = run_async(
+        dlq_discard.discard_dead_letters(
+            settings,
+            selection,
+            record=dlq_discard.recorder(settings) if args.yes else None,
+            reason=reason,
+            by=by,
+            limit=args.limit,
+        )
+    )
+    views = _dead_letter_views(settings, [c.letter for c in report.selected])
+    if args.json:
+        print_json(dlq_discard.report_json(report, views))
+    else:
+        print(dlq_discard.report_text(report, views))
+    return 0
+
+
+def cmd_dlq_discarded(args: argparse.Namespace, settings: Settings) -> int:
+    with command_transaction(settings) as connection:
+        connection.read_only = True
+        records = Store(connection).run(store.list_discarded_dead_letters(args.limit))
+    if args.json:
+        print_json([dlq_discard.record_json(record) for record in records])
+    else:
+        print(dlq_discard.records_text(records))
+    return 0
+
+
 def configure_dlq(commands: Commands) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         "dlq",
-        help="list or requeue the messages in the dead-letter queue",
+        help="list, requeue or discard the messages in the dead-letter queue",
         description="Look at the dead-letter queue without losing anything, and send "
         "dead-lettered operation messages back to the operations exchange. Bodies are "
         "never printed beyond the thin envelope (operation id, tool, tool version).",
@@ -127,3 +175,65 @@ def configure_dlq(commands: Commands) -> None:
         help="only messages with these ids (repeatable)",
     )
     requeue.set_defaults(handler=cmd_dlq_requeue)
+    _configure_discard(actions)
+
+
+def _configure_discard(actions: Commands) -> None:
+    discard = actions.add_parser(
+        "discard",
+        help="remove dead letters that can never run, each recorded first",
+        description="Remove the selected messages from the dead-letter queue: each is "
+        "recorded in Postgres (its body's SHA-256 and size, never the body; why it died; "
+        "your reason and name) and removed only once the record is committed. Without "
+        "--yes, a dry run: what would be discarded, all left in the queue. No operation "
+        "is lost: the output says what becomes of each message's operation. The record: "
+        "`outbox dlq discarded`.",
+    )
+    add_setting_flags(discard, "amqp_url", "dead_letter_queue", "database_url")
+    discard.add_argument(
+        "--message-id",
+        dest="message_ids",
+        action="extend",
+        nargs="+",
+        metavar="ID",
+        help="only messages with these ids (repeatable)",
+    )
+    discard.add_argument(
+        "--malformed",
+        action="store_true",
+        help="only bodies that are not an operation envelope (a consumer can never run them)",
+    )
+    discard.add_argument("--tool", help="only envelopes whose every operation is of this tool")
+    discard.add_argument(
+        "--death-reason",
+        choices=dlq_discard.DEATH_REASONS,
+        help="only messages RabbitMQ dead-lettered for this reason (x-death)",
+    )
+    discard.add_argument(
+        "--reason", required=True, help="why these messages can go (kept in the record)"
+    )
+    discard.add_argument("--by", required=True, help="who discards (name or email)")
+    discard.add_argument(
+        "--yes", action="store_true", help="discard; without it, only show what would go"
+    )
+    discard.add_argument(
+        "--limit", type=positive_int, help="discard at most N messages (default: no limit)"
+    )
+    discard.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    discard.set_defaults(handler=cmd_dlq_discard)
+    discarded = actions.add_parser(
+        "discarded",
+        help="the record of discarded dead letters, newest first",
+        description="Every dead letter discarded with `outbox dlq discard` or the console: "
+        "when, by whom (the person and the database login), why, and what it was (body "
+        "SHA-256 and size, operations, tools, when and why it died).",
+    )
+    add_setting_flags(discarded, "database_url")
+    discarded.add_argument(
+        "--limit",
+        type=positive_int,
+        default=dlq.DEFAULT_LIST_LIMIT,
+        help=f"show at most N records (default {dlq.DEFAULT_LIST_LIMIT})",
+    )
+    discarded.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    discarded.set_defaults(handler=cmd_dlq_discarded)

@@ -1,7 +1,8 @@
 """What a person may type into an operator command, one rule each: evidence, a
-provider's reference, an approval's lifetime. Every front end (``outbox ops``,
-``outbox approvals``, the console's forms) hands the raw value here and shows the
-refusal's sentence as it is, so a value one front end accepts no other refuses.
+provider's reference, an approval's lifetime, why dead letters are discarded. Every
+front end (``outbox ops``, ``outbox approvals``, ``outbox dlq discard``, the console's
+forms) hands the raw value here and shows the refusal's sentence as it is, so a value
+one front end accepts no other refuses.
 
 The operation a person names goes through :func:`outbox.operator.views.operation_id_of`,
 the one reading of an id (``op_<uuid>``, a bare uuid, or a short id).
@@ -42,17 +43,26 @@ def evidence(value: str | None) -> str:
     """What a resolution or a cancellation rests on, as it will be kept: 1 to
     ``RESOLUTION_EVIDENCE_LIMIT`` characters once trimmed, lines and tabs allowed, no
     other control character. Never cut: a longer one is refused."""
+    return _kept_words(value, "the evidence", "say what the decision rests on")
+
+
+def discard_reason(value: str | None) -> str:
+    """Why a person discards dead letters, as the record keeps it: the rule of
+    :func:`evidence`."""
+    return _kept_words(value, "the reason", "say why these messages can go")
+
+
+def _kept_words(value: str | None, what: str, ask: str) -> str:
     text = (value or "").strip()
     if not text:
-        raise InputRefused("the evidence is empty: say what the decision rests on")
+        raise InputRefused(f"{what} is empty: {ask}")
     if has_controls(text, allowed=_WRITING):
         raise InputRefused(
-            "the evidence holds control characters: write it as plain text (lines and tabs "
-            "are fine)"
+            f"{what} holds control characters: write it as plain text (lines and tabs are fine)"
         )
     if len(text) > RESOLUTION_EVIDENCE_LIMIT:
         raise InputRefused(
-            f"the evidence is {len(text)} characters; at most {RESOLUTION_EVIDENCE_LIMIT} "
+            f"{what} is {len(text)} characters; at most {RESOLUTION_EVIDENCE_LIMIT} "
             "are kept, so shorten it rather than lose its end"
         )
     return text

@@ -476,6 +476,9 @@ def dead_letters_text(listing: Listing, views: Sequence[DeadLetterView], now: da
     lines = [f"dead-lettered: {listing.count} message(s) in {listing.queue}"]
     for view in views:
         lines += [view.message.line(), f"  why: {printable(view.why)}"]
+        died = view.message.died_at
+        if died is not None:
+            lines.append(f"  died: {stamp(died)} ({age_text((now - died).total_seconds())} ago)")
         fate = dead_letter_fate(view, now)
         if fate is not None:
             lines.append(f"  {fate}")
@@ -491,6 +494,7 @@ def dead_letters_json(
     document["messages"] = [
         {
             **view.message.as_json(),
+            "died_at": instant(view.message.died_at),
             "why": view.why,
             "operation_state": None if view.operation_state is None else str(view.operation_state),
             "escalation": escalation_json(view.escalation, now),

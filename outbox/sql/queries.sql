@@ -10,14 +10,15 @@
 -- ==== outbox.store.operations: what every component shares (record, read, claim, commit, move)
 
 -- name: insert_decision
--- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql); no row back when (run_id, decision_key) is taken. Every column but the input, which the caller holds already (not parsed back).
+-- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql), waiting at most lock_timeout_ms for a lock; no row back when (run_id, decision_key) is taken. Every column but the input, which the caller holds already (not parsed back).
 SELECT id, run_id, decision_key, tool_name, tool_version, side_effect, input_fingerprint,
        requires_approval, state, attempts, reconcile_attempts, lease_token, lease_owner,
        lease_expires_at, next_attempt_at, first_attempt_at, provider_reference, result,
        last_error_class, effect_possible, created_at, updated_at
 FROM outbox_record_decision(
     %(id)s, %(run_id)s, %(decision_key)s, %(tool_name)s, %(tool_version)s, %(side_effect)s,
-    %(input)s, %(input_fingerprint)s, %(requires_approval)s, %(headers)s
+    %(input)s, %(input_fingerprint)s, %(requires_approval)s, %(headers)s,
+    %(lock_timeout_ms)s
 )
 
 -- name: fingerprint_key
@@ -983,6 +984,22 @@ FROM operations
 GROUP BY tool_name, state
 ORDER BY tool_name, state
 
+-- name: record_discarded_dead_letter
+-- Record one dead letter an operator is about to discard (its digest and size, never its body); the database stamps the login and the time.
+INSERT INTO discarded_dead_letters (message_id, operation_ids, tools, body_sha256, body_bytes,
+                                    death_reason, died_at, reason, discarded_by)
+VALUES (%(message_id)s, %(operation_ids)b::uuid[], %(tools)b::text[], %(body_sha256)s,
+        %(body_bytes)s, %(death_reason)s, %(died_at)s, %(reason)s, %(discarded_by)s)
+RETURNING id, recorded_as, discarded_at
+
+-- name: list_discarded_dead_letters
+-- The record of discarded dead letters for `outbox dlq discarded`, newest first.
+SELECT id, message_id, operation_ids, tools, body_sha256, body_bytes, death_reason, died_at,
+       reason, discarded_by, recorded_as, discarded_at
+FROM discarded_dead_letters
+ORDER BY id DESC
+LIMIT %(limit)s
+
 -- ==== outbox.store.console: `outbox console`, the operator's web pages
 
 -- name: console_operations_page
@@ -1203,7 +1220,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1213,6 +1230,7 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regclass('provider_calls') IS NOT NULL
        AND to_regproc('outbox_chain_agent_reports') IS NOT NULL
        AND to_regproc('outbox_chain_callback') IS NOT NULL
+       AND to_regclass('discarded_dead_letters') IS NOT NULL
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2

@@ -104,6 +104,8 @@ from outbox.store.operations import (
 )
 from outbox.store.operator import (
     RESOLUTION_EVIDENCE_LIMIT,
+    DeadLetterDiscard,
+    DiscardRecord,
     EscalationFilter,
     EscalationSelection,
     MatchedEscalation,
@@ -114,10 +116,12 @@ from outbox.store.operator import (
     escalations_matching,
     last_dead_letters,
     last_escalations,
+    list_discarded_dead_letters,
     list_operation_summaries,
     operation_stats,
     operations_with_prefix,
     pending_approvals,
+    record_discarded_dead_letters,
     resolve_operation,
 )
 from outbox.store.providers import (
@@ -171,7 +175,9 @@ __all__ = [
     "ConfirmedEffect",
     "ConsoleLogin",
     "Cursor",
+    "DeadLetterDiscard",
     "DeliveryClaim",
+    "DiscardRecord",
     "EscalationFilter",
     "EscalationSelection",
     "EventsPage",
@@ -228,6 +234,7 @@ __all__ = [
     "last_escalations",
     "lease_for_reconciliation",
     "list_callbacks",
+    "list_discarded_dead_letters",
     "list_operation_summaries",
     "listen_operation_changes",
     "listen_outbox_pending",
@@ -253,6 +260,7 @@ __all__ = [
     "provider_still_unavailable",
     "record_callback",
     "record_decision",
+    "record_discarded_dead_letters",
     "record_provider_answer",
     "record_provider_failure",
     "reject_denied_operations",

@@ -17,8 +17,15 @@ from uuid import UUID, uuid4
 from psycopg.types.json import Jsonb
 
 from outbox import lifecycle
-from outbox.bounds import bounded_reference, bounded_result, object_or_unreadable
+from outbox.bounds import (
+    DECISION_LOCK_TIMEOUT,
+    MAX_DECISION_LOCK_TIMEOUT,
+    bounded_reference,
+    bounded_result,
+    object_or_unreadable,
+)
 from outbox.errors import (
+    ConfigurationError,
     DecisionConflict,
     IllegalTransition,
     LeaseLost,
@@ -67,11 +74,23 @@ def fingerprint_key() -> Plan[str]:
     return key
 
 
-def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
+def record_decision(
+    decision: NewDecision, *, lock_timeout: float = DECISION_LOCK_TIMEOUT
+) -> Plan[RecordedDecision]:
     """Insert operation + outbox row + prepared event, or return the one already there.
 
-    Each statement is whole on its own (the insert writes the three rows at once, the
-    rest read), so the plan may also run with each statement committing as it runs."""
+    The insert waits at most ``lock_timeout`` seconds for a lock (from 1 ms to
+    ``MAX_DECISION_LOCK_TIMEOUT``), then fails with ``LockNotAvailable``, nothing
+    written. Each statement is whole on its own (the insert writes the three rows at
+    once, the rest read), so the plan may also run with each statement committing as it
+    runs."""
+    # Written so that NaN is refused too: every comparison with it is false.
+    if not 0.001 <= lock_timeout <= MAX_DECISION_LOCK_TIMEOUT:
+        raise ConfigurationError(
+            f"a decision's lock timeout is 0.001 to {MAX_DECISION_LOCK_TIMEOUT:g} seconds, "
+            f"not {lock_timeout!r}"
+        )
+    lock_timeout_ms = max(1, round(lock_timeout * 1000))
     key = yield from fingerprint_key()
     # The log line's fields. The event's attributes are written by the database function
     # from its own arguments (tool, version, run); the short fingerprint, which needs the
@@ -98,6 +117,7 @@ def record_decision(decision: NewDecision) -> Plan[RecordedDecision]:
                 "input_fingerprint": decision.input_fingerprint,
                 "requires_approval": decision.requires_approval,
                 "headers": Jsonb(decision.headers),
+                "lock_timeout_ms": lock_timeout_ms,
             },
         )
         if rows:

@@ -356,3 +356,86 @@ def resolve_operation(
     operation = Operation.model_validate(rows[0])
     lifecycle.emit(EventName.RESOLVED, operation, logged)
     return operation
+
+
+@dataclass(frozen=True)
+class DeadLetterDiscard:
+    """What is kept of one dead letter a person discards: never its body, only its
+    digest and size, with what its envelope named where it parsed."""
+
+    message_id: str | None
+    operation_ids: tuple[UUID, ...]
+    tools: tuple[str, ...]
+    body_sha256: str
+    body_bytes: int
+    death_reason: str | None
+    died_at: datetime | None
+    reason: str
+    discarded_by: str
+
+
+@dataclass(frozen=True)
+class DiscardRecord:
+    """One row of ``discarded_dead_letters``: the discard and who (person and database
+    login) recorded it when."""
+
+    id: int
+    discard: DeadLetterDiscard
+    recorded_as: str
+    discarded_at: datetime
+
+
+def record_discarded_dead_letters(
+    discards: list[DeadLetterDiscard],
+) -> Plan[list[DiscardRecord]]:
+    """Record each dead letter before it is removed from the queue: committed first, so
+    a discard is never a removal nobody can account for."""
+    records = []
+    for discard in discards:
+        rows = yield Step(
+            "record_discarded_dead_letter",
+            {
+                "message_id": discard.message_id,
+                "operation_ids": list(discard.operation_ids),
+                "tools": list(discard.tools),
+                "body_sha256": discard.body_sha256,
+                "body_bytes": discard.body_bytes,
+                "death_reason": discard.death_reason,
+                "died_at": discard.died_at,
+                "reason": discard.reason,
+                "discarded_by": discard.discarded_by,
+            },
+        )
+        records.append(
+            DiscardRecord(
+                id=int(rows[0]["id"]),
+                discard=discard,
+                recorded_as=str(rows[0]["recorded_as"]),
+                discarded_at=rows[0]["discarded_at"],
+            )
+        )
+    return records
+
+
+def list_discarded_dead_letters(limit: int) -> Plan[list[DiscardRecord]]:
+    """The record of discarded dead letters, newest first."""
+    rows = yield Step("list_discarded_dead_letters", {"limit": limit})
+    return [
+        DiscardRecord(
+            id=int(row["id"]),
+            discard=DeadLetterDiscard(
+                message_id=row["message_id"],
+                operation_ids=tuple(row["operation_ids"]),
+                tools=tuple(row["tools"]),
+                body_sha256=row["body_sha256"],
+                body_bytes=int(row["body_bytes"]),
+                death_reason=row["death_reason"],
+                died_at=row["died_at"],
+                reason=row["reason"],
+                discarded_by=row["discarded_by"],
+            ),
+            recorded_as=str(row["recorded_as"]),
+            discarded_at=row["discarded_at"],
+        )
+        for row in rows
+    ]

@@ -254,7 +254,7 @@ def test_a_version_9_database_pinned_to_its_schema_is_told_to_migrate_and_migrat
     execute_admin(
         database_url,
         "ALTER FUNCTION outbox_record_decision(uuid, text, text, text, integer, text, jsonb, "
-        "text, boolean, jsonb) SET search_path = public, pg_temp",
+        "text, boolean, jsonb, integer) SET search_path = public, pg_temp",
     )
     execute_admin(database_url, "DELETE FROM outbox_schema_version WHERE version = 10")
     execute_admin(database_url, "DROP TABLE outbox_schema_applied")

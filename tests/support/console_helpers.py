@@ -115,15 +115,21 @@ def csrf(test_client: TestClient, path: str = "/") -> str:
 
 async def dead_letter_one(
     settings: Settings,
-    envelope: OperationMessage | OperationChunk,
+    envelope: OperationMessage | OperationChunk | bytes,
     *,
     message_id: str = "outbox-1",
 ) -> None:
     """A genuine dead letter, x-death and all: taken from the operations queue (this
     test's topology, declared here) and rejected without requeue, as the consumer
-    rejects poison. Returns once the letter is in the dead-letter queue: the broker
-    dead-letters after the reject is acknowledged, not before."""
-    first = envelope.operations[0] if isinstance(envelope, OperationChunk) else envelope
+    rejects poison. Bytes are a body that is no envelope, sent as send_refund v1's.
+    Returns once the letter is in the dead-letter queue: the broker dead-letters after
+    the reject is acknowledged, not before."""
+    if isinstance(envelope, bytes):
+        body, routing_key = envelope, "send_refund.v1"
+    else:
+        first = envelope.operations[0] if isinstance(envelope, OperationChunk) else envelope
+        body = envelope.model_dump_json().encode()
+        routing_key = f"{first.tool}.v{first.tool_version}"
     amqp_url = settings.amqp_url.get_secret_value()
     connection = await aio_pika.connect(amqp_url)
     async with connection:
@@ -134,8 +140,7 @@ async def dead_letter_one(
             await wait_for_dead_letter_queue(amqp_url, settings.dead_letter_queue)
         exchange = await channel.get_exchange(settings.exchange)
         await exchange.publish(
-            aio_pika.Message(envelope.model_dump_json().encode(), message_id=message_id),
-            routing_key=f"{first.tool}.v{first.tool_version}",
+            aio_pika.Message(body, message_id=message_id), routing_key=routing_key
         )
         queue = await channel.get_queue(settings.queue)
         taken = None

@@ -41,6 +41,7 @@ TABLES = (
     "provider_health",
     "provider_events",
     "provider_calls",
+    "discarded_dead_letters",
 )
 
 
@@ -158,6 +159,9 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "all_provider_health",
         "list_provider_events",
         "waiting_operations_by_tool",
+        # `outbox dlq discard` records each dead letter first; `outbox dlq discarded`.
+        "record_discarded_dead_letter",
+        "list_discarded_dead_letters",
     },
     # `outbox callbacks` and record_callback(): one write path, and the catalog at start.
     CALLBACKS: {"record_callback", "schema_is_current"},

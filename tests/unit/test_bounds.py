@@ -62,6 +62,12 @@ def test_the_schemas_numbers_are_the_ones_python_enforces() -> None:
     ).replace("\\", "")
     assert f"> {MAX_RESULT_TEXT}" in _function("outbox_guard_transition")
     assert f"> {MAX_PROVIDER_REFERENCE}" in _function("outbox_guard_transition")
+    assert f"NOT BETWEEN 1 AND {round(bounds.MAX_DECISION_LOCK_TIMEOUT * 1000)}" in _function(
+        "outbox_record_decision"
+    )
+    assert f"DEFAULT {round(bounds.DECISION_LOCK_TIMEOUT * 1000)}" in _function(
+        "outbox_record_decision"
+    )
     assert f"interval '{MAX_APPROVAL_TTL.days} days'" in _function("outbox_guard_approval")
     # The traceparent the outbox trigger admits is the one tracing accepts.
     assert TRACEPARENT.pattern in _function("outbox_guard_outbox_row")

@@ -99,13 +99,15 @@ PUBLIC = {
         "(connection: 'SyncConnection', registry: 'Registry', tool: 'str', "
         "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
         "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
-        "traceparent: 'str | None' = None, own_transaction: 'bool' = False) -> 'RecordedDecision'"
+        "traceparent: 'str | None' = None, own_transaction: 'bool' = False, "
+        "lock_timeout: 'float' = 5.0) -> 'RecordedDecision'"
     ),
     "record_decision_async": (
         "(connection: 'AsyncConnection', registry: 'Registry', tool: 'str', "
         "tool_input: 'Mapping[str, Any] | BaseModel', *, run_id: 'str', "
         "decision_key: 'str | None' = None, tool_version: 'int | None' = None, "
-        "traceparent: 'str | None' = None, own_transaction: 'bool' = False) -> 'RecordedDecision'"
+        "traceparent: 'str | None' = None, own_transaction: 'bool' = False, "
+        "lock_timeout: 'float' = 5.0) -> 'RecordedDecision'"
     ),
 }
 STORE = [
@@ -123,9 +125,11 @@ STORE = [
     "ConfirmedEffect",
     "ConsoleLogin",
     "Cursor",
+    "DeadLetterDiscard",
     "DeliveryClaim",
     "EscalationFilter",
     "EscalationSelection",
+    "DiscardRecord",
     "EventsPage",
     "ExecutionBacklog",
     "FailedPublish",
@@ -180,6 +184,7 @@ STORE = [
     "last_escalations",
     "lease_for_reconciliation",
     "list_callbacks",
+    "list_discarded_dead_letters",
     "list_operation_summaries",
     "listen_operation_changes",
     "listen_outbox_pending",
@@ -205,6 +210,7 @@ STORE = [
     "provider_still_unavailable",
     "record_callback",
     "record_decision",
+    "record_discarded_dead_letters",
     "record_provider_answer",
     "record_provider_failure",
     "reject_denied_operations",

@@ -40,6 +40,7 @@ def state_changing_paths(op: Operation) -> list[str]:
         f"/operations/{op.display_id}/approval",
         "/escalations/batch",
         "/dead-letters/requeue",
+        "/dead-letters/discard",
         "/logout",
     ]
 
@@ -255,6 +256,7 @@ def test_a_post_without_the_sessions_csrf_token_changes_nothing(
             "ttl": "15m",
         },
         "/dead-letters/requeue": {"all": "yes"},
+        "/dead-letters/discard": {"malformed": "yes", "bodies": "0" * 64, "reason": "r"},
         "/logout": {},
     }
 

@@ -520,6 +520,20 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
     assert run(operator, outbox_store.all_providers()) == []
     assert run(operator, outbox_store.provider_events("send_refund")) == []
     assert run(operator, outbox_store.waiting_operations_by_tool()) == {}
+    # `outbox dlq discard` records a dead letter before removing it; `dlq discarded`.
+    discard = outbox_store.DeadLetterDiscard(
+        message_id="outbox-1",
+        operation_ids=(stuck.id,),
+        tools=("send_refund",),
+        body_sha256="0" * 64,
+        body_bytes=10,
+        death_reason="rejected",
+        died_at=None,
+        reason="poison, seen in the log",
+        discarded_by="oncall@example.com",
+    )
+    [recorded] = run(operator, outbox_store.record_discarded_dead_letters([discard]))
+    assert run(operator, outbox_store.list_discarded_dead_letters(10)) == [recorded]
 
     assert codes == [0] * len(codes), capsys.readouterr().err
     assert run(roles_database, outbox_store.get_operation(stuck.id)).state is S.COMMITTED

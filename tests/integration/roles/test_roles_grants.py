@@ -68,6 +68,8 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "provider_health": {"SELECT"},
         "provider_events": {"SELECT"},
         "provider_calls": {"SELECT"},
+        # The record of discarded dead letters: read, and appended to before a discard.
+        "discarded_dead_letters": {"SELECT"},
     },
     # No table at all: it writes through outbox_record_callback only.
     CALLBACKS: {},
@@ -126,6 +128,20 @@ COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
         ("operation_events", "INSERT"): _APPEND,
         ("approvals", "INSERT"): frozenset(
             {"id", "operation_id", "intent_hash", "decision", "approved_by", "expires_at"}
+        ),
+        # Never its id, its login or its time.
+        ("discarded_dead_letters", "INSERT"): frozenset(
+            {
+                "message_id",
+                "operation_ids",
+                "tools",
+                "body_sha256",
+                "body_bytes",
+                "death_reason",
+                "died_at",
+                "reason",
+                "discarded_by",
+            }
         ),
     },
 }
