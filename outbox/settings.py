@@ -16,7 +16,6 @@ from typing import Any, Literal, cast
 
 from pydantic import (
     Field,
-    JsonValue,
     SecretStr,
     ValidationInfo,
     field_validator,
@@ -44,29 +43,11 @@ from outbox.urls import with_database as with_database
 
 # Every other OUTBOX_* variable, and who reads it.
 from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
+from outbox.variables import SETTING_GROUPS as SETTING_GROUPS
 from outbox.variables import environment_value, unknown_variable
+from outbox.variables import in_groups as _in
 
 ENV_PREFIX = "OUTBOX_"
-
-
-# A setting's groups live on its field (json_schema_extra, read by settings_in), so a new
-# setting joins them where it is declared, not in lists kept apart from it:
-#   broker          where the broker's topology is: every command that talks to it offers them
-#   database_bound  a bound of a daemon's database session (outbox.connections)
-#   duration        a length of time, in seconds or as a timedelta: refused below MIN_SECONDS
-#                   (tests/unit/test_settings_refusals.py checks that none is missing)
-#   lease_bounded   the server-side bounds and the client's transaction deadline: each must
-#                   end before the lease does (docs/design.md section 9), or a session whose
-#                   client went silent could still hold an operation's row when the
-#                   reconciler comes to take it over
-#   serving         a bound of the front doors (outbox.serving): every command that serves
-#                   HTTP offers them
-SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded", "serving")
-
-
-def _in(*groups: str) -> dict[str, JsonValue]:
-    assert set(groups) <= set(SETTING_GROUPS), groups
-    return {"groups": list(groups)}
 
 
 # The shortest duration any setting accepts. Below it a wait is a busy loop (a reconcile

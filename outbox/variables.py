@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Mapping
 from datetime import timedelta
 
-from pydantic import SecretStr, TypeAdapter
+from pydantic import JsonValue, SecretStr, TypeAdapter
 
 # Every OUTBOX_* variable something in this project reads besides the settings (outbox/settings.py),
 # and who reads it. The prefix is ours: a name in it that nobody reads is a typo, and a
@@ -75,3 +75,24 @@ def environment_value(value: object) -> str:
         return str(value)
     # A new field of another type must say here how its variable is written.
     raise TypeError(f"no environment form for a {type(value).__name__} setting")
+
+
+# A setting's groups live on its field (json_schema_extra, read by settings_in), so a new
+# setting joins them where it is declared, not in lists kept apart from it:
+#   broker          where the broker's topology is: every command that talks to it offers them
+#   database_bound  a bound of a daemon's database session (outbox.connections)
+#   duration        a length of time, in seconds or as a timedelta: refused below MIN_SECONDS
+#                   (tests/unit/test_settings_refusals.py checks that none is missing)
+#   lease_bounded   the server-side bounds and the client's transaction deadline: each must
+#                   end before the lease does (docs/design.md section 9), or a session whose
+#                   client went silent could still hold an operation's row when the
+#                   reconciler comes to take it over
+#   serving         a bound of the front doors (outbox.serving): every command that serves
+#                   HTTP offers them
+SETTING_GROUPS = ("broker", "database_bound", "duration", "lease_bounded", "serving")
+
+
+def in_groups(*groups: str) -> dict[str, JsonValue]:
+    """A setting's ``json_schema_extra``: the groups it is in."""
+    assert set(groups) <= set(SETTING_GROUPS), groups
+    return {"groups": list(groups)}
