@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 
+import aio_pika
 import psycopg
 import pytest
 
@@ -253,3 +254,34 @@ async def test_a_database_that_cannot_record_removes_nothing(
     assert code != 0
     assert "could not connect to Postgres" in err
     await held(settings, 1)
+
+
+async def test_a_broker_that_fails_after_the_record_leaves_the_message_recorded_and_says_so(
+    settings: Settings, database_url: str, cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The record commits, then the ack is refused (the channel closed under it): the
+    # message must stay in the queue, its discard on the record, and the command must
+    # say that a re-run removes it, not report a generic broker error.
+    await dead_letter_one(settings, POISON, message_id="poison-1")
+
+    async def refused_ack(self: object, multiple: bool = False) -> None:
+        raise ConnectionError("the channel closed")
+
+    monkeypatch.setattr(aio_pika.IncomingMessage, "ack", refused_ack)
+    code, out, err = await cli("discard", "--malformed", "--reason", "junk", "--by", "ana", "--yes")
+
+    assert code != 0
+    assert "1 discard(s) recorded, but the broker failed before 1 of them left" in err
+    assert "Run the command again" in err
+    assert CANARY not in out + err
+    await held(settings, 1)
+    assert [row[0] for row in records(database_url)] == ["poison-1"]
+
+    monkeypatch.undo()
+    monkeypatch.setenv("OUTBOX_AMQP_URL", settings.amqp_url.get_secret_value())
+    monkeypatch.setenv("OUTBOX_DEAD_LETTER_QUEUE", settings.dead_letter_queue)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    code, _, err = await cli("discard", "--malformed", "--reason", "junk", "--by", "ana", "--yes")
+    assert code == 0, err
+    await held(settings, 0)
+    assert [row[0] for row in records(database_url)] == ["poison-1", "poison-1"]
