@@ -18,7 +18,6 @@ from pydantic import (
     Field,
     JsonValue,
     SecretStr,
-    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -43,7 +42,7 @@ from outbox.urls import with_database as with_database
 
 # Every other OUTBOX_* variable, and who reads it.
 from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
-from outbox.variables import unknown_variable
+from outbox.variables import environment_value, unknown_variable
 
 ENV_PREFIX = "OUTBOX_"
 
@@ -179,6 +178,18 @@ class Settings(BaseSettings):
         json_schema_extra=_in("duration"),
         default=timedelta(days=7),
         description="how long published rows are kept (seconds or ISO 8601)",
+    )
+    # docs/operating.md, "History retention": `outbox history archive` moves a settled
+    # operation after the hot window, `outbox history drop` its day after the retention.
+    history_hot: timedelta = Field(
+        json_schema_extra=_in("duration"),
+        default=timedelta(days=7),
+        description="how long a settled operation stays in the hot tables (seconds or ISO 8601)",
+    )
+    history_retention: timedelta = Field(
+        json_schema_extra=_in("duration"),
+        default=timedelta(days=90),
+        description="how long history keeps a settled operation (seconds or ISO 8601)",
     )
     tools: str = Field(
         default="",
@@ -415,12 +426,12 @@ class Settings(BaseSettings):
                 ) from None
         return value
 
-    @field_validator("retention", "requeue_stale_after", "approval_denial_grace", mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _seconds_as_text(cls, value: object) -> object:
+    def _seconds_as_text(cls, value: object, info: ValidationInfo) -> object:
         # pydantic reads "3600" as a malformed ISO 8601 duration, where the docs (and
         # every other duration setting) take a number of seconds.
-        if isinstance(value, str):
+        if isinstance(value, str) and info.field_name in _DURATIONS:
             with contextlib.suppress(ValueError):
                 return float(value)
         return value
@@ -455,7 +466,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _possible_together(self) -> Settings:
-        problems = [*self._bounds_past_the_lease(), *self._retry_waits()]
+        problems = [*self._bounds_past_the_lease(), *self._retry_waits(), *self._history()]
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -488,6 +499,14 @@ class Settings(BaseSettings):
             f"{first:g} s or more, or lower {setting_variable('publish_retry_initial')}"
         ]
 
+    def _history(self) -> list[str]:
+        hot, kept, name = self.history_hot, self.history_retention, setting_variable
+        if hot < kept:
+            return []
+        return [
+            f"{name('history_hot')} ({hot}) must be shorter than {name('history_retention')} ({kept})"
+        ]
+
     @property
     def amqp_urls(self) -> list[str]:
         """The broker addresses, in the order a connect tries them first (secrets
@@ -510,7 +529,7 @@ class Settings(BaseSettings):
         them. Never log it.
         """
         return {
-            setting_variable(name): _environment_value(value)
+            setting_variable(name): environment_value(value)
             for name in type(self).model_fields
             if (value := getattr(self, name)) is not None
         }
@@ -553,25 +572,6 @@ def check_variables(environ: Mapping[str, str]) -> None:
     ]
     if problems:
         raise ConfigurationError("; ".join(problems))
-
-
-_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
-
-
-def _environment_value(value: object) -> str:
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, bool):  # before int: a bool is one
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # the shortest text that reads back as the same float
-    if isinstance(value, timedelta):
-        # ISO 8601 is exact to the microsecond; seconds as a float would not be.
-        return str(_TIMEDELTA.dump_python(value, mode="json"))
-    if isinstance(value, int | str):
-        return str(value)
-    # A new field of another type must say here how its variable is written.
-    raise TypeError(f"no environment form for a {type(value).__name__} setting")
 
 
 def load_settings(**overrides: object) -> Settings:

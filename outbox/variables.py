@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from datetime import timedelta
+
+from pydantic import SecretStr, TypeAdapter
 
 # Every OUTBOX_* variable something in this project reads besides the settings (outbox/settings.py),
 # and who reads it. The prefix is ours: a name in it that nobody reads is a typo, and a
@@ -51,3 +54,23 @@ def unknown_variable(name: str, known: frozenset[str], prefix: str) -> str:
         "correct its name (docs/operating.md lists them), or give a variable of your own "
         "another prefix"
     )
+
+
+TIMEDELTA_FORM: TypeAdapter[timedelta] = TypeAdapter(timedelta)
+
+
+def environment_value(value: object) -> str:
+    """A setting's value as the text of its ``OUTBOX_*`` variable (secrets revealed)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):  # before int: a bool is one
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # the shortest text that reads back as the same float
+    if isinstance(value, timedelta):
+        # ISO 8601 is exact to the microsecond; seconds as a float would not be.
+        return str(TIMEDELTA_FORM.dump_python(value, mode="json"))
+    if isinstance(value, int | str):
+        return str(value)
+    # A new field of another type must say here how its variable is written.
+    raise TypeError(f"no environment form for a {type(value).__name__} setting")

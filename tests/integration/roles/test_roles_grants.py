@@ -68,6 +68,12 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "provider_health": {"SELECT"},
         "provider_events": {"SELECT"},
         "provider_calls": {"SELECT"},
+        # `outbox history status` and `export`, `ops show` of an archived operation.
+        "history": {"SELECT"},
+        "history_checkpoints": {"SELECT"},
+        "history_keys_0": {"SELECT"},
+        "history_keys_1": {"SELECT"},
+        "history_key_generations": {"SELECT"},
     },
     # No table at all: it writes through outbox_record_callback only.
     CALLBACKS: {},

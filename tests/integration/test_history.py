@@ -1,0 +1,192 @@
+"""History retention (schema version 13, docs/operating.md "History retention"): settled
+operations leave the hot tables whole, into history, and a decision whose key was
+archived is never recorded twice; what is never moved stays; the chain of a moved
+operation still verifies, from the database and from an export."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import pytest
+
+from outbox import OperationState, Registry, record_decision
+from outbox import store as outbox_store
+from outbox.history_file import broken_links, load_line
+from outbox.models import ApprovalDecision
+from outbox.states import EventName
+
+from support.db_helpers import execute_admin
+from support.ops_helpers import Ops
+
+S = OperationState
+HOT = timedelta(hours=1)
+
+
+@pytest.fixture
+def ops(database_url: str, registry: Registry) -> Ops:
+    return Ops(database_url, registry)
+
+
+def settled_days_ago(database_url: str, operation_id: UUID, days: int) -> None:
+    """What only the owner could do, and what the test needs: the operation settled
+    ``days`` ago (its settled time is its last update; a terminal row takes none), its
+    message published long since."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SET LOCAL session_replication_role = replica")
+        connection.execute(
+            "UPDATE operations SET updated_at = now() - make_interval(days => %s) WHERE id = %s",
+            (days, operation_id),
+        )
+        connection.execute(
+            "UPDATE outbox SET published_at = now() WHERE operation_id = %s", (operation_id,)
+        )
+
+
+def archive_all(ops: Ops, hot: timedelta = HOT, batch: int = 100) -> list[Any]:
+    checkpoints: list[Any] = []
+    while moved := ops.run(outbox_store.archive_batch(hot, batch)):
+        checkpoints.extend(moved)
+    return checkpoints
+
+
+def hot_rows(database_url: str, operation_id: UUID) -> dict[str, int]:
+    counts = {}
+    for table in (
+        "operations",
+        "outbox",
+        "operation_events",
+        "operation_event_heads",
+        "approvals",
+        "callbacks",
+        "agent_reports",
+    ):
+        column = "id" if table == "operations" else "operation_id"
+        counts[table] = execute_admin(
+            database_url, f"SELECT count(*) FROM {table} WHERE {column} = %s", (operation_id,)
+        )[0][0]
+    return counts
+
+
+def recorded(database_url: str, registry: Registry, key: str, amount: int = 100) -> Any:
+    with psycopg.connect(database_url) as connection:
+        return record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": "pay_1", "amount_cents": amount, "reason": ""},
+            run_id="run-history",
+            decision_key=key,
+        )
+
+
+def test_a_decision_whose_key_was_archived_returns_the_archived_operation(
+    ops: Ops, database_url: str, registry: Registry
+) -> None:
+    first = recorded(database_url, registry, "refund-1")
+    operation = ops.move(ops.move(first.operation, S.IN_FLIGHT), S.COMMITTED)
+    settled_days_ago(database_url, operation.id, 2)
+
+    checkpoints = archive_all(ops)
+    again = recorded(database_url, registry, "refund-1")
+
+    assert first.created
+    assert [c.operations for c in checkpoints] == [1]
+    assert hot_rows(database_url, operation.id) == dict.fromkeys(
+        hot_rows(database_url, operation.id), 0
+    )
+    assert again.created is False
+    assert again.operation.id == operation.id
+    assert again.operation.state is S.COMMITTED
+    assert execute_admin(
+        database_url,
+        "SELECT count(*) FROM operations o JOIN outbox x ON x.operation_id = o.id "
+        "WHERE o.run_id = 'run-history'",
+    ) == [(0,)]
+
+
+def test_a_changed_intent_under_an_archived_key_is_refused(
+    ops: Ops, database_url: str, registry: Registry
+) -> None:
+    first = recorded(database_url, registry, "refund-2")
+    operation = ops.move(ops.move(first.operation, S.IN_FLIGHT), S.REJECTED)
+    settled_days_ago(database_url, operation.id, 2)
+    archive_all(ops)
+
+    with pytest.raises(Exception, match="decision key already recorded"):
+        recorded(database_url, registry, "refund-2", amount=999)
+
+    assert execute_admin(
+        database_url, "SELECT count(*) FROM operations WHERE run_id = 'run-history'"
+    ) == [(0,)]
+
+
+def test_only_settled_operations_past_the_hot_window_move(ops: Ops, database_url: str) -> None:
+    kept = {
+        state: ops.at(state) for state in (S.PREPARED, S.IN_FLIGHT, S.OUTCOME_UNKNOWN, S.ESCALATED)
+    }
+    recent = ops.at(S.COMMITTED)
+    old = ops.at(S.COMMITTED)
+    for operation in (*kept.values(), old):
+        settled_days_ago(database_url, operation.id, 30)
+
+    archive_all(ops)
+
+    assert hot_rows(database_url, old.id)["operations"] == 0
+    for operation in (*kept.values(), recent):
+        assert hot_rows(database_url, operation.id)["operations"] == 1
+        assert ops.run(outbox_store.verify_chain(operation.id)).intact
+
+
+def test_an_archived_operation_keeps_its_whole_evidence_and_its_chain_verifies(
+    ops: Ops, database_url: str
+) -> None:
+    operation = ops.new()
+    ops.run(
+        outbox_store.append_event(
+            operation,
+            EventName.APPROVAL_REQUIRED,
+            {"policy": "x", "n": 1.50, "deep": {"é\n": [1, None, True], "a": "\u0001\"\\"}},
+        )
+    )
+    ops.run(
+        outbox_store.decide_approval(
+            operation.id,
+            decision=ApprovalDecision.GRANTED,
+            approved_by="lead@example.com",
+            ttl=timedelta(hours=1),
+        )
+    )
+    operation = ops.move(ops.move(operation, S.IN_FLIGHT), S.COMMITTED)
+    before = execute_admin(
+        database_url,
+        "SELECT id, seq, encode(hash, 'hex') FROM operation_events "
+        "WHERE operation_id = %s ORDER BY seq",
+        (operation.id,),
+    )
+    settled_days_ago(database_url, operation.id, 3)
+
+    archive_all(ops)
+    line = ops.run(outbox_store.archived_operation(operation.id))
+    row = load_line(line)
+
+    assert [(e["id"], e["seq"], e["hash"]) for e in row["events"]] == before
+    assert len(row["approvals"]) == 1
+    assert row["event_count"] == len(before)
+    assert broken_links(row) == []
+
+
+def test_a_changed_archived_event_is_found(ops: Ops, database_url: str) -> None:
+    operation = ops.move(ops.move(ops.new(), S.IN_FLIGHT), S.COMMITTED)
+    settled_days_ago(database_url, operation.id, 3)
+    archive_all(ops)
+    row = load_line(ops.run(outbox_store.archived_operation(operation.id)))
+
+    row["events"][1]["attributes"]["attempt"] = 7
+    links = broken_links(row)
+
+    assert [(link.event_id, link.reason) for link in links] == [
+        (row["events"][1]["id"], "hash_mismatch")
+    ]
