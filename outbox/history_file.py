@@ -39,7 +39,7 @@ _ESCAPES = {
 }
 
 
-class ArchiveUnreadable(ValueError):
+class ArchiveUnreadable(Exception):
     """The file is not an export: what is wrong, and on which line."""
 
 

@@ -503,9 +503,7 @@ class Settings(BaseSettings):
         hot, kept, name = self.history_hot, self.history_retention, setting_variable
         if hot < kept:
             return []
-        return [
-            f"{name('history_hot')} ({hot}) must be shorter than {name('history_retention')} ({kept})"
-        ]
+        return [f"{name('history_hot')} ({hot}) must be less than {name('history_retention')}"]
 
     @property
     def amqp_urls(self) -> list[str]:

@@ -5,7 +5,9 @@ operation still verifies, from the database and from an export."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -14,6 +16,7 @@ import pytest
 
 from outbox import OperationState, Registry, record_decision
 from outbox import store as outbox_store
+from outbox.cli import run_command
 from outbox.history_file import broken_links, load_line
 from outbox.models import ApprovalDecision
 from outbox.states import EventName
@@ -148,7 +151,7 @@ def test_an_archived_operation_keeps_its_whole_evidence_and_its_chain_verifies(
         outbox_store.append_event(
             operation,
             EventName.APPROVAL_REQUIRED,
-            {"policy": "x", "n": 1.50, "deep": {"é\n": [1, None, True], "a": "\u0001\"\\"}},
+            {"policy": "x", "n": 1.50, "deep": {"é\n": [1, None, True], "a": '\u0001"\\'}},
         )
     )
     ops.run(
@@ -190,3 +193,109 @@ def test_a_changed_archived_event_is_found(ops: Ops, database_url: str) -> None:
     assert [(link.event_id, link.reason) for link in links] == [
         (row["events"][1]["id"], "hash_mismatch")
     ]
+
+
+def archived_day(database_url: str, operation_id: UUID) -> str:
+    rows = execute_admin(
+        database_url,
+        "SELECT settled_on::text FROM history WHERE operation_id = %s",
+        (operation_id,),
+    )
+    return str(rows[0][0])
+
+
+def test_archive_export_verify_and_drop_from_the_command_line(
+    ops: Ops,
+    database_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    old = [ops.at(S.COMMITTED) for _ in range(3)]
+    for operation in old:
+        settled_days_ago(database_url, operation.id, 200)
+    recent = ops.at(S.COMMITTED)
+
+    archived = run_command(["history", "archive", "--hot", "1d", "--batch", "2"])
+    archive_out = capsys.readouterr().out
+    day = archived_day(database_url, old[0].id)
+    shown = run_command(["ops", "show", old[0].display_id])
+    verified = run_command(["ops", "verify", old[0].display_id])
+    show_out = capsys.readouterr().out
+    exported = run_command(["history", "export", "--day", day, "--out", str(tmp_path)])
+    export = tmp_path / f"history-{day}.jsonl"
+    offline = run_command(["ops", "verify", "--archive", str(export), "--json"])
+    offline_out = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    dropped = run_command(["history", "drop", "--retention", "30d"])
+    drop_out = capsys.readouterr().out
+    gone = run_command(["ops", "verify", old[0].display_id])
+
+    assert [archived, shown, verified, exported, offline, dropped] == [0] * 6
+    assert "moved 3 settled operation(s)" in archive_out
+    assert "archived" in show_out
+    assert "evidence chain intact" in show_out
+    assert offline_out["intact"]
+    assert offline_out["digest_matches"]
+    assert offline_out["operations_checked"] == 3
+    assert f"{day}: dropped 3 operation(s)" in drop_out
+    assert "lock time" in drop_out
+    assert gone == 2
+    assert execute_admin(database_url, "SELECT count(*) FROM history") == [(0,)]
+    assert execute_admin(
+        database_url,
+        "SELECT kind, operations FROM history_checkpoints WHERE settled_on = %s::date ORDER BY id",
+        (day,),
+    ) == [("archived", 2), ("archived", 1), ("exported", 3), ("dropped", 3)]
+    assert ops.run(outbox_store.verify_chain(recent.id)).intact
+    # The export still proves what left, without the database.
+    assert run_command(["ops", "verify", "--archive", str(export)]) == 0
+
+
+def test_a_tampered_export_fails_verification(
+    ops: Ops,
+    database_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    for operation in [ops.at(S.COMMITTED), ops.at(S.REJECTED)]:
+        settled_days_ago(database_url, operation.id, 50)
+    assert run_command(["history", "archive"]) == 0
+    day = archived_day(database_url, operation.id)
+    assert run_command(["history", "export", "--day", day, "--out", str(tmp_path)]) == 0
+    lines = (tmp_path / f"history-{day}.jsonl").read_text().splitlines()
+    capsys.readouterr()
+
+    changed = tmp_path / "changed.jsonl"
+    row = load_line(lines[1])
+    row["events"][-1]["name"] = "operation.committed" if row["state"] == "rejected" else "x.y"
+    changed.write_text("\n".join([lines[0], json.dumps(row, default=str), lines[2]]) + "\n")
+    dropped_line = tmp_path / "dropped.jsonl"
+    dropped_line.write_text("\n".join(lines[:2]) + "\n")
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("not json\n")
+
+    assert run_command(["ops", "verify", "--archive", str(changed)]) == 1
+    assert "hash_mismatch" in capsys.readouterr().out
+    assert run_command(["ops", "verify", "--archive", str(dropped_line)]) == 1
+    assert "checkpoint MISMATCH" in capsys.readouterr().out
+    assert run_command(["ops", "verify", "--archive", str(garbage)]) == 2
+    assert "not JSON" in capsys.readouterr().err
+
+
+def test_a_hot_window_not_shorter_than_the_retention_is_refused(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    monkeypatch.setenv("OUTBOX_HISTORY_HOT", "P30D")
+    monkeypatch.setenv("OUTBOX_HISTORY_RETENTION", "P30D")
+
+    assert run_command(["history", "archive"]) == 2
+    assert "OUTBOX_HISTORY_HOT" in capsys.readouterr().err
+    monkeypatch.delenv("OUTBOX_HISTORY_HOT")
+    assert run_command(["history", "archive", "--hot", "40d"]) == 2
+    assert "must be shorter than the retention" in capsys.readouterr().err
+    assert run_command(["history", "drop", "--retention", "1d"]) == 2
+    assert execute_admin(database_url, "SELECT count(*) FROM history_checkpoints") == [(0,)]
