@@ -21,6 +21,7 @@ from typing import Any, TypeAlias
 from uuid import UUID
 
 import psycopg
+import psycopg.errors
 
 from outbox import store
 from outbox.cli.arguments import add_setting_flags, duration, positive_int_up_to
@@ -28,6 +29,7 @@ from outbox.cli.run import print_json
 from outbox.connections import command_transaction
 from outbox.errors import (
     ConfigurationError,
+    DatabaseError,
     OperationNotFound,
     ServiceUnavailable,
     connect_failure,
@@ -150,6 +152,18 @@ def _owner_connection(settings: Settings) -> psycopg.Connection[Any]:
         ) from None
 
 
+def _dropped_checkpoint(owner: psycopg.Connection[Any], day: date) -> store.DayCheckpoint:
+    try:
+        return Store(owner, require_transaction=False).run(store.checkpoint_day(day, "dropped"))
+    except DatabaseError as error:
+        if isinstance(error.driver_error, psycopg.errors.InsufficientPrivilege):
+            raise ConfigurationError(
+                "history drop runs as the owner of the outbox tables (the login `outbox "
+                "migrate` runs as): no group role may detach or drop a day of history"
+            ) from None
+        raise
+
+
 def cmd_history_drop(args: argparse.Namespace, settings: Settings) -> int:
     """Drop every day older than the retention: export it first when asked, write its
     checkpoint, detach it concurrently and drop it; then forget old decision keys."""
@@ -168,9 +182,7 @@ def cmd_history_drop(args: argparse.Namespace, settings: Settings) -> int:
             if args.export_dir is not None:
                 path, _ = _export(settings, day.settled_on, args.export_dir)
                 print(f"{day.settled_on.isoformat()}: exported to {printable(str(path))}")
-            checkpoint = Store(owner, require_transaction=False).run(
-                store.checkpoint_day(day.settled_on, "dropped")
-            )
+            checkpoint = _dropped_checkpoint(owner, day.settled_on)
             timing = store.drop_partition(owner, day.partition, finish_detach=day.detaching)
             dropped.append((checkpoint, timing))
             print(

@@ -1114,13 +1114,6 @@ FROM history_checkpoints
 ORDER BY id DESC
 LIMIT %(limit)s
 
--- name: history_day_checkpoints
--- Every checkpoint of one day, oldest first: what `ops verify --archive` compares an export's digest with when a database is given.
-SELECT id, kind, settled_on, operations, events, digest, recorded_by, recorded_at
-FROM history_checkpoints
-WHERE settled_on = %(day)s
-ORDER BY id
-
 -- name: history_operation
 -- One archived operation, found by id in each day's index, as the text Postgres gives its history row (the form an export line has): what `ops show` and `ops verify` read once the hot tables no longer hold it.
 SELECT to_jsonb(h)::text AS line

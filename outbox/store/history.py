@@ -111,12 +111,6 @@ def recent_checkpoints(limit: int) -> Plan[list[DayCheckpoint]]:
     return [_checkpoint(row) for row in rows]
 
 
-def day_checkpoints(day: date) -> Plan[list[DayCheckpoint]]:
-    """Every checkpoint of one day, oldest first."""
-    rows = yield Step("history_day_checkpoints", {"day": day})
-    return [_checkpoint(row) for row in rows]
-
-
 def archived_operation(operation_id: UUID) -> Plan[str | None]:
     """The archived operation's history row as Postgres prints it, or None."""
     rows = yield Step("history_operation", {"id": operation_id})

@@ -175,7 +175,6 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_export_page",
         "history_days",
         "history_recent_checkpoints",
-        "history_day_checkpoints",
         "history_operation",
     },
     HISTORY_DROP: {

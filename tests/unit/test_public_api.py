@@ -164,7 +164,6 @@ STORE = [
     "claim_reconciliation_batch",
     "commit_many",
     "console_login",
-    "day_checkpoints",
     "decide_approval",
     "defer_reconciliation",
     "delete_published_outbox_rows",
