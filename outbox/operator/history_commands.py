@@ -49,11 +49,21 @@ MAX_BATCH = 10_000
 RECENT_CHECKPOINTS = 10
 
 
+def _span(value: timedelta) -> str:
+    """A window as the flags take it: 7d, 12h, 30m, 45s."""
+    seconds = int(value.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{value.total_seconds():g}s"
+
+
 def _hot(args: argparse.Namespace, settings: Settings) -> timedelta:
     hot: timedelta = args.hot or settings.history_hot
     if hot >= settings.history_retention:
         raise ConfigurationError(
-            f"--hot {hot} must be shorter than the retention ({settings.history_retention}, "
+            f"--hot {_span(hot)} must be shorter than the retention "
+            f"({_span(settings.history_retention)}, "
             "OUTBOX_HISTORY_RETENTION): an operation moves to history before its day is dropped"
         )
     return hot
@@ -90,7 +100,7 @@ def cmd_history_archive(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     total = sum(counts[0] for counts in moved.values())
     print(
-        f"moved {total} settled operation(s) older than {hot} into history "
+        f"moved {total} settled operation(s) older than {_span(hot)} into history "
         f"in {batches} batch(es), {elapsed:.2f} s"
     )
     for day, (operations, events) in sorted(moved.items()):
@@ -170,8 +180,8 @@ def cmd_history_drop(args: argparse.Namespace, settings: Settings) -> int:
     retention: timedelta = args.retention or settings.history_retention
     if retention <= settings.history_hot:
         raise ConfigurationError(
-            f"--retention {retention} must be longer than the hot window "
-            f"({settings.history_hot}, OUTBOX_HISTORY_HOT)"
+            f"--retention {_span(retention)} must be longer than the hot window "
+            f"({_span(settings.history_hot)}, OUTBOX_HISTORY_HOT)"
         )
     before = (datetime.now(UTC) - retention).date()
     with command_transaction(settings) as connection:
@@ -193,9 +203,12 @@ def cmd_history_drop(args: argparse.Namespace, settings: Settings) -> int:
             )
         rotated = Store(owner, require_transaction=False).run(store.rotate_keys(retention))
     if not dropped:
-        print(f"no day of history is older than {retention}: nothing dropped")
+        print(f"no day of history is older than {_span(retention)}: nothing dropped")
     if rotated:
-        print(f"forgot the decision keys archived more than {retention} ago")
+        print(
+            "archived decision keys: the older generation, all of it settled more than "
+            f"{_span(retention)} ago, was cleared and now takes new keys"
+        )
     return 0
 
 

@@ -147,13 +147,14 @@ def test_an_archived_operation_keeps_its_whole_evidence_and_its_chain_verifies(
     ops: Ops, database_url: str
 ) -> None:
     operation = ops.new()
-    ops.run(
-        outbox_store.append_event(
-            operation,
-            EventName.APPROVAL_REQUIRED,
-            {"policy": "x", "n": 1.50, "deep": {"é\n": [1, None, True], "a": '\u0001"\\'}},
-        )
-    )
+    # Attributes whose jsonb text form the Python hash must rebuild exactly: a decimal
+    # with its scale, nesting, escapes, a key of two bytes for one character.
+    attributes: dict[str, Any] = {
+        "policy": "x",
+        "n": 1.50,
+        "deep": {"é\n": [1, None, True], "a": '\u0001"\\'},
+    }
+    ops.run(outbox_store.append_event(operation, EventName.APPROVAL_REQUIRED, attributes))
     ops.run(
         outbox_store.decide_approval(
             operation.id,
