@@ -6,6 +6,7 @@ operation still verifies, from the database and from an export."""
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,15 @@ import pytest
 from outbox import OperationState, Registry, record_decision
 from outbox import store as outbox_store
 from outbox.cli import run_command
+from outbox.errors import TransientDatabaseError
 from outbox.history_file import broken_links, load_line
 from outbox.models import ApprovalDecision
 from outbox.states import EventName
+from outbox.store import Store
 
 from support.db_helpers import execute_admin
 from support.ops_helpers import Ops
+from support.waiting import eventually_sync
 
 S = OperationState
 HOT = timedelta(hours=1)
@@ -300,3 +304,46 @@ def test_a_hot_window_not_shorter_than_the_retention_is_refused(
     assert "must be shorter than the retention" in capsys.readouterr().err
     assert run_command(["history", "drop", "--retention", "1d"]) == 2
     assert execute_admin(database_url, "SELECT count(*) FROM history_checkpoints") == [(0,)]
+
+
+def test_a_decision_racing_the_move_of_its_key_is_refused_and_its_retry_gets_the_archived_one(
+    ops: Ops, database_url: str, registry: Registry
+) -> None:
+    first = recorded(database_url, registry, "refund-race")
+    operation = ops.move(ops.move(first.operation, S.IN_FLIGHT), S.COMMITTED)
+    settled_days_ago(database_url, operation.id, 2)
+    outcome: dict[str, Any] = {}
+
+    def retry() -> None:
+        try:
+            outcome["recorded"] = recorded(database_url, registry, "refund-race")
+        except Exception as error:  # the test judges it
+            outcome["error"] = error
+
+    # The move has deleted the hot row and written the key, and not committed: the retry
+    # finds no key, and its insert waits for the move's transaction.
+    with psycopg.connect(database_url) as mover:
+        assert Store(mover).run(outbox_store.archive_batch(HOT, 10))
+        racer = threading.Thread(target=retry)
+        racer.start()
+        eventually_sync(
+            lambda: (
+                execute_admin(
+                    database_url,
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                == [(1,)]
+            ),
+            within=10,
+            what="the retried decision waiting for the move",
+        )
+    racer.join(10)
+    again = recorded(database_url, registry, "refund-race")
+
+    assert isinstance(outcome.get("error"), TransientDatabaseError), outcome
+    assert again.created is False
+    assert again.operation.id == operation.id
+    assert execute_admin(
+        database_url, "SELECT count(*) FROM operations WHERE run_id = 'run-history'"
+    ) == [(0,)]
