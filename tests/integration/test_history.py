@@ -18,7 +18,7 @@ import pytest
 from outbox import OperationState, Registry, record_decision
 from outbox import store as outbox_store
 from outbox.cli import run_command
-from outbox.errors import TransientDatabaseError
+from outbox.errors import DatabaseError, TransientDatabaseError
 from outbox.history_file import broken_links, load_line
 from outbox.models import ApprovalDecision
 from outbox.states import EventName
@@ -347,3 +347,34 @@ def test_a_decision_racing_the_move_of_its_key_is_refused_and_its_retry_gets_the
     assert execute_admin(
         database_url, "SELECT count(*) FROM operations WHERE run_id = 'run-history'"
     ) == [(0,)]
+
+
+def test_an_operation_that_is_not_quiet_stays_until_it_is(ops: Ops, database_url: str) -> None:
+    unpublished = ops.at(S.COMMITTED)
+    reported = ops.at(S.COMMITTED)
+    reporting = ops.at(S.COMMITTED)
+    for operation in (unpublished, reported, reporting):
+        settled_days_ago(database_url, operation.id, 5)
+    execute_admin(
+        database_url,
+        "UPDATE outbox SET published_at = NULL WHERE operation_id = %s",
+        (unpublished.id,),
+    )
+    ops.run(outbox_store.report_agent_completed(reported.id, {"agent.outcome": "done"}))
+
+    # An agent's report on it is being recorded: its lock is held until that commits.
+    with psycopg.connect(database_url) as agent:
+        agent.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended('outbox.agent_reports:' || %s, 0))",
+            (str(reporting.id),),
+        )
+        assert archive_all(ops) == []
+    moved = archive_all(ops)  # the lock let go: what is quiet now moves
+    # A report that comes after the move finds no operation, and leaves nothing behind.
+    with pytest.raises(DatabaseError, match="agent_reports_operation"):
+        ops.run(outbox_store.report_agent_completed(reporting.id, {"agent.outcome": "late"}))
+
+    assert [checkpoint.operations for checkpoint in moved] == [1]
+    assert hot_rows(database_url, unpublished.id)["operations"] == 1
+    assert hot_rows(database_url, reported.id)["operations"] == 1
+    assert hot_rows(database_url, reporting.id)["operations"] == 0
