@@ -31,7 +31,10 @@
 --                      operation_callbacks (`ops show`), list_callbacks (`outbox
 --                      callbacks list`), operation_ids_in_range (a short id such as
 --                      `op_74ca7733` in `ops show`), list_approval_candidates
---                      (`approvals pending`, with each one's latest decision)
+--                      (`approvals pending`, with each one's latest decision);
+--                      `outbox history` archive, export and status (EXECUTE on
+--                      outbox_history_archive and outbox_history_checkpoint, SELECT on
+--                      history and history_checkpoints)
 --   outbox_callbacks   `outbox callbacks` and record_callback(): record_callback
 --                      (EXECUTE on outbox_record_callback, its only write path and
 --                      its only privilege), schema_is_current (the catalog)
@@ -114,7 +117,8 @@ $$;
 REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_version,
     outbox_schema_applied, outbox_deployment, operation_event_heads, operation_status,
     callbacks, provider_health, provider_events, provider_calls, agent_reports,
-    discarded_dead_letters
+    discarded_dead_letters, history, history_checkpoints, history_keys_0, history_keys_1,
+    history_key_generations
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
@@ -152,6 +156,14 @@ REVOKE ALL ON FUNCTION outbox_report_agent_completed(uuid, jsonb)
     FROM PUBLIC, outbox_dispatcher, outbox_consumer, outbox_operator, outbox_callbacks;
 REVOKE ALL ON FUNCTION outbox_chain_agent_reports(integer)
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_operator, outbox_callbacks;
+-- History retention (schema.sql version 13): the move into history is the operators'
+-- (and the owner's); a checkpoint of a day, for an export, too. Forgetting decision keys
+-- and creating partitions are the owner's alone, and dropping a day needs ownership of
+-- history, which no group holds: no agent, dispatcher, consumer or callbacks login can
+-- move, detach or drop anything of it.
+REVOKE ALL ON FUNCTION outbox_history_archive(interval, integer), outbox_history_checkpoint(date, text),
+    outbox_history_rotate_keys(interval), outbox_history_partition(date), outbox_history_moving()
+    FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator, outbox_callbacks;
 
 -- No temporary tables for anyone by default in this database: a temporary table is
 -- searched before any schema for a relation, and so is the one object every login can
@@ -257,6 +269,12 @@ GRANT INSERT (id, operation_id, intent_hash, decision, approved_by, expires_at) 
 GRANT SELECT ON outbox_schema_version TO outbox_operator;
 -- `outbox ops verify` compares each chain with its head: reading only.
 GRANT SELECT ON operation_event_heads TO outbox_operator;
+-- `outbox history archive` moves settled operations into history (as the owner, through
+-- the function); `history status`, `history export`, `ops show` and `ops verify` read it.
+GRANT EXECUTE ON FUNCTION outbox_history_archive(interval, integer),
+    outbox_history_checkpoint(date, text) TO outbox_operator;
+GRANT SELECT ON history, history_checkpoints, history_keys_0, history_keys_1,
+    history_key_generations TO outbox_operator;
 
 -- The consumer applies provider callbacks (docs/design.md section 5, "Callbacks"): it reads
 -- the inbox (and locks the rows it applies: FOR UPDATE needs UPDATE) and writes one

@@ -396,9 +396,28 @@ CREATE TRIGGER operation_events_by_role
     REFERENCING NEW TABLE AS appended
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_guard_event_names();
 
+-- Version 13: the one exception is the history move (outbox_history_archive, below),
+-- which deletes an archived operation's events in the transaction that copied them into
+-- history. It says so with a transaction-local setting, and runs as the tables' owner:
+-- any login can set the setting, but only the owner (who may switch this trigger off
+-- anyway) is let through by it, and no component login is the owner.
+CREATE OR REPLACE FUNCTION outbox_history_moving() RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN current_setting('outbox.history_move', true) IS NOT DISTINCT FROM 'on'
+           AND (SELECT c.relowner FROM pg_class c
+                WHERE c.oid = '@schema@.operations'::regclass)
+               = (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user);
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_history_moving() FROM PUBLIC;
+
 CREATE OR REPLACE FUNCTION outbox_events_append_only() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
+    IF TG_OP = 'DELETE' AND @schema@.outbox_history_moving() THEN
+        RETURN OLD;
+    END IF;
     RAISE EXCEPTION 'operation_events is append-only'
         USING ERRCODE = 'insufficient_privilege';
 END;
@@ -563,6 +582,10 @@ CREATE TRIGGER operation_events_chain
 CREATE OR REPLACE FUNCTION outbox_event_heads_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
+    -- Version 13: the history move deletes the heads of the operations it archived.
+    IF TG_OP = 'DELETE' AND @schema@.outbox_history_moving() THEN
+        RETURN NULL;
+    END IF;
     RAISE EXCEPTION 'operation_event_heads is written only by the operation_events chain trigger'
         USING ERRCODE = 'insufficient_privilege';
 END;
@@ -828,6 +851,24 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     PERFORM pg_catalog.set_config('lock_timeout', p_lock_timeout_ms::text || 'ms', true);
+    -- Version 13: a decision whose operation moved to history (outbox_history_archive)
+    -- is still recorded: its key is in one of the two key generations, and the call
+    -- returns the archived operation (without its input) instead of creating a second
+    -- one. The caller tells it from a new one by its id, which is not p_id. Two index
+    -- probes; a key with no decision key is never looked up.
+    IF p_decision_key IS NOT NULL THEN
+        RETURN QUERY
+        SELECT (jsonb_populate_record(NULL::@schema@.operations, k.operation)).*
+        FROM (SELECT g.operation FROM @schema@.history_keys_0 g
+              WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key
+              UNION ALL
+              SELECT g.operation FROM @schema@.history_keys_1 g
+              WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key
+              LIMIT 1) AS k;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
     RETURN QUERY
     WITH operation AS (
         INSERT INTO @schema@.operations (id, run_id, decision_key, tool_name, tool_version,
@@ -849,6 +890,19 @@ BEGIN
         FROM operation o
     )
     SELECT * FROM operation;
+    -- The move may have taken the key between the probe above and this insert: its
+    -- delete of the old row let the insert through, and it committed before this
+    -- statement looked. Looked for again, with a snapshot taken after the insert, it is
+    -- found; the transaction is refused as a serialization failure, and the retry
+    -- returns the archived operation. Paid only by a decision that created a row.
+    IF FOUND AND p_decision_key IS NOT NULL
+       AND (EXISTS (SELECT 1 FROM @schema@.history_keys_0 g
+                    WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
+            OR EXISTS (SELECT 1 FROM @schema@.history_keys_1 g
+                       WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)) THEN
+        RAISE EXCEPTION 'decision key moved to history while it was recorded; retry the transaction'
+            USING ERRCODE = 'serialization_failure';
+    END IF;
 END;
 $$;
 -- A new function is executable by PUBLIC; roles.sql grants this one to the agent only.
@@ -1071,6 +1125,11 @@ BEGIN
         RAISE EXCEPTION 'agent.completed attributes are the agent''s own: keys agent.<name>, at most 4096 bytes'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operation_events_agent_namespace';
     END IF;
+    -- Version 13: the lock first, then the operation. The history move takes the same
+    -- lock (trying, never waiting) before it archives an operation, so a report either
+    -- finds its operation still here, and the move passes over it until the report is
+    -- chained, or finds it gone: never a report left behind for an archived operation.
+    PERFORM pg_advisory_xact_lock(hashtextextended('outbox.agent_reports:' || p_operation_id::text, 0));
     SELECT o.recorded_by INTO recorder FROM @schema@.operations o WHERE o.id = p_operation_id;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no operation % to report on', p_operation_id
@@ -1085,7 +1144,6 @@ BEGIN
         RAISE EXCEPTION 'operation % was recorded by another login: an agent reports only on its own', p_operation_id
             USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'agent_reports_own_operations';
     END IF;
-    PERFORM pg_advisory_xact_lock(hashtextextended('outbox.agent_reports:' || p_operation_id::text, 0));
     IF (SELECT count(*) FROM @schema@.agent_reports r WHERE r.operation_id = p_operation_id)
        + (SELECT count(*) FROM @schema@.operation_events e
           WHERE e.operation_id = p_operation_id AND e.name = 'agent.completed') >= 16 THEN
@@ -1124,6 +1182,311 @@ BEGIN
 END;
 $$;
 REVOKE ALL ON FUNCTION outbox_chain_agent_reports(integer) FROM PUBLIC;
+
+-- Version 13: history retention (docs/design.md section 15). A settled operation
+-- leaves the hot tables OUTBOX_HISTORY_HOT after it settled, whole, into one row of
+-- history: the operation row, its events (with their chain links, hex), callbacks,
+-- approvals and agent reports, and its chain head. history is partitioned by the day
+-- (UTC) the operation settled, so a day leaves by DETACH and DROP (outbox history drop,
+-- as the tables' owner), never by row deletes. The primary key carries the partition
+-- key, as Postgres requires: an operation is found by id in each day's index (an
+-- operator's look-up, not the agent's path), and by (run_id, decision_key) likewise.
+CREATE TABLE IF NOT EXISTS history (
+    settled_on     date NOT NULL,
+    operation_id   uuid NOT NULL,
+    run_id         text NOT NULL,
+    decision_key   text,
+    state          text NOT NULL CHECK (state IN ('committed', 'rejected')),
+    settled_at     timestamptz NOT NULL,
+    archived_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    operation      jsonb NOT NULL,
+    -- [{id, seq, name, attributes, created_at (UTC, microseconds), prev_hash, hash}]
+    events         jsonb NOT NULL,
+    callbacks      jsonb NOT NULL,
+    approvals      jsonb NOT NULL,
+    agent_reports  jsonb NOT NULL,
+    -- The chain head as operation_event_heads held it when the operation left.
+    event_count    integer NOT NULL CHECK (event_count >= 0),
+    last_hash      text CHECK (last_hash ~ '^[0-9a-f]{64}$'),
+    PRIMARY KEY (operation_id, settled_on)
+) PARTITION BY RANGE (settled_on);
+CREATE INDEX IF NOT EXISTS history_decision_key ON history (run_id, decision_key);
+
+-- What left and its hash: one row per archive batch and day, per export and per dropped
+-- day. The digest is SHA-256 over the lines "<operation id> <events> <last hash>" of the
+-- day's operations, in id order, joined by newlines (outbox_history_digest): the heads
+-- `ops verify` compares, so a file or a partition that lost, gained or changed an
+-- operation's chain after the checkpoint no longer matches it. Append-only.
+CREATE TABLE IF NOT EXISTS history_checkpoints (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    kind         text NOT NULL CHECK (kind IN ('archived', 'exported', 'dropped')),
+    settled_on   date NOT NULL,
+    operations   integer NOT NULL CHECK (operations >= 0),
+    events       bigint NOT NULL CHECK (events >= 0),
+    digest       text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+    recorded_by  name NOT NULL DEFAULT session_user,
+    recorded_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS history_checkpoints_day ON history_checkpoints (settled_on, id);
+
+CREATE OR REPLACE FUNCTION outbox_history_checkpoints_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'history_checkpoints is append-only'
+        USING ERRCODE = 'insufficient_privilege';
+END;
+$$;
+DROP TRIGGER IF EXISTS history_checkpoints_append_only ON history_checkpoints;
+CREATE TRIGGER history_checkpoints_append_only
+    BEFORE UPDATE OR DELETE ON history_checkpoints
+    FOR EACH ROW EXECUTE FUNCTION outbox_history_checkpoints_append_only();
+
+-- The decision keys of archived operations, in two plain generations (not a partitioned
+-- table: a look-up by key cannot be pruned to a day, design section 15), so that
+-- outbox_record_decision, with two index probes, returns the archived operation for a
+-- retried decision instead of creating a second one. Each key row holds the operation
+-- row without its input: the answer outlives the day's partition. The current
+-- generation takes new keys; the other one is truncated, and becomes the current one,
+-- once every key in it is older than the retention (outbox_history_rotate_keys): keys
+-- are remembered at least as long as the retention, at most twice as long.
+CREATE TABLE IF NOT EXISTS history_keys_0 (
+    run_id        text NOT NULL,
+    decision_key  text NOT NULL,
+    operation_id  uuid NOT NULL,
+    settled_on    date NOT NULL,
+    operation     jsonb NOT NULL,
+    PRIMARY KEY (run_id, decision_key)
+);
+CREATE TABLE IF NOT EXISTS history_keys_1 (
+    run_id        text NOT NULL,
+    decision_key  text NOT NULL,
+    operation_id  uuid NOT NULL,
+    settled_on    date NOT NULL,
+    operation     jsonb NOT NULL,
+    PRIMARY KEY (run_id, decision_key)
+);
+CREATE TABLE IF NOT EXISTS history_key_generations (
+    generation  smallint PRIMARY KEY CHECK (generation IN (0, 1)),
+    current     boolean NOT NULL,
+    since       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+INSERT INTO history_key_generations (generation, current) VALUES (0, true), (1, false)
+ON CONFLICT (generation) DO NOTHING;
+
+-- The checkpoint digest of a set of chain heads (see history_checkpoints). Python's
+-- outbox/history_file.py computes the same from an export.
+CREATE OR REPLACE FUNCTION outbox_history_digest_line(p_operation_id uuid, p_events integer,
+                                                      p_last_hash text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN p_operation_id::text || ' ' || p_events::text || ' ' || coalesce(p_last_hash, '-');
+
+-- The day's partition of history, created when missing (as the owner: the partition is
+-- the owner's, and readable only through history's own grants).
+CREATE OR REPLACE FUNCTION outbox_history_partition(p_day date) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    partition_name text := 'history_p' || to_char(p_day, 'YYYYMMDD');
+BEGIN
+    IF to_regclass('@schema@.' || quote_ident(partition_name)) IS NULL THEN
+        EXECUTE format('CREATE TABLE IF NOT EXISTS @schema@.%I PARTITION OF @schema@.history '
+                       'FOR VALUES FROM (%L) TO (%L)', partition_name, p_day, p_day + 1);
+    END IF;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_history_partition(date) FROM PUBLIC;
+
+-- Move one batch of settled operations older than p_hot into history, in the caller's
+-- transaction (the command commits each batch on its own). Only committed and rejected
+-- operations, which nothing moves again (the transition trigger says terminal), and
+-- only quiet ones: no unpublished outbox row, no callback waiting to be applied, no
+-- agent report waiting to be chained, and none whose row, callback lock or report lock
+-- another session holds (SKIP LOCKED, try-locks: the move waits for nobody and stops
+-- nobody). Escalations, waiting and unfinished operations never move. Returns one
+-- checkpoint per day the batch touched; nothing when there was nothing to move.
+CREATE OR REPLACE FUNCTION outbox_history_archive(p_hot interval, p_batch integer)
+RETURNS TABLE (settled_on date, operations integer, events bigint, digest text)
+LANGUAGE plpgsql SECURITY DEFINER
+SET lock_timeout = '2s'
+AS $$
+DECLARE
+    moving uuid[];
+    day date;
+    key_generation smallint;
+BEGIN
+    IF p_hot IS NULL OR p_hot < interval '0' OR p_batch IS NULL OR p_batch < 1 THEN
+        RAISE EXCEPTION 'the hot window is a duration of at least 0 and the batch at least 1'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- The current key generation, held against a rotation until this batch commits.
+    SELECT g.generation INTO key_generation
+    FROM @schema@.history_key_generations g WHERE g.current FOR SHARE;
+    SELECT array_agg(picked.id) INTO moving FROM (
+        SELECT o.id
+        FROM @schema@.operations o
+        WHERE o.state IN ('committed', 'rejected')
+          AND o.updated_at < now() - p_hot
+          AND NOT EXISTS (SELECT 1 FROM @schema@.outbox x
+                          WHERE x.operation_id = o.id AND x.published_at IS NULL)
+          AND NOT EXISTS (SELECT 1 FROM @schema@.callbacks c
+                          WHERE c.operation_id = o.id AND c.applied_at IS NULL)
+          AND NOT EXISTS (SELECT 1 FROM @schema@.agent_reports r WHERE r.operation_id = o.id)
+          AND pg_try_advisory_xact_lock(
+                  hashtextextended('outbox.agent_reports:' || o.id::text, 0))
+          AND pg_try_advisory_xact_lock(@schema@.outbox_callback_lock_key(o.id))
+        ORDER BY o.updated_at, o.id
+        LIMIT least(p_batch, 10000)
+        FOR UPDATE OF o SKIP LOCKED
+    ) AS picked;
+    IF moving IS NULL THEN
+        RETURN;
+    END IF;
+    FOR day IN
+        SELECT DISTINCT (o.updated_at AT TIME ZONE 'UTC')::date
+        FROM @schema@.operations o WHERE o.id = ANY (moving)
+    LOOP
+        PERFORM @schema@.outbox_history_partition(day);
+    END LOOP;
+    -- The next day to become eligible, ahead of time.
+    PERFORM @schema@.outbox_history_partition(((now() - p_hot) AT TIME ZONE 'UTC')::date + 1);
+
+    RETURN QUERY
+    WITH archived AS (
+        INSERT INTO @schema@.history AS h
+            (settled_on, operation_id, run_id, decision_key, state, settled_at, operation,
+             events, "callbacks", "approvals", "agent_reports", event_count, last_hash)
+        SELECT (o.updated_at AT TIME ZONE 'UTC')::date, o.id, o.run_id, o.decision_key,
+               o.state, o.updated_at, to_jsonb(o),
+               coalesce((SELECT jsonb_agg(jsonb_build_object(
+                                    'id', e.id, 'seq', e.seq, 'name', e.name,
+                                    'attributes', e.attributes,
+                                    'created_at', to_char(e.created_at AT TIME ZONE 'UTC',
+                                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                                    'prev_hash', encode(e.prev_hash, 'hex'),
+                                    'hash', encode(e.hash, 'hex')) ORDER BY e.seq, e.id)
+                         FROM @schema@.operation_events e WHERE e.operation_id = o.id),
+                        '[]'::jsonb),
+               coalesce((SELECT jsonb_agg(to_jsonb(c) ORDER BY c.id)
+                         FROM @schema@.callbacks c WHERE c.operation_id = o.id), '[]'::jsonb),
+               coalesce((SELECT jsonb_agg(to_jsonb(a) ORDER BY a.created_at, a.id)
+                         FROM @schema@.approvals a WHERE a.operation_id = o.id), '[]'::jsonb),
+               coalesce((SELECT jsonb_agg(to_jsonb(r) ORDER BY r.id)
+                         FROM @schema@.agent_reports r WHERE r.operation_id = o.id),
+                        '[]'::jsonb),
+               coalesce(hd.events, 0), encode(hd.last_hash, 'hex')
+        FROM @schema@.operations o
+        LEFT JOIN @schema@.operation_event_heads hd ON hd.operation_id = o.id
+        WHERE o.id = ANY (moving)
+        RETURNING h.settled_on, h.operation_id, h.event_count, h.last_hash
+    ), checkpoint AS (
+        INSERT INTO @schema@.history_checkpoints AS k
+            (kind, settled_on, "operations", events, digest)
+        SELECT 'archived', a.settled_on, count(*), sum(a.event_count),
+               encode(sha256(convert_to(string_agg(
+                   @schema@.outbox_history_digest_line(a.operation_id, a.event_count,
+                                                       a.last_hash),
+                   E'\n' ORDER BY a.operation_id), 'UTF8')), 'hex')
+        FROM archived a
+        GROUP BY a.settled_on
+        RETURNING k.settled_on, k.operations, k.events, k.digest
+    )
+    SELECT c.settled_on, c.operations, c.events, c.digest FROM checkpoint c;
+
+    IF key_generation = 0 THEN
+        INSERT INTO @schema@.history_keys_0 (run_id, decision_key, operation_id, settled_on, operation)
+        SELECT o.run_id, o.decision_key, o.id, (o.updated_at AT TIME ZONE 'UTC')::date,
+               to_jsonb(o) - 'input'
+        FROM @schema@.operations o
+        WHERE o.id = ANY (moving) AND o.decision_key IS NOT NULL
+        ON CONFLICT DO NOTHING;
+    ELSE
+        INSERT INTO @schema@.history_keys_1 (run_id, decision_key, operation_id, settled_on, operation)
+        SELECT o.run_id, o.decision_key, o.id, (o.updated_at AT TIME ZONE 'UTC')::date,
+               to_jsonb(o) - 'input'
+        FROM @schema@.operations o
+        WHERE o.id = ANY (moving) AND o.decision_key IS NOT NULL
+        ON CONFLICT DO NOTHING;
+    END IF;
+
+    -- The append-only and heads guards let these deletes through (outbox_history_moving),
+    -- for this transaction only, and only as the owner this function runs as.
+    PERFORM set_config('outbox.history_move', 'on', true);
+    DELETE FROM @schema@.outbox x WHERE x.operation_id = ANY (moving);
+    DELETE FROM @schema@.operation_events e WHERE e.operation_id = ANY (moving);
+    DELETE FROM @schema@.operation_event_heads hd WHERE hd.operation_id = ANY (moving);
+    DELETE FROM @schema@.callbacks c WHERE c.operation_id = ANY (moving);
+    DELETE FROM @schema@.approvals a WHERE a.operation_id = ANY (moving);
+    DELETE FROM @schema@.agent_reports r WHERE r.operation_id = ANY (moving);
+    DELETE FROM @schema@.provider_calls p WHERE p.operation_id = ANY (moving);
+    DELETE FROM @schema@.operations o WHERE o.id = ANY (moving);
+    PERFORM set_config('outbox.history_move', 'off', true);
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_history_archive(interval, integer) FROM PUBLIC;
+
+-- A checkpoint of one whole day of history, as it is now: before an export is written
+-- (its first line) and before the day is dropped. 'dropped' only for the tables' owner,
+-- who alone can drop.
+CREATE OR REPLACE FUNCTION outbox_history_checkpoint(p_day date, p_kind text)
+RETURNS TABLE (settled_on date, operations integer, events bigint, digest text,
+               recorded_by name, recorded_at timestamptz)
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    IF p_kind IS DISTINCT FROM 'exported' AND p_kind IS DISTINCT FROM 'dropped' THEN
+        RAISE EXCEPTION 'a day''s checkpoint is exported or dropped'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_kind = 'dropped'
+       AND NOT pg_has_role(session_user, (SELECT c.relowner FROM pg_class c
+                                          WHERE c.oid = '@schema@.history'::regclass),
+                           'MEMBER') THEN
+        RAISE EXCEPTION 'only the owner of history drops a day of it'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN QUERY
+    INSERT INTO @schema@.history_checkpoints AS k (kind, settled_on, "operations", events, digest)
+    SELECT p_kind, p_day, count(*), coalesce(sum(h.event_count), 0),
+           encode(sha256(convert_to(coalesce(string_agg(
+               @schema@.outbox_history_digest_line(h.operation_id, h.event_count, h.last_hash),
+               E'\n' ORDER BY h.operation_id), ''), 'UTF8')), 'hex')
+    FROM @schema@.history h
+    WHERE h.settled_on = p_day
+    RETURNING k.settled_on, k.operations, k.events, k.digest, k.recorded_by, k.recorded_at;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_history_checkpoint(date, text) FROM PUBLIC;
+
+-- Truncate the older key generation once every key in it is older than p_retention, and
+-- make it the current one; returns whether it did. The owner's alone (outbox history
+-- drop): forgetting keys is what lets a decision key be used again.
+CREATE OR REPLACE FUNCTION outbox_history_rotate_keys(p_retention interval) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER
+SET lock_timeout = '1s'
+AS $$
+DECLARE
+    older smallint;
+    newest date;
+BEGIN
+    PERFORM 1 FROM @schema@.history_key_generations g ORDER BY g.generation FOR UPDATE;
+    SELECT g.generation INTO older FROM @schema@.history_key_generations g WHERE NOT g.current;
+    IF older = 0 THEN
+        SELECT max(k.settled_on) INTO newest FROM @schema@.history_keys_0 k;
+    ELSE
+        SELECT max(k.settled_on) INTO newest FROM @schema@.history_keys_1 k;
+    END IF;
+    IF newest IS NOT NULL AND newest >= ((now() - p_retention) AT TIME ZONE 'UTC')::date THEN
+        RETURN false;
+    END IF;
+    IF older = 0 THEN
+        TRUNCATE @schema@.history_keys_0;
+    ELSE
+        TRUNCATE @schema@.history_keys_1;
+    END IF;
+    UPDATE @schema@.history_key_generations g
+    SET current = (g.generation = older), since = clock_timestamp();
+    RETURN true;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_history_rotate_keys(interval) FROM PUBLIC;
 
 -- Pin the search_path of every function of this schema that has a body parsed at run
 -- time (plpgsql, or SQL in quotes) to pg_catalog and then pg_temp, where no function or
@@ -1251,3 +1614,4 @@ INSERT INTO outbox_schema_version (version) VALUES (9) ON CONFLICT (version) DO 
 INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (11) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (12) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (13) ON CONFLICT (version) DO NOTHING;

@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from outbox import settings_checks
 from outbox.bounds import DECISION_LOCK_TIMEOUT, MAX_DECISION_LOCK_TIMEOUT
 from outbox.errors import ConfigurationError
 from outbox.tool_queues import parse_tool_queues, tool_queue_problems
@@ -40,15 +41,13 @@ from outbox.urls import redact_url as redact_url
 from outbox.urls import split_amqp_urls as split_amqp_urls
 from outbox.urls import sqlalchemy_url as sqlalchemy_url
 from outbox.urls import with_database as with_database
+from outbox.variables import ENV_PREFIX as ENV_PREFIX
 
 # Every other OUTBOX_* variable, and who reads it.
 from outbox.variables import OTHER_VARIABLES as OTHER_VARIABLES
 from outbox.variables import SETTING_GROUPS as SETTING_GROUPS
-from outbox.variables import environment_value, unknown_variable
+from outbox.variables import environment_value, setting_variable, unknown_variable
 from outbox.variables import in_groups as _in
-
-ENV_PREFIX = "OUTBOX_"
-
 
 # The shortest duration any setting accepts. Below it a wait is a busy loop (a reconcile
 # interval of 1 µs kept a core 81% busy) and no round trip fits in a timeout; zero or
@@ -171,6 +170,18 @@ class Settings(BaseSettings):
         json_schema_extra=_in("duration"),
         default=timedelta(days=7),
         description="how long published rows are kept (seconds or ISO 8601)",
+    )
+    # docs/operating.md, "History retention": `outbox history archive` moves a settled
+    # operation after the hot window, `outbox history drop` its day after the retention.
+    history_hot: timedelta = Field(
+        json_schema_extra=_in("duration"),
+        default=timedelta(days=7),
+        description="how long a settled operation stays in the hot tables (seconds or ISO 8601)",
+    )
+    history_retention: timedelta = Field(
+        json_schema_extra=_in("duration"),
+        default=timedelta(days=90),
+        description="how long history keeps a settled operation (seconds or ISO 8601)",
     )
     tools: str = Field(
         default="",
@@ -413,12 +424,12 @@ class Settings(BaseSettings):
                 ) from None
         return value
 
-    @field_validator("retention", "requeue_stale_after", "approval_denial_grace", mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _seconds_as_text(cls, value: object) -> object:
+    def _seconds_as_text(cls, value: object, info: ValidationInfo) -> object:
         # pydantic reads "3600" as a malformed ISO 8601 duration, where the docs (and
         # every other duration setting) take a number of seconds.
-        if isinstance(value, str):
+        if isinstance(value, str) and info.field_name in _DURATIONS:
             with contextlib.suppress(ValueError):
                 return float(value)
         return value
@@ -461,41 +472,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _possible_together(self) -> Settings:
-        problems = [*self._bounds_past_the_lease(), *self._retry_waits()]
+        lease_bounds = {name: getattr(self, name) for name in settings_in("lease_bounded")}
+        problems = [
+            *settings_checks.bounds_past_the_lease(self.lease_margin, lease_bounds),
+            *settings_checks.retry_waits(self.publish_retry_initial, self.publish_retry_max),
+            *settings_checks.history_windows(self.history_hot, self.history_retention),
+        ]
         problems += tool_queue_problems(
             self.tool_queues, self.queue, self.dead_letter_queue, self.consume_queue
         )
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    def _bounds_past_the_lease(self) -> list[str]:
-        margin = self.lease_margin
-        problems = []
-        for name in settings_in("lease_bounded"):
-            bound: float | None = getattr(self, name)
-            if bound is None or bound < margin:
-                continue  # unset, each derives from the margin and ends before it
-            variable = setting_variable(name)
-            problems.append(
-                f"{setting_variable('lease_margin')} ({margin:g} s) must be longer than "
-                f"{variable} ({bound:g} s): a database session could otherwise still hold "
-                "an operation's row after its lease ran out, and the reconciler could not "
-                f"take it over; raise {setting_variable('lease_margin')} above {bound:g} s "
-                f"or lower {variable} below {margin:g} s (unset, it derives from the margin)"
-            )
-        return problems
-
-    def _retry_waits(self) -> list[str]:
-        first, longest = self.publish_retry_initial, self.publish_retry_max
-        if longest >= first:
-            return []
-        return [
-            f"{setting_variable('publish_retry_max')} ({longest:g} s) is shorter than "
-            f"{setting_variable('publish_retry_initial')} ({first:g} s), the first wait "
-            f"before a publish is retried: raise {setting_variable('publish_retry_max')} to "
-            f"{first:g} s or more, or lower {setting_variable('publish_retry_initial')}"
-        ]
 
     @property
     def amqp_urls(self) -> list[str]:
@@ -544,11 +532,6 @@ def settings_in(group: str) -> tuple[str, ...]:
 
 
 _DURATIONS = frozenset(settings_in("duration"))
-
-
-def setting_variable(name: str) -> str:
-    """The environment variable of the setting (field) ``name``."""
-    return f"{ENV_PREFIX}{name.upper()}"
 
 
 def known_variables() -> frozenset[str]:

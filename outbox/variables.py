@@ -56,12 +56,11 @@ def unknown_variable(name: str, known: frozenset[str], prefix: str) -> str:
     )
 
 
-_TIMEDELTA: TypeAdapter[timedelta] = TypeAdapter(timedelta)
+TIMEDELTA_FORM: TypeAdapter[timedelta] = TypeAdapter(timedelta)
 
 
 def environment_value(value: object) -> str:
-    """How a setting's value is written as its ``OUTBOX_*`` variable (secrets revealed:
-    the environment of a child process, never a log line)."""
+    """A setting's value as the text of its ``OUTBOX_*`` variable (secrets revealed)."""
     if isinstance(value, SecretStr):
         return value.get_secret_value()
     if isinstance(value, bool):  # before int: a bool is one
@@ -70,7 +69,7 @@ def environment_value(value: object) -> str:
         return repr(value)  # the shortest text that reads back as the same float
     if isinstance(value, timedelta):
         # ISO 8601 is exact to the microsecond; seconds as a float would not be.
-        return str(_TIMEDELTA.dump_python(value, mode="json"))
+        return str(TIMEDELTA_FORM.dump_python(value, mode="json"))
     if isinstance(value, int | str):
         return str(value)
     # A new field of another type must say here how its variable is written.
@@ -96,3 +95,11 @@ def in_groups(*groups: str) -> dict[str, JsonValue]:
     """A setting's ``json_schema_extra``: the groups it is in."""
     assert set(groups) <= set(SETTING_GROUPS), groups
     return {"groups": list(groups)}
+
+
+ENV_PREFIX = "OUTBOX_"
+
+
+def setting_variable(name: str) -> str:
+    """The environment variable of the setting (field) ``name``."""
+    return f"{ENV_PREFIX}{name.upper()}"

@@ -1,6 +1,6 @@
 """The ``outbox`` command: the parser of every command group (:func:`build_parser`), and
 the two groups that are not an operator's (``migrate``, ``contracts``). The operator's
-commands (``ops``, ``approvals``, ``stats``, ``providers``, ``dlq``) are
+commands (``ops``, ``approvals``, ``stats``, ``providers``, ``dlq``, ``history``) are
 :mod:`outbox.operator`'s; this package imports them and they never import it back.
 
 The toolkit every command uses lives beside it, in leaves that import no command group:
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     # outbox.cli.run, and Python runs this package's __init__ before either, so a
     # top-level import would load every operator command for anyone who wants a flag.
     from outbox.operator import commands as operator_commands
-    from outbox.operator import dlq_commands
+    from outbox.operator import dlq_commands, history_commands
 
     parser = argparse.ArgumentParser(
         prog="outbox", description="effect-outbox: the runtime that owns your agent's effects."
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator_commands.configure_approvals(commands)
     operator_commands.configure_stats(commands)
     operator_commands.configure_providers(commands)
+    history_commands.configure_history(commands)
     for entry in sorted(entry_points(group="outbox.commands"), key=lambda e: e.name):
         entry.load()(commands)
     return parser

@@ -17,8 +17,8 @@ import argparse
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TypeAlias
-from uuid import UUID
 
 from outbox import store
 from outbox.bounds import MAX_APPROVAL_TTL
@@ -35,9 +35,18 @@ from outbox.connections import command_transaction
 from outbox.contracts import Registry
 from outbox.errors import ConfigurationError, OperationNotFound
 from outbox.loading import registry_from
-from outbox.models import ApprovalDecision, display_operation_id
-from outbox.operator import one_operation, render, render_providers, rules, timeline, views
+from outbox.models import ApprovalDecision
+from outbox.operator import (
+    history_commands,
+    one_operation,
+    render,
+    render_providers,
+    rules,
+    timeline,
+    views,
+)
 from outbox.operator.batch_commands import add_batch_flags, is_batch, resolve_many
+from outbox.operator.history_commands import cmd_ops_verify
 from outbox.operator.input import DEFAULT_APPROVAL_TTL, MAX_TYPED_REFERENCE
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
@@ -104,7 +113,12 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
         runner = Store(connection)
         operation_id = views.operation_id_of(runner, args.operation_id)
         key = runner.run(store.fingerprint_key())
-        operation = runner.run(store.get_operation(operation_id))
+        operation = runner.run(store.find_operation(operation_id))
+        if operation is None:  # moved to history, or never there
+            archived = history_commands.archived_row(runner, operation_id)
+            if archived is None:
+                raise OperationNotFound(f"no operation with id {operation_id}")
+            return history_commands.show_archived(archived, args.json)
         page = runner.run(
             store.events_page(
                 operation_id, after_id=args.after, before_id=args.before, limit=args.events
@@ -121,36 +135,6 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
     approval = render.approval_text(check, decided_by) if check is not None else None
     print(one_operation.show_text(operation, page, approval, key, callbacks))
     return 0
-
-
-def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
-    """Exit 0 when every chain checked is intact, 1 when a link is broken, 2 when the
-    operation named does not exist (nothing was checked)."""
-    operation_id: UUID | None = None
-    with command_transaction(settings) as connection:
-        runner = Store(connection)
-        if args.operation_id is not None:
-            try:
-                operation_id = views.operation_id_of(runner, args.operation_id)
-            except OperationNotFound as error:
-                print(
-                    f"outbox ops verify: {printable(str(error))}; nothing was checked",
-                    file=sys.stderr,
-                )
-                return 2
-        report = runner.run(store.verify_chain(operation_id))
-    if operation_id is not None and report.operations_checked == 0:
-        print(
-            f"outbox ops verify: {display_operation_id(operation_id)} is not an operation of "
-            "this database; nothing was checked",
-            file=sys.stderr,
-        )
-        return 2
-    if args.json:
-        print_json(render.chain_json(report))
-    else:
-        print(render.chain_text(report, operation_id))
-    return 0 if report.intact else 1
 
 
 def cmd_ops_resolve(args: argparse.Namespace, settings: Settings) -> int:
@@ -410,6 +394,13 @@ def configure_ops(commands: Commands) -> None:
     )
     target.add_argument(
         "--all", dest="all_operations", action="store_true", help="every operation, page by page"
+    )
+    target.add_argument(
+        "--archive",
+        type=Path,
+        metavar="FILE",
+        help="an export of `outbox history export`: every chain in it and its checkpoint "
+        "digest, without a database",
     )
     _json_flag(verify, "one JSON document instead of text")
 

@@ -1160,6 +1160,57 @@ SELECT current_user AS login,
             THEN pg_has_role(current_user, 'outbox_operator', 'MEMBER')
             ELSE false END AS operator
 
+-- ==== outbox.store.history: `outbox history` (archive, export, status, drop) and the archived operations `ops show` and `ops verify` read
+
+-- name: history_archive_batch
+-- Move one batch of settled operations older than the hot window into history (outbox_history_archive in schema.sql, as the tables' owner); one checkpoint per day the batch touched, none when nothing was left to move.
+SELECT settled_on, operations, events, digest
+FROM outbox_history_archive(%(hot)s, %(batch)s)
+ORDER BY settled_on
+
+-- name: history_checkpoint_day
+-- Record the checkpoint of one whole day of history as it is now (kind exported or dropped), and return it: the first line of an export, the last word on a dropped day.
+SELECT settled_on, operations, events, digest, recorded_by, recorded_at
+FROM outbox_history_checkpoint(%(day)s, %(kind)s)
+
+-- name: history_export_page
+-- One page of a day of history in operation id order after a cursor, each row as the text Postgres gives its jsonb (numbers and strings exactly as stored): the lines of an export.
+SELECT h.operation_id, to_jsonb(h)::text AS line
+FROM history h
+WHERE h.settled_on = %(day)s AND h.operation_id > %(after)s::uuid
+ORDER BY h.operation_id
+LIMIT %(limit)s
+
+-- name: history_days
+-- Every day history holds, with its partition, how many operations and events it has and whether a detach of it was left half done (DETACH ... CONCURRENTLY interrupted: `history drop` finishes it). A partition's name is history_pYYYYMMDD (outbox_history_partition).
+SELECT to_date(substr(c.relname, 10), 'YYYYMMDD') AS settled_on, c.relname::text AS partition,
+       i.inhdetachpending AS detaching,
+       (SELECT count(*) FROM history h
+        WHERE h.settled_on = to_date(substr(c.relname, 10), 'YYYYMMDD')) AS operations,
+       (SELECT coalesce(sum(h.event_count), 0) FROM history h
+        WHERE h.settled_on = to_date(substr(c.relname, 10), 'YYYYMMDD')) AS events
+FROM pg_inherits i
+JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass('history') AND c.relname ~ '^history_p[0-9]{8}$'
+ORDER BY c.relname
+
+-- name: history_recent_checkpoints
+-- The newest checkpoints, newest first: what left the hot tables, what was exported, what was dropped, by whom and when.
+SELECT id, kind, settled_on, operations, events, digest, recorded_by, recorded_at
+FROM history_checkpoints
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: history_operation
+-- One archived operation, found by id in each day's index, as the text Postgres gives its history row (the form an export line has): what `ops show` and `ops verify` read once the hot tables no longer hold it.
+SELECT to_jsonb(h)::text AS line
+FROM history h
+WHERE h.operation_id = %(id)s
+
+-- name: history_rotate_keys
+-- Forget the older generation of archived decision keys once every key in it is older than the retention, and make it the current one (outbox_history_rotate_keys, the owner's alone); whether it did.
+SELECT outbox_history_rotate_keys(%(retention)s) AS rotated
+
 -- ==== outbox.schema: migrations and database administration (the DDL itself is schema.sql and roles.sql)
 
 -- name: take_migration_lock
@@ -1220,7 +1271,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1231,6 +1282,7 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_agent_reports') IS NOT NULL
        AND to_regproc('outbox_chain_callback') IS NOT NULL
        AND to_regclass('discarded_dead_letters') IS NOT NULL
+       AND to_regproc('outbox_history_archive') IS NOT NULL
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2

@@ -104,10 +104,11 @@ def record_decision(
     # A key-holder that rolls back between our insert and our read frees the key again;
     # then our decision is still unrecorded and the insert is tried once more.
     for _ in range(3):
+        new_id = uuid4()
         rows = yield Step(
             "insert_decision",
             {
-                "id": uuid4(),
+                "id": new_id,
                 "run_id": decision.run_id,
                 "decision_key": decision.decision_key,
                 "tool_name": decision.tool_name,
@@ -120,6 +121,13 @@ def record_decision(
                 "lock_timeout_ms": lock_timeout_ms,
             },
         )
+        if rows and rows[0]["id"] != new_id:
+            # The decision was recorded long ago and its operation moved to history
+            # (schema.sql, outbox_history_archive): the function answers with it, from
+            # the archived decision keys, and created nothing.
+            archived = Operation.model_validate({**rows[0], "input": decision.input})
+            _refuse_changed_intent(archived, decision, key)
+            return RecordedDecision(operation=archived, created=False)
         if rows:
             # The row comes without its input: the statement stored this call's.
             operation = Operation.model_validate({**rows[0], "input": decision.input})

@@ -42,6 +42,11 @@ TABLES = (
     "provider_events",
     "provider_calls",
     "discarded_dead_letters",
+    "history",
+    "history_checkpoints",
+    "history_keys_0",
+    "history_keys_1",
+    "history_key_generations",
 )
 
 
@@ -49,6 +54,11 @@ TABLES = (
 # (harness/diagnostics.py, not in the wheel) as an administrator of its own database;
 # roles.sql grants them nothing.
 MIGRATE, CHAOS = "outbox migrate", "python -m harness.chaos"
+
+# `outbox history` as an operator (archive, export, status; `ops show` and `ops verify` of
+# an archived operation), and `outbox history drop`, which only the tables' owner can run
+# (a detach needs ownership of history; roles.sql grants no group that).
+HISTORY, HISTORY_DROP = "outbox history", "outbox history drop"
 
 
 # `outbox console` runs as outbox_operator too: its reads besides those of `outbox ops`.
@@ -165,6 +175,20 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     # `outbox callbacks` and record_callback(): one write path, and the catalog at start.
     CALLBACKS: {"record_callback", "schema_is_current"},
+    HISTORY: {
+        "history_archive_batch",
+        "history_checkpoint_day",
+        "history_export_page",
+        "history_days",
+        "history_recent_checkpoints",
+        "history_operation",
+    },
+    HISTORY_DROP: {
+        "history_days",
+        "history_checkpoint_day",
+        "history_export_page",
+        "history_rotate_keys",
+    },
     MIGRATE: {
         "database_exists",
         "take_migration_lock",

@@ -70,6 +70,12 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "provider_calls": {"SELECT"},
         # The record of discarded dead letters: read, and appended to before a discard.
         "discarded_dead_letters": {"SELECT"},
+        # `outbox history status` and `export`, `ops show` of an archived operation.
+        "history": {"SELECT"},
+        "history_checkpoints": {"SELECT"},
+        "history_keys_0": {"SELECT"},
+        "history_keys_1": {"SELECT"},
+        "history_key_generations": {"SELECT"},
     },
     # No table at all: it writes through outbox_record_callback only.
     CALLBACKS: {},

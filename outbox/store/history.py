@@ -1,0 +1,162 @@
+"""History retention (docs/design.md section 15, docs/operating.md "History retention"):
+moving settled operations out of the hot tables into ``history``, a day at a time out of
+the database, and reading what was moved.
+
+The plans run in the caller's transaction like every other. Dropping a day cannot: its
+``ALTER TABLE ... DETACH PARTITION ... CONCURRENTLY`` runs only outside a transaction
+block, on a connection of the tables' owner, so :func:`drop_partition` takes a psycopg
+connection in autocommit and composes its two statements with :mod:`psycopg.sql`, the
+partition's name being an identifier no query parameter can carry (as
+:mod:`outbox.schema` composes CREATE DATABASE).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import psycopg.sql
+
+from outbox.errors import wrap_database_errors
+from outbox.store.runner import Plan, Row, Step
+
+# Rows per statement of an export: each is one operation's whole evidence.
+EXPORT_PAGE_SIZE = 500
+_FIRST_UUID = UUID(int=0)
+# What a drop waits for a lock at most before it gives up (and leaves the day for the
+# next run): the detach waits for the transactions that still see the partition.
+DROP_LOCK_TIMEOUT = "10s"
+
+
+@dataclass(frozen=True)
+class DayCheckpoint:
+    """A checkpoint row: what left (archived), was exported or was dropped of one day."""
+
+    settled_on: date
+    operations: int
+    events: int
+    digest: str
+    kind: str = "archived"
+    recorded_by: str | None = None
+    recorded_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class HistoryDay:
+    """One day of history: its partition and what it holds."""
+
+    settled_on: date
+    partition: str
+    operations: int
+    events: int
+    detaching: bool
+
+
+def _checkpoint(row: Row, kind: str | None = None) -> DayCheckpoint:
+    return DayCheckpoint(
+        settled_on=row["settled_on"],
+        operations=int(row["operations"]),
+        events=int(row["events"]),
+        digest=row["digest"],
+        kind=kind or row.get("kind", "archived"),
+        recorded_by=row.get("recorded_by"),
+        recorded_at=row.get("recorded_at"),
+    )
+
+
+def archive_batch(hot: timedelta, batch: int) -> Plan[list[DayCheckpoint]]:
+    """Move at most ``batch`` settled operations older than ``hot`` into history; one
+    checkpoint per day touched, none when nothing was left to move. Commit after each."""
+    rows = yield Step("history_archive_batch", {"hot": hot, "batch": batch})
+    return [_checkpoint(row) for row in rows]
+
+
+def checkpoint_day(day: date, kind: str) -> Plan[DayCheckpoint]:
+    """Record and return the checkpoint of one whole day (``exported`` or ``dropped``)."""
+    rows = yield Step("history_checkpoint_day", {"day": day, "kind": kind})
+    return _checkpoint(rows[0], kind)
+
+
+def export_lines(day: date, after: UUID | None = None) -> Plan[list[tuple[UUID, str]]]:
+    """One page of a day's rows, each as Postgres prints it, after ``after``."""
+    rows = yield Step(
+        "history_export_page",
+        {"day": day, "after": after or _FIRST_UUID, "limit": EXPORT_PAGE_SIZE},
+    )
+    return [(row["operation_id"], row["line"]) for row in rows]
+
+
+def history_days() -> Plan[list[HistoryDay]]:
+    """Every day history holds, oldest first."""
+    rows = yield Step("history_days", {})
+    return [
+        HistoryDay(
+            settled_on=row["settled_on"],
+            partition=row["partition"],
+            operations=int(row["operations"]),
+            events=int(row["events"]),
+            detaching=bool(row["detaching"]),
+        )
+        for row in rows
+    ]
+
+
+def recent_checkpoints(limit: int) -> Plan[list[DayCheckpoint]]:
+    """The newest checkpoints, newest first."""
+    rows = yield Step("history_recent_checkpoints", {"limit": limit})
+    return [_checkpoint(row) for row in rows]
+
+
+def archived_operation(operation_id: UUID) -> Plan[str | None]:
+    """The archived operation's history row as Postgres prints it, or None."""
+    rows = yield Step("history_operation", {"id": operation_id})
+    return str(rows[0]["line"]) if rows else None
+
+
+def rotate_keys(retention: timedelta) -> Plan[bool]:
+    """Forget the older generation of archived decision keys once all of it is older
+    than ``retention``; whether it did. The tables' owner only."""
+    rows = yield Step("history_rotate_keys", {"retention": retention})
+    return bool(rows[0]["rotated"])
+
+
+@dataclass(frozen=True)
+class DropTiming:
+    """How long each statement of a day's drop took, in seconds: the detach holds SHARE
+    UPDATE EXCLUSIVE on history (no reader or writer waits for it), the drop ACCESS
+    EXCLUSIVE on the detached partition alone."""
+
+    detach_seconds: float
+    drop_seconds: float
+
+    @property
+    def lock_seconds(self) -> float:
+        return self.detach_seconds + self.drop_seconds
+
+
+def drop_partition(
+    connection: psycopg.Connection[Any], partition: str, *, finish_detach: bool = False
+) -> DropTiming:
+    """Detach ``partition`` from history concurrently and drop it, on ``connection`` (the
+    tables' owner, in autocommit). ``finish_detach``: a detach of it was interrupted, and
+    is finished instead (``DETACH ... FINALIZE``)."""
+    table = psycopg.sql.Identifier(partition)
+    detach = (
+        "ALTER TABLE history DETACH PARTITION {} FINALIZE"
+        if finish_detach
+        else "ALTER TABLE history DETACH PARTITION {} CONCURRENTLY"
+    )
+    with wrap_database_errors("drop_partition"):
+        connection.execute(
+            psycopg.sql.SQL("SET lock_timeout = {}").format(psycopg.sql.Literal(DROP_LOCK_TIMEOUT))
+        )
+        started = time.monotonic()
+        connection.execute(psycopg.sql.SQL(detach).format(table))
+        detached = time.monotonic()
+        connection.execute(psycopg.sql.SQL("DROP TABLE {}").format(table))
+        dropped = time.monotonic()
+    return DropTiming(detach_seconds=detached - started, drop_seconds=dropped - detached)
