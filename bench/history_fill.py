@@ -75,7 +75,12 @@ PROFILES: tuple[tuple[str, int, str, tuple[str, ...]], ...] = (
             "operation.committed",
         ),
     ),
-    ("rejected", 120, "rejected", ("operation.prepared", "operation.attempted", "operation.rejected")),
+    (
+        "rejected",
+        120,
+        "rejected",
+        ("operation.prepared", "operation.attempted", "operation.rejected"),
+    ),
     (
         "looked_up",
         50,
@@ -167,7 +172,7 @@ def _tools_sql() -> str:
 # One row per operation of the batch, with everything its rows need: the profile, the
 # times of its events, their attributes and their chained hashes. Event j (1-based) of
 # operation i has id events_base + (i - first) * 5 + j - 1, drawn in advance.
-_STAGE = """
+_STAGE = f"""
 CREATE TEMPORARY TABLE fill_stage ON COMMIT DROP AS
 WITH src AS (
     SELECT s.i, md5(%(tag)s || ':' || s.i)::uuid AS id, p.profile, p.state, p.names,
@@ -177,8 +182,8 @@ WITH src AS (
            %(fill_now)s::timestamptz - %(span)s::interval
                + (s.i - 1)::float8 / %(total)s * %(span)s::interval AS t0
     FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS s (i)
-    JOIN {profiles} ON (s.i * 7919) %% 1000 >= p.low AND (s.i * 7919) %% 1000 < p.high
-    JOIN {tools} ON t.position = s.i %% {tool_count}
+    JOIN {_profiles_sql()} ON (s.i * 7919) %% 1000 >= p.low AND (s.i * 7919) %% 1000 < p.high
+    JOIN {_tools_sql()} ON t.position = s.i %% {len(TOOLS)}
 ), evented AS (
     SELECT src.*, ev.attrs, ev.times
     FROM src
@@ -187,7 +192,7 @@ WITH src AS (
                    CASE e.name
                    WHEN 'operation.prepared' THEN jsonb_build_object(
                        'tool', src.tool_name, 'tool_version', 1,
-                       'run_id', 'run_' || %(tag)s || '_' || src.i / {run_size})
+                       'run_id', 'run_' || %(tag)s || '_' || src.i / {RUN_SIZE})
                    WHEN 'operation.approval_required' THEN jsonb_build_object(
                        'policy', 'amount_above', 'threshold', 50000)
                    WHEN 'operation.approval_granted' THEN jsonb_build_object(
@@ -239,17 +244,15 @@ CROSS JOIN LATERAL (SELECT CASE WHEN v.n >= 4 THEN outbox_event_hash(
     v.id, v.e0 + 3, 4, v.names[4], v.attrs[4], v.times[4], h3) END AS h4) c4
 CROSS JOIN LATERAL (SELECT CASE WHEN v.n >= 5 THEN outbox_event_hash(
     v.id, v.e0 + 4, 5, v.names[5], v.attrs[5], v.times[5], h4) END AS h5) c5
-""".format(
-    profiles=_profiles_sql(), tools=_tools_sql(), tool_count=len(TOOLS), run_size=RUN_SIZE
-)
+"""
 
-_OPERATIONS = """
+_OPERATIONS = f"""
 INSERT INTO operations (id, run_id, decision_key, tool_name, tool_version, side_effect, input,
                         input_fingerprint, requires_approval, state, attempts,
                         reconcile_attempts, lease_token, next_attempt_at, first_attempt_at,
                         provider_reference, result, last_error_class, effect_possible,
                         created_at, updated_at, recorded_by)
-SELECT id, 'run_' || %(tag)s || '_' || i / {run_size}, 'call_' || i %% {run_size}, tool_name, 1,
+SELECT id, 'run_' || %(tag)s || '_' || i / {RUN_SIZE}, 'call_' || i %% {RUN_SIZE}, tool_name, 1,
        side_effect,
        jsonb_build_object('payment_id', 'pay_' || i, 'amount_cents', 100 + i %% 90000,
                           'currency', 'EUR', 'reason', ''),
@@ -262,7 +265,7 @@ SELECT id, 'run_' || %(tag)s || '_' || i / {run_size}, 'call_' || i %% {run_size
        profile IN ('looked_up', 'callback', 'escalated_resolved'),
        t0, times[n], current_user
 FROM fill_stage
-""".format(run_size=RUN_SIZE)
+"""
 
 _EVENTS = """
 INSERT INTO operation_events (id, operation_id, name, attributes, created_at, seq, prev_hash,
@@ -291,7 +294,8 @@ INSERT INTO callbacks (id, provider, event_id, status, named_operation_id, opera
                        provider_reference, payload_digest, received_at, outcome, applied_at)
 OVERRIDING SYSTEM VALUE
 SELECT callback_id, 'sandbox-email', 'evt_' || replace(id::text, '-', ''), 'committed', id, id,
-       're_' || left(md5(id::text), 16), encode(sha256(convert_to('cb' || id::text, 'UTF8')), 'hex'),
+       're_' || left(md5(id::text), 16),
+       encode(sha256(convert_to('cb' || id::text, 'UTF8')), 'hex'),
        t0 + interval '30 seconds', 'settled', times[4]
 FROM fill_stage WHERE profile = 'callback'
 """
