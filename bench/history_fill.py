@@ -137,12 +137,12 @@ def expected_states(count: int) -> dict[str, int]:
     profile by ``i % 1000`` after a fixed shuffle, so this is exact)."""
     by_state: dict[str, int] = {}
     for index in range(1, count + 1):
-        state = PROFILES[_profile_index(index)][2]
+        state = PROFILES[profile_of(index)][2]
         by_state[state] = by_state.get(state, 0) + 1
     return by_state
 
 
-def _profile_index(index: int) -> int:
+def profile_of(index: int) -> int:
     # The same pick as the SQL: (index * 7919) % 1000 spreads profiles over time.
     slot = (index * 7919) % 1000
     for position, (_, share, _, _) in enumerate(PROFILES):
@@ -341,9 +341,12 @@ def fill(
 ) -> FillReport:
     """Write ``operations`` settled operations into the database at ``url`` (schema
     applied), ``batch`` per transaction; returns how long it took."""
+    if operations < 1 or batch < 1:
+        raise ValueError("a fill writes at least one operation, at least one per batch")
     tag = uuid.uuid4().hex[:8]
     began = time.monotonic()
-    with psycopg.connect(url) as connection:
+    # Autocommit: each batch's transaction() is a transaction, not a savepoint of one.
+    with psycopg.connect(url, autocommit=True) as connection:
         fill_now = connection.execute("SELECT now() - interval '1 minute'").fetchone()
         assert fill_now is not None
         for first in range(1, operations + 1, batch):

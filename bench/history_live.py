@@ -45,6 +45,7 @@ OPERATOR = "ada@example.com"
 # what they read to decide so, and move nothing.
 STALE_AFTER = timedelta(minutes=5)
 BATCH = 100
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
 @dataclass
@@ -174,12 +175,13 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def measurements(url: str, live: LiveWorkload) -> Iterator[dict[str, Callable[[], object]]]:
-    """Each named operation as a callable; whatever it writes is rolled back."""
+def measurements(
+    url: str, live: LiveWorkload, amqp_url: str = DEFAULT_AMQP_URL
+) -> Iterator[dict[str, Callable[[], object]]]:
+    """Each named operation as a callable; whatever it writes is rolled back. The
+    console's overview asks the broker at ``amqp_url`` for its dead-letter count."""
     registry = refund_registry()
-    settings = Settings(
-        database_url=SecretStr(url), amqp_url=SecretStr("amqp://guest:guest@127.0.0.1:5672/")
-    )
+    settings = Settings(database_url=SecretStr(url), amqp_url=SecretStr(amqp_url))
     console = Console(
         settings=settings,
         auth=AuthConfig(

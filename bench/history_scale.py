@@ -49,7 +49,12 @@ from typing import Any
 import psycopg
 
 from bench.history_fill import fill
-from bench.history_live import LiveWorkload, measurements, start_live_workload
+from bench.history_live import (
+    DEFAULT_AMQP_URL,
+    LiveWorkload,
+    measurements,
+    start_live_workload,
+)
 from bench.reporting import json_safe, percentile
 from outbox.cli import positive_int
 from outbox.sandbox.scratch import ScratchDatabase
@@ -84,12 +89,18 @@ def timed(call: Callable[[], object], calls: int) -> list[float]:
 
 
 def measure_both(
-    empty: tuple[str, LiveWorkload], full: tuple[str, LiveWorkload], calls: int
+    empty: tuple[str, LiveWorkload],
+    full: tuple[str, LiveWorkload],
+    calls: int,
+    amqp_url: str = DEFAULT_AMQP_URL,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """Every named operation on both databases, in rounds that alternate between them
     (a shared machine's load then weighs on both alike): name -> median and p95, ms."""
     figures: tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]] = ({}, {})
-    with measurements(*empty) as on_empty, measurements(*full) as on_full:
+    with (
+        measurements(*empty, amqp_url) as on_empty,
+        measurements(*full, amqp_url) as on_full,
+    ):
         for name in on_empty:
             taken: tuple[list[float], list[float]] = ([], [])
             for named in (on_empty, on_full):
@@ -183,6 +194,9 @@ def main() -> None:
     parser.add_argument("--batch", type=positive_int, default=100_000)
     parser.add_argument("--threshold", type=float, default=1.2)
     parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument(
+        "--amqp-url", default=DEFAULT_AMQP_URL, help="the broker the console's overview asks"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--keep", action="store_true", help="leave both databases in place")
     args = parser.parse_args()
