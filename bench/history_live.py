@@ -200,7 +200,6 @@ def measurements(
             client=(PROXY, 50000),
             headers={"X-Forwarded-User": OPERATOR},
         ) as browser,
-        _environment(f"{ENV_PREFIX}DATABASE_URL", url),
     ):
         runner = Store(connection)
         tools = [f"{REFUND_TOOL}.v1"]
@@ -281,7 +280,9 @@ def measurements(
 
         def command(*argv: str) -> Callable[[], object]:
             def call() -> object:
+                # Per call: the runner holds both databases' calls open at once.
                 with (
+                    _environment(f"{ENV_PREFIX}DATABASE_URL", url),
                     contextlib.redirect_stdout(io.StringIO()),
                     contextlib.redirect_stderr(io.StringIO()),
                 ):

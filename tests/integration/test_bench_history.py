@@ -4,12 +4,15 @@ the proportions it states), and the runner times every named operation."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import psycopg
 import pytest
 
 from bench.history_fill import PROFILES, expected_states, fill, filled_ids, profile_of
 from bench.history_live import start_live_workload
 from bench.history_scale import compare, measure_both
+from outbox.sandbox.scratch import ScratchDatabase
 from outbox.store import Store, verify_chain
 
 OPERATIONS = 200
@@ -85,11 +88,23 @@ def test_a_fill_of_nothing_is_refused_and_writes_nothing(database_url: str) -> N
     assert _count(database_url, "SELECT count(*) FROM operations", {}) == 0
 
 
-def test_the_runner_times_every_named_operation(database_url: str, amqp_server_url: str) -> None:
+@pytest.fixture
+def second_database_url(postgres_server_url: str, template_database: str) -> Iterator[str]:
+    with ScratchDatabase.unique(
+        postgres_server_url, "outbox_test_history", template=template_database
+    ) as database:
+        yield database.url
+
+
+def test_the_runner_times_every_named_operation(
+    database_url: str, second_database_url: str, amqp_server_url: str
+) -> None:
+    # Two databases, as the bench has: each call runs against its own.
     fill(database_url, 50)
     live = start_live_workload(database_url)
+    empty_live = start_live_workload(second_database_url)
     empty, full = measure_both(
-        (database_url, live), (database_url, live), calls=1, amqp_url=amqp_server_url
+        (second_database_url, empty_live), (database_url, live), calls=1, amqp_url=amqp_server_url
     )
     rows = compare(empty, full)
     assert [row["operation"] for row in rows] == [
@@ -117,14 +132,10 @@ def test_the_runner_times_every_named_operation(database_url: str, amqp_server_u
     ]
     assert all(row["empty"]["median_ms"] > 0 and row["full"]["median_ms"] > 0 for row in rows)
     # Whatever the calls wrote was rolled back: the live workload is as it was.
-    assert (
-        _count(
-            database_url,
-            "SELECT count(*) FROM operations WHERE run_id = 'bench_history'",
-            {},
+    for url in (database_url, second_database_url):
+        assert (
+            _count(url, "SELECT count(*) FROM operations WHERE run_id = 'bench_history'", {}) == 0
         )
-        == 0
-    )
     # The plans behind each row a grown figure would show can be read.
     for row in rows:
         assert isinstance(live.explain(database_url, row["operation"]), str)
