@@ -98,6 +98,7 @@ class LiveWorkload:
                     {"states": None, "tool": None, "since": None, "ago": None, "limit": 50},
                 )
             ],
+            "await_outcome": [("operation_outcomes", {"ids": [self.escalated[0]]})],
             "ops verify OP": [
                 (
                     "verify_event_chains",

@@ -11,7 +11,7 @@ in flight, unknown and due, escalated), and in the full one N settled operations
 first by ``bench/history_fill.py`` (its docstring: the proportions, and why the fill
 switches the tables' triggers off inside its own transactions, as the owner). Both are
 VACUUM ANALYZEd, then each operation below is called ``--calls`` times on each (after a
-few unmeasured calls), in four rounds that alternate between the two databases so that
+few unmeasured calls), in ten rounds that alternate between the two databases so that
 a shared machine's load weighs on both alike, through the project's own code paths; the
 medians and p95s are compared:
 
@@ -62,7 +62,7 @@ from outbox.settings import libpq_url
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "history_scale.json"
 WARMUP = 5
-ROUNDS = 4
+ROUNDS = 10
 TABLES = (
     "operations",
     "operation_events",
