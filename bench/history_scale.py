@@ -6,14 +6,14 @@ settled operations, against the same on an empty one (issue #48, item 1).
 
 Two scratch databases on the server of ``--database-url`` (``outbox_bench_history_empty``
 and ``outbox_bench_history_full``, dropped at the end unless ``--keep``): the schema, the
-same small live workload in each (``live.py``: decisions pending publication, prepared,
-in flight, unknown and due, escalated), and in the full one N settled operations written
-first by ``bench/history_fill.py`` (its docstring: the proportions, and why the fill
-switches the tables' triggers off inside its own transactions, as the owner). Both are
-VACUUM ANALYZEd, then each operation below is called ``--calls`` times on each (after a
-few unmeasured calls), in ten rounds that alternate between the two databases so that
-a shared machine's load weighs on both alike, through the project's own code paths; the
-medians and p95s are compared:
+same small live workload in each (``bench/history_live.py``: decisions pending
+publication, prepared, in flight, unknown and due, escalated), and in the full one N
+settled operations written first by ``bench/history_fill.py`` (its docstring: the
+proportions, and why the fill switches the tables' triggers off inside its own
+transactions, as the owner). Both are VACUUM ANALYZEd, then each operation below is
+called ``--calls`` times on each (after a few unmeasured calls), in ten rounds that
+alternate between the two databases so that a shared machine's load weighs on both
+alike, through the project's own code paths; the medians and p95s are compared:
 
 - ``record_decision``: ``outbox.record_decision`` of one decision;
 - the dispatcher's claim (``claim_outbox_batch`` and ``mark_outbox_published``) and its
