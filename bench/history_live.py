@@ -54,6 +54,8 @@ class LiveWorkload:
     in_flight: list[UUID]
     escalated: list[UUID]
     run_id: str
+    fingerprint: str
+    """The input fingerprint of ``prepared[0]``, which the consumer's claim compares."""
 
     def explain(self, url: str, name: str) -> str:
         """EXPLAIN (ANALYZE, BUFFERS) of the reads behind measurement ``name``, rolled
@@ -75,7 +77,23 @@ class LiveWorkload:
             "after_updated_at": None, "after_id": None, "limit": 51,
         }  # fmt: skip
         known: dict[str, list[tuple[str, dict[str, Any]]]] = {
+            "dispatcher: claim + mark published": [("claim_outbox_batch", {"batch_size": BATCH})],
             "dispatcher: gauges": [("outbox_backlog", {}), ("operations_by_state", {})],
+            "consumer: claim": [
+                ("get_operation", {"id": self.prepared[0]}),
+                (
+                    "claim_deliveries",
+                    {
+                        "ids": [self.prepared[0]],
+                        "leases": [LONG],
+                        "tool_names": [REFUND_TOOL],
+                        "tool_versions": [1],
+                        "input_fingerprints": [self.fingerprint],
+                        "owner": "bench",
+                    },
+                ),
+            ],
+            "consumer: outcome (commit)": [("get_operation", {"id": self.in_flight[0]})],
             "reconciler: requeue_stale_prepared": [("requeue_stale_prepared", stale)],
             "reconciler: escalate_undeliverable": [
                 ("escalate_undeliverable", {**stale, "cycles": 3})
@@ -157,8 +175,13 @@ def start_live_workload(url: str) -> LiveWorkload:
                 )
             )
         connection.commit()
+        first = runner.run(store.get_operation(ids[18]))
     return LiveWorkload(
-        prepared=ids[18:], in_flight=in_flight, escalated=unknown[:2], run_id="live_4"
+        prepared=ids[18:],
+        in_flight=in_flight,
+        escalated=unknown[:2],
+        run_id="live_4",
+        fingerprint=first.input_fingerprint,
     )
 
 
