@@ -4,7 +4,7 @@ the proportions it states), and the runner times every named operation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import psycopg
 import pytest
@@ -18,7 +18,7 @@ from outbox.store import Store, verify_chain
 OPERATIONS = 200
 
 
-def _count(url: str, sql: str, params: dict[str, object]) -> int:
+def _count(url: str, sql: str, params: Mapping[str, object]) -> int:
     with psycopg.connect(url) as connection:
         row = connection.execute(sql, params).fetchone()
     assert row is not None
@@ -33,7 +33,7 @@ def test_the_fill_writes_settled_operations_whose_chains_verify(database_url: st
     ids = filled_ids(database_url, report.tag)
     assert len(ids) == OPERATIONS
     with psycopg.connect(database_url) as connection:
-        states = dict(
+        states: dict[str, int] = dict(
             connection.execute(
                 "SELECT state, count(*) FROM operations WHERE run_id LIKE %(runs)s GROUP BY 1",
                 runs,
