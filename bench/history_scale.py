@@ -18,7 +18,8 @@ alike, through the project's own code paths; the medians and p95s are compared:
 - ``record_decision``: ``outbox.record_decision`` of one decision;
 - the dispatcher's claim (``claim_outbox_batch`` and ``mark_outbox_published``) and its
   gauges (``outbox_backlog``, ``operations_by_state``);
-- the consumer's claim (``claim_deliveries``) and outcome (``commit_many``);
+- the consumer's claim (``claim_deliveries``) and outcome (``commit_many``), each after
+  a ``get_operation`` of the operation it moves (what the call needs to be built);
 - the reconciler's pass: each statement of ``Reconciler.requeue_stale`` and
   ``reconcile_once`` that reads the tables, and all of them in one row;
 - the console's overview, escalations and operation pages, over HTTP (Starlette's test
