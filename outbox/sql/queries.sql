@@ -404,10 +404,29 @@ LISTEN outbox_pending
 WITH due AS MATERIALIZED (
     SELECT *
     FROM operations
-    WHERE (state = 'outcome_unknown'
-           AND next_attempt_at <= clock_timestamp()
-           AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp()))
-       OR (state = 'in_flight' AND lease_expires_at < clock_timestamp())
+    WHERE id IN (
+        -- Each state its own ordered scan of operations_state_next_attempt, not one
+        -- bitmap scan of both: a bitmap scan visits the heap page of every entry the
+        -- index holds, and between two vacuums the index holds a dead in_flight entry
+        -- for every operation settled since the last (docs/benchmarks.md, "Cost as the
+        -- history grows"), where an index scan marks each dead entry once and passes
+        -- over it from then on. Twice the limit each, so rows another reconciler holds
+        -- (skipped below) still leave a full batch.
+        (SELECT u.id FROM operations u
+         WHERE u.state = 'outcome_unknown' AND u.next_attempt_at <= clock_timestamp()
+           AND (u.lease_expires_at IS NULL OR u.lease_expires_at < clock_timestamp())
+         ORDER BY u.next_attempt_at
+         LIMIT 2 * %(limit)s)
+        UNION ALL
+        (SELECT f.id FROM operations f
+         WHERE f.state = 'in_flight' AND f.lease_expires_at < clock_timestamp()
+         ORDER BY f.next_attempt_at
+         LIMIT 2 * %(limit)s)
+    )
+      AND ((state = 'outcome_unknown'
+            AND next_attempt_at <= clock_timestamp()
+            AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp()))
+           OR (state = 'in_flight' AND lease_expires_at < clock_timestamp()))
     ORDER BY next_attempt_at
     LIMIT %(limit)s
     FOR NO KEY UPDATE SKIP LOCKED
