@@ -373,10 +373,29 @@ FROM outbox
 WHERE published_at IS NULL
 
 -- name: operations_by_state
--- How many operations are in each state, for the outbox_operations gauge; states with no rows are absent.
+-- How many operations are in each state, for the outbox_operations gauge; states with no rows are absent. The open states are counted exactly from the partial index that holds only them (operations_state_next_attempt), so a pass costs what is open, not the history. committed and rejected only grow: counted exactly while the table holds fewer than exact_below rows (as the statistics have it; never analyzed counts as empty), and past that, where counting read every row of the table on every pass (608 ms at 2,000,000 operations, every 5 s in every dispatcher), the planner's estimate: the table's rows times each state's frequency as the last ANALYZE saw them (autovacuum keeps both close).
+WITH size AS (
+    SELECT greatest(c.reltuples, 0) AS rows, n.nspname, c.relname
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE c.oid = 'operations'::regclass
+)
 SELECT state, count(*)::bigint AS operations
 FROM operations
+WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated')
 GROUP BY state
+UNION ALL
+SELECT state, count(*)::bigint AS operations
+FROM operations
+WHERE state IN ('committed', 'rejected') AND (SELECT rows FROM size) < %(exact_below)s
+GROUP BY state
+UNION ALL
+SELECT v.state, round(size.rows * v.frequency)::bigint AS operations
+FROM size
+JOIN pg_stats st ON st.schemaname = size.nspname AND st.tablename = size.relname
+                AND st.attname = 'state'
+CROSS JOIN LATERAL unnest(st.most_common_vals::text::text[], st.most_common_freqs)
+    AS v (state, frequency)
+WHERE size.rows >= %(exact_below)s AND v.state IN ('committed', 'rejected')
 
 -- name: delete_published_outbox_rows
 -- Delete one small batch of rows published before the cutoff; rows locked elsewhere wait for the next pass.

@@ -95,10 +95,20 @@ def listen_outbox_pending() -> Plan[None]:
     yield Step("listen_outbox_pending", {})
 
 
-def operations_by_state() -> Plan[dict[OperationState, int]]:
+# Below this many rows (as the statistics count them) committed and rejected are
+# counted exactly; above it they are estimated, so that the gauge's pass costs what is
+# open rather than the whole history (a count of 2,000,000 rows took 608 ms).
+EXACT_SETTLED_COUNT_BELOW = 100_000
+
+
+def operations_by_state(
+    exact_below: int = EXACT_SETTLED_COUNT_BELOW,
+) -> Plan[dict[OperationState, int]]:
     """Operations per state, every state present (0 when it has no rows), so a gauge
-    set from it drops back to 0 instead of keeping its last non-zero value."""
-    rows = yield Step("operations_by_state", {})
+    set from it drops back to 0 instead of keeping its last non-zero value. Open states
+    are exact; committed and rejected are estimated once the table holds
+    ``exact_below`` rows or more."""
+    rows = yield Step("operations_by_state", {"exact_below": exact_below})
     counts = dict.fromkeys(OperationState, 0)
     counts.update((OperationState(row["state"]), int(row["operations"])) for row in rows)
     return counts
