@@ -35,6 +35,7 @@ from outbox.settings import ENV_PREFIX
 from outbox.sql import QUERIES
 from outbox.states import EventName, OperationState
 from outbox.store import Store
+from outbox.store.dispatch import EXACT_SETTLED_COUNT_BELOW
 
 RUNS = 5
 RUN_SIZE = 8
@@ -78,7 +79,10 @@ class LiveWorkload:
         }  # fmt: skip
         known: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "dispatcher: claim + mark published": [("claim_outbox_batch", {"batch_size": BATCH})],
-            "dispatcher: gauges": [("outbox_backlog", {}), ("operations_by_state", {})],
+            "dispatcher: gauges": [
+                ("outbox_backlog", {}),
+                ("operations_by_state", {"exact_below": EXACT_SETTLED_COUNT_BELOW}),
+            ],
             "consumer: claim": [
                 ("get_operation", {"id": self.prepared[0]}),
                 (
