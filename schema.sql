@@ -845,8 +845,6 @@ CREATE OR REPLACE FUNCTION outbox_record_decision(
 LANGUAGE plpgsql SECURITY DEFINER
 SET lock_timeout = '5s'
 AS $$
-DECLARE
-    gated boolean := false;
 BEGIN
     IF p_lock_timeout_ms IS NULL OR p_lock_timeout_ms NOT BETWEEN 1 AND 60000 THEN
         RAISE EXCEPTION 'a decision''s lock timeout is 1 to 60000 ms'
@@ -859,11 +857,6 @@ BEGIN
     -- one. The caller tells it from a new one by its id, which is not p_id. Two index
     -- probes; a key with no decision key is never looked up.
     IF p_decision_key IS NOT NULL THEN
-        -- Shared with every other decision, exclusive to a move (outbox_history_archive),
-        -- held to this transaction's end; not waited for: a decision that finds a move
-        -- holding it looks for its key a second time instead.
-        gated := pg_catalog.pg_try_advisory_xact_lock_shared(
-            pg_catalog.hashtextextended('outbox.history_move:@schema@', 0));
         RETURN QUERY
         SELECT (jsonb_populate_record(NULL::@schema@.operations, k.operation)).*
         FROM (SELECT g.operation FROM @schema@.history_keys_0 g
@@ -901,17 +894,14 @@ BEGIN
     -- delete of the old row let the insert through, and it committed before this
     -- statement looked. Looked for again, with a snapshot taken after the insert, it is
     -- found; the transaction is refused as a serialization failure, and the retry
-    -- returns the archived operation. Paid only by a decision that created a row while
-    -- a move held the gate (taken above): holding it shared, no move can have been in
-    -- progress since before the probe, and the second look (about 15 us) is skipped.
-    IF FOUND AND p_decision_key IS NOT NULL AND NOT gated THEN
-        IF EXISTS (SELECT 1 FROM @schema@.history_keys_0 g
-                   WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
-           OR EXISTS (SELECT 1 FROM @schema@.history_keys_1 g
-                      WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key) THEN
-            RAISE EXCEPTION 'decision key moved to history while it was recorded; retry the transaction'
-                USING ERRCODE = 'serialization_failure';
-        END IF;
+    -- returns the archived operation. Paid only by a decision that created a row.
+    IF FOUND AND p_decision_key IS NOT NULL
+       AND (EXISTS (SELECT 1 FROM @schema@.history_keys_0 g
+                    WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
+            OR EXISTS (SELECT 1 FROM @schema@.history_keys_1 g
+                       WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)) THEN
+        RAISE EXCEPTION 'decision key moved to history while it was recorded; retry the transaction'
+            USING ERRCODE = 'serialization_failure';
     END IF;
 END;
 $$;
@@ -1327,12 +1317,6 @@ BEGIN
         RAISE EXCEPTION 'the hot window is a duration of at least 0 and the batch at least 1'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    -- The gate outbox_record_decision holds shared: while this transaction holds it,
-    -- every decision that starts checks for a key moved under it (its second look), and
-    -- no decision that holds it is in the middle of an insert this move could race.
-    -- Waited for within the lock_timeout above (decisions hold it to their commit).
-    PERFORM pg_catalog.pg_advisory_xact_lock(
-        pg_catalog.hashtextextended('outbox.history_move:@schema@', 0));
     -- The current key generation, held against a rotation until this batch commits.
     SELECT g.generation INTO key_generation
     FROM @schema@.history_key_generations g WHERE g.current FOR SHARE;

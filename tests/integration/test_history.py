@@ -378,36 +378,3 @@ def test_an_operation_that_is_not_quiet_stays_until_it_is(ops: Ops, database_url
     assert hot_rows(database_url, unpublished.id)["operations"] == 1
     assert hot_rows(database_url, reported.id)["operations"] == 1
     assert hot_rows(database_url, reporting.id)["operations"] == 0
-
-
-def test_a_move_waits_for_a_decision_in_progress_and_moves_once_it_commits(
-    ops: Ops, database_url: str, registry: Registry
-) -> None:
-    # A decision holds the move's gate shared until its transaction ends: a move cannot
-    # start between its look for an archived key and its insert, which is why it may
-    # skip the second look. The move waits (at most its lock_timeout, 2 s) and says so.
-    settled = recorded(database_url, registry, "refund-gate")
-    operation = ops.move(ops.move(settled.operation, S.IN_FLIGHT), S.COMMITTED)
-    settled_days_ago(database_url, operation.id, 2)
-
-    with psycopg.connect(database_url) as agent:
-        in_progress = record_decision(
-            agent,
-            registry,
-            "send_refund",
-            {"payment_id": "pay_2", "amount_cents": 100, "reason": ""},
-            run_id="run-history",
-            decision_key="refund-in-progress",
-        )
-        assert in_progress.created
-        with psycopg.connect(database_url) as mover:
-            with pytest.raises(TransientDatabaseError, match="LockNotAvailable"):
-                Store(mover).run(outbox_store.archive_batch(HOT, 10))
-            mover.rollback()
-        assert hot_rows(database_url, operation.id)["operations"] == 1
-
-    assert archive_all(ops)
-    assert hot_rows(database_url, operation.id)["operations"] == 0
-    again = recorded(database_url, registry, "refund-gate")
-    assert again.created is False
-    assert again.operation.id == operation.id
