@@ -58,6 +58,9 @@ class OutboxSettings:
             "prefetch": self.prefetch or Settings().prefetch,
             "dispatcher_batch_size": self.batch_size,
             "dispatch_lanes": self.lanes,
+            # Read from OUTBOX_DISPATCH_GATHER_MS as the daemons read it: the bench sets
+            # no value of its own, so a run on another gather says so in its report.
+            "dispatch_gather_ms": Settings().dispatch_gather_ms,
             "log_level": self.log_level,
             "event_loop": "uvloop",
         }
