@@ -242,6 +242,19 @@ async def declare_topology(
 async def _declare(
     channel: AbstractChannel, topology: Topology, *, reroute: bool
 ) -> DeclaredTopology:
+    if (
+        not topology.tool_queues
+        and not reroute
+        and await _exchange_exists(channel, topology.by_tool_exchange)
+    ):
+        # Its `#` binding below would send every grouped tool to the default queue as
+        # well as to its group's: each message delivered twice, to two sets of consumers.
+        raise ConfigurationError(
+            f"the broker routes by tool (exchange {topology.by_tool_exchange!r} exists: "
+            "`outbox migrate --broker` ran with OUTBOX_TOOL_QUEUES), and this daemon has "
+            "no groups; give it the same OUTBOX_TOOL_QUEUES, or run `outbox migrate "
+            "--broker` without them to give the groups up"
+        )
     exchange = await channel.declare_exchange(
         topology.exchange, aio_pika.ExchangeType.TOPIC, durable=True
     )
@@ -391,6 +404,17 @@ async def delete_topology(amqp_url: str, topology: Topology) -> None:
                 # A broker that answers NOT_FOUND (RabbitMQ does not, others may) closes
                 # the channel with it.
                 channel = await connection.channel()
+
+
+async def _exchange_exists(channel: AbstractChannel, name: str) -> bool:
+    """Whether the broker has exchange ``name``. A passive declare of one it lacks closes
+    the channel, which is opened again for the caller."""
+    try:
+        await channel.get_exchange(name, ensure=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        await channel.reopen()
+        return False
+    return True
 
 
 async def _existing(declare: Awaitable[T], what: str) -> T:

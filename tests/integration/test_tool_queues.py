@@ -18,9 +18,9 @@ import aiormq.exceptions
 import pytest
 from pydantic import SecretStr
 
-from outbox.broker import Topology, delete_topology, require_topology
+from outbox.broker import Topology, declare_topology, delete_topology, require_topology
 from outbox.cli import run_command
-from outbox.errors import TopologyMissing
+from outbox.errors import ConfigurationError, TopologyMissing
 from outbox.migrate import declare_broker_topology
 from outbox.settings import Settings
 
@@ -192,6 +192,32 @@ async def test_a_daemon_with_groups_refuses_a_broker_migrated_without_them(
     async with connection:
         with pytest.raises(TopologyMissing, match="OUTBOX_TOOL_QUEUES"):
             await require_topology(await connection.channel(), Topology.from_settings(settings))
+
+
+async def test_a_daemon_without_groups_refuses_to_declare_on_a_broker_routing_by_tool(
+    grouped: Grouped,
+) -> None:
+    grouped_settings = grouped("{p}.pay=send_refund")
+    (pay,) = grouped_settings.tool_queue_groups
+    await declare_broker_topology(grouped_settings)
+    ungrouped = Topology.from_settings(grouped(""))
+    connection = await aio_pika.connect(grouped_settings.amqp_url.get_secret_value())
+    async with connection:
+        channel = await connection.channel()
+        with pytest.raises(ConfigurationError, match=r"routes by tool .*OUTBOX_TOOL_QUEUES"):
+            await declare_topology(channel, ungrouped)
+        # The probe left the channel usable, and the routes as migrate made them: a
+        # grouped tool's message reaches its group's queue and not the default one.
+        assert (await require_topology(channel, ungrouped)).queue.name == grouped_settings.queue
+    await publish(grouped_settings, "send_refund.v1", "lookup.v1")
+
+    async def both_counted() -> bool:
+        url = grouped_settings.amqp_url.get_secret_value()
+        return await message_count(url, pay) + await message_count(url, grouped_settings.queue) >= 2
+
+    await eventually(both_counted, within=15, what="two messages in the two queues")
+    assert await keys_in(grouped_settings, pay) == ["send_refund.v1"]
+    assert await keys_in(grouped_settings, grouped_settings.queue) == ["lookup.v1"]
 
 
 async def test_a_consumer_of_a_group_is_given_that_groups_queue(grouped: Grouped) -> None:
