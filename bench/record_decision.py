@@ -32,6 +32,7 @@ from psycopg.types.json import Jsonb
 
 from bench.e2e_tools import refund_registry
 from outbox import Registry, record_decision, record_decision_async
+from outbox.bounds import DECISION_LOCK_TIMEOUT
 from outbox.cli import positive_int
 from outbox.sandbox.scratch import ScratchDatabase
 from outbox.settings import database_name, libpq_url, with_database
@@ -63,6 +64,7 @@ def bare_params(index: int, n: int) -> dict[str, Any]:
         "input_fingerprint": "0" * 64,
         "requires_approval": False,
         "headers": Jsonb({}),
+        "lock_timeout_ms": round(DECISION_LOCK_TIMEOUT * 1000),
     }
 
 

@@ -1,7 +1,9 @@
 """Three tools through three quorum queues (``OUTBOX_TOOL_QUEUES``) against the same
-three tools through one: the broker's part of a drain, without Postgres.
+three tools through one: the broker's part of a drain, without Postgres. With
+``--members``, one quorum queue with one member against the same queue with three.
 
     .venv/bin/python -m bench.tool_queues [--operations 30000] [--rounds 3] [--cluster]
+        [--members] [--json]
 
 Each round drains ``--operations`` messages both ways, one after the other (which goes
 first alternates): one publisher with confirms and the dispatcher's message (a thin
@@ -15,6 +17,13 @@ By default against ``OUTBOX_AMQP_URL`` (the local broker). With ``--cluster``, a
 private three-node cluster started on this machine (``harness.rabbit_node``), each tool
 queue declared through another node so that their leaders differ (the default queue is
 led by the first node).
+
+``--members`` (on the private cluster) compares one queue two ways, both declared through
+the first node with the arguments ``outbox migrate --broker`` gives the queue plus
+``x-quorum-initial-group-size``: one member (every message stays on the node it came
+through, as on a broker of one node) or three (each enqueue and settle replicated to
+the other two nodes and written by a majority before it counts, RabbitMQ's default on a
+three-node cluster).
 
 Prints ops/s of each way per round and the medians. Every process shares this machine's
 cores, the broker's nodes included: the figures are a ratio between the two ways, not
@@ -32,6 +41,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +64,7 @@ BODY = (
     b'"tool":"refund_a","tool_version":1,"input_fingerprint":"' + b"ab" * 32 + b'"}'
 )
 RESULTS = Path(__file__).parent / "results" / "tool_queues.json"
+MEMBERS_RESULTS = Path(__file__).parent / "results" / "quorum_members.json"
 
 
 def topology(prefix: str, *, grouped: bool) -> Topology:
@@ -144,20 +155,49 @@ async def drain(urls: Sequence[str], names: Topology, operations: int) -> float:
                 await connection.close()
 
 
-async def measure(urls: Sequence[str], operations: int, rounds: int) -> dict[str, list[float]]:
-    rates: dict[str, list[float]] = {"one queue": [], "three queues": []}
+@dataclass(frozen=True)
+class Way:
+    """One way a drain's queues are laid out."""
+
+    label: str
+    grouped: bool = False
+    members: int | None = None
+    """Quorum members of the one queue; None: as ``outbox migrate --broker`` declares it
+    (the cluster's size)."""
+
+    async def declare(self, urls: Sequence[str], names: Topology) -> None:
+        if self.members is None:
+            await declare(urls, names)
+            return
+        connection = await aio_pika.connect(urls[0])
+        async with connection:
+            channel = await connection.channel()
+            exchange = await channel.declare_exchange(
+                names.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+            arguments = {**names.queue_arguments, "x-quorum-initial-group-size": self.members}
+            queue = await channel.declare_queue(names.queue, durable=True, arguments=arguments)
+            await queue.bind(exchange, routing_key="#")
+
+
+TOOL_WAYS = (Way("one queue"), Way("three queues", grouped=True))
+MEMBER_WAYS = (Way("one member", members=1), Way("three members", members=3))
+
+
+async def measure(
+    urls: Sequence[str], operations: int, rounds: int, ways: Sequence[Way] = TOOL_WAYS
+) -> dict[str, list[float]]:
+    rates: dict[str, list[float]] = {way.label: [] for way in ways}
     for number in range(rounds):
-        ways = [False, True] if number % 2 == 0 else [True, False]
-        for grouped in ways:
-            names = topology(f"bench.tq.{secrets.token_hex(3)}", grouped=grouped)
+        for way in ways if number % 2 == 0 else ways[::-1]:
+            names = topology(f"bench.tq.{secrets.token_hex(3)}", grouped=way.grouped)
             try:
-                await declare(urls, names)
+                await way.declare(urls, names)
                 seconds = await drain(urls, names, operations)
             finally:
                 await delete_topology(urls[0], names)
-            way = "three queues" if grouped else "one queue"
-            rates[way].append(operations / seconds)
-            print(f"round {number + 1}: {way}: {operations / seconds} ops/s", flush=True)
+            rates[way.label].append(operations / seconds)
+            print(f"round {number + 1}: {way.label}: {operations / seconds} ops/s", flush=True)
     return rates
 
 
@@ -177,21 +217,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--cluster", action="store_true", help="a private three-node cluster on this machine"
     )
-    parser.add_argument("--json", action="store_true", help=f"write {RESULTS}")
+    parser.add_argument(
+        "--members",
+        action="store_true",
+        help="one queue with one quorum member against three (implies --cluster)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help=f"write {RESULTS} (with --members, {MEMBERS_RESULTS})"
+    )
     args = parser.parse_args(argv)
-    with broker(args.cluster) as urls:
-        rates = uvloop.run(measure(urls, args.operations, args.rounds))
+    cluster = args.cluster or args.members
+    ways = MEMBER_WAYS if args.members else TOOL_WAYS
+    with broker(cluster) as urls:
+        rates = uvloop.run(measure(urls, args.operations, args.rounds, ways))
     medians = {way: statistics.median(figures) for way, figures in rates.items()}
-    ratio = medians["three queues"] / medians["one queue"]
-    where = "a private three-node cluster" if args.cluster else "one broker node"
+    first, second = (way.label for way in ways)
+    ratio = medians[second] / medians[first]
+    where = "a private three-node cluster" if cluster else "one broker node"
     print(
         f"{args.operations} operations a drain, {args.rounds} rounds, {where}, "
-        f"{os.cpu_count()} cores shared by every process: median one queue "
-        f"{medians['one queue']} ops/s, three queues {medians['three queues']} ops/s, "
-        f"ratio {ratio}"
+        f"{os.cpu_count()} cores shared by every process: median {first} "
+        f"{medians[first]} ops/s, {second} {medians[second]} ops/s, ratio {ratio}"
     )
     if args.json:
-        RESULTS.write_text(
+        (MEMBERS_RESULTS if args.members else RESULTS).write_text(
             json.dumps(
                 {
                     "operations": args.operations,

@@ -27,7 +27,7 @@ consumer's claim makes the second delivery a counted duplicate), never in neithe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -169,6 +169,10 @@ class DeadLetter:
         )
 
 
+# A message taken from the dead-letter queue, with what may be shown of it.
+Taken = tuple[AbstractIncomingMessage, DeadLetter]
+
+
 @dataclass(frozen=True)
 class Listing:
     queue: str
@@ -244,53 +248,82 @@ async def requeue_dead_letters(
     wanted = None if message_ids is None else frozenset(message_ids)
     report = RequeueReport(queue=settings.dead_letter_queue, exchange=settings.exchange)
     found: set[str] = set()
+
+    def choose(message: AbstractIncomingMessage, dead: DeadLetter) -> bool:
+        if wanted is not None and message.message_id not in wanted:
+            report.not_selected += 1
+            return False
+        if message.message_id is not None:
+            found.add(message.message_id)
+        if not dead.parsed:
+            report.unparseable += 1
+            return False
+        return True
+
     async with _dead_letter_queue(settings, publish_to=settings.exchange) as (
         exchange,
         queue,
         count,
     ):
         assert exchange is not None
-        held: list[AbstractIncomingMessage] = []
-        seen = 0
-        try:
-            while seen < count and (limit is None or report.requeued < limit):
-                batch: list[tuple[AbstractIncomingMessage, DeadLetter]] = []
-                room = (
-                    REQUEUE_WINDOW
-                    if limit is None
-                    else min(REQUEUE_WINDOW, limit - report.requeued)
-                )
-                drained = False
-                while len(batch) < room and seen < count:
-                    message = await queue.get(no_ack=False, fail=False)
-                    if message is None:
-                        drained = True
-                        break
-                    seen += 1
-                    dead = inspect(message)
-                    if wanted is not None and message.message_id not in wanted:
-                        held.append(message)
-                        report.not_selected += 1
-                        continue
-                    if message.message_id is not None:
-                        found.add(message.message_id)
-                    if not dead.parsed:
-                        held.append(message)
-                        report.unparseable += 1
-                        continue
-                    batch.append((message, dead))
-                failures = await _republish_all(exchange, batch, settings.publish_timeout)
-                report.requeued += len(batch) - len(failures)
-                if failures:
-                    held += [message for message, _ in failures]
-                    raise RequeueFailed(_refusal(report, failures))
-                if drained:
-                    break
-        finally:
-            await _hand_back(held)
+
+        async def settle(batch: list[Taken]) -> None:
+            failures = await _republish_all(exchange, batch, settings.publish_timeout)
+            report.requeued += len(batch) - len(failures)
+            if failures:
+                raise RequeueFailed(_refusal(report, failures))
+
+        await walk_dead_letters(
+            queue, count, choose=choose, settle=settle, limit=limit, window=REQUEUE_WINDOW
+        )
     if wanted is not None:
         report.missing_ids = sorted(_shown(i) or "-" for i in wanted - found)
     return report
+
+
+async def walk_dead_letters(
+    queue: AbstractQueue,
+    count: int,
+    *,
+    choose: Callable[[AbstractIncomingMessage, DeadLetter], bool],
+    settle: Callable[[list[Taken]], Awaitable[None]],
+    limit: int | None,
+    window: int,
+) -> None:
+    """Take messages from the head of the dead-letter queue and hand those ``choose``
+    picks to ``settle``, up to ``window`` at a time; ``settle`` acks what leaves.
+
+    No more messages are taken than ``count``, the queue's depth when the command
+    started, so one dead-lettered again as soon as it is settled cannot keep the walk
+    going; at most ``limit`` are picked. Every message taken and not acked (passed
+    over, left by ``settle``, or in hand when something failed) goes back to the queue
+    at the end, in the order it was taken.
+    """
+    held: list[AbstractIncomingMessage] = []
+    seen = picked = 0
+    try:
+        while seen < count and (limit is None or picked < limit):
+            room = window if limit is None else min(window, limit - picked)
+            batch: list[Taken] = []
+            drained = False
+            while len(batch) < room and seen < count:
+                message = await queue.get(no_ack=False, fail=False)
+                if message is None:
+                    drained = True
+                    break
+                seen += 1
+                dead = inspect(message)
+                # Held until settled: whatever goes wrong from here hands it back.
+                held.append(message)
+                if choose(message, dead):
+                    batch.append((message, dead))
+            picked += len(batch)
+            if batch:
+                await settle(batch)
+            if drained:
+                break
+    finally:
+        await _hand_back([message for message in held if not message.processed])
 
 
 def inspect(message: AbstractIncomingMessage) -> DeadLetter:
@@ -419,7 +452,7 @@ async def _existing(declare: Awaitable[T], what: str, variable: str) -> T:
 
 async def _republish_all(
     exchange: AbstractExchange,
-    batch: Sequence[tuple[AbstractIncomingMessage, DeadLetter]],
+    batch: Sequence[Taken],
     confirm_seconds: float,
 ) -> list[tuple[AbstractIncomingMessage, BaseException]]:
     """Publish the batch with every confirm outstanding at once; ack each dead-lettered

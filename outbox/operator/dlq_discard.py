@@ -33,10 +33,10 @@ from outbox.errors import ConfigurationError, OutboxError
 from outbox.operator.dlq import (
     _BROKER_ERRORS,
     DeadLetter,
+    Taken,
     _dead_letter_queue,
-    _hand_back,
     _shown,
-    inspect,
+    walk_dead_letters,
 )
 from outbox.operator.render import instant, stamp
 from outbox.operator.views import DeadLetterView
@@ -184,53 +184,33 @@ async def discard_dead_letters(
     most ``limit`` are selected."""
     report = DiscardReport(queue=settings.dead_letter_queue, dry_run=record is None)
     found: set[str] = set()
+
+    def choose(message: AbstractIncomingMessage, letter: DeadLetter) -> bool:
+        if not selection.matches(message, letter):
+            report.kept += 1
+            return False
+        if message.message_id is not None:
+            found.add(message.message_id)
+        report.selected.append(Candidate(letter, digest(message.body)))
+        return True
+
+    async def settle(window: list[Taken]) -> None:
+        if record is None:
+            return
+        chosen = report.selected[-len(window) :]
+        report.records += await record([c.discard(reason=reason, by=by) for c in chosen])
+        await _remove([message for message, _ in window], report)
+
     async with _dead_letter_queue(settings) as (_, queue, count):
-        held: list[AbstractIncomingMessage] = []
-        seen = 0
-        try:
-            while seen < count and (limit is None or len(report.selected) < limit):
-                room = (
-                    DISCARD_WINDOW
-                    if limit is None
-                    else min(DISCARD_WINDOW, limit - len(report.selected))
-                )
-                window: list[AbstractIncomingMessage] = []
-                drained = False
-                while len(window) < room and seen < count:
-                    message = await queue.get(no_ack=False, fail=False)
-                    if message is None:
-                        drained = True
-                        break
-                    seen += 1
-                    letter = inspect(message)
-                    # Held until settled: whatever goes wrong from here hands it back.
-                    held.append(message)
-                    if not selection.matches(message, letter):
-                        report.kept += 1
-                        continue
-                    if message.message_id is not None:
-                        found.add(message.message_id)
-                    window.append(message)
-                    report.selected.append(Candidate(letter, digest(message.body)))
-                if record is not None and window:
-                    chosen = report.selected[-len(window) :]
-                    records = await record([c.discard(reason=reason, by=by) for c in chosen])
-                    report.records += records
-                    await _remove(window, held, report)
-                if drained:
-                    break
-        finally:
-            await _hand_back(held)
+        await walk_dead_letters(
+            queue, count, choose=choose, settle=settle, limit=limit, window=DISCARD_WINDOW
+        )
     if selection.message_ids is not None:
         report.missing_ids = sorted(_shown(i) or "-" for i in selection.message_ids - found)
     return report
 
 
-async def _remove(
-    window: list[AbstractIncomingMessage],
-    held: list[AbstractIncomingMessage],
-    report: DiscardReport,
-) -> None:
+async def _remove(window: list[AbstractIncomingMessage], report: DiscardReport) -> None:
     """Ack what was recorded. A broker failure now leaves recorded messages in the
     queue: said as such, since the command's generic broker error would not."""
     for position, message in enumerate(window):
@@ -244,7 +224,6 @@ async def _remove(
                 "as discarded. Run the command again to remove them (each gets a second "
                 "record)"
             ) from None
-        held.remove(message)
 
 
 def discard_fate(view: DeadLetterView) -> str:

@@ -20,6 +20,7 @@ from outbox import Registry
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage, Topology, declare_topology, message_id
 from outbox.cli import run_command
+from outbox.operator import dlq
 from outbox.settings import Settings
 from outbox.states import EventName
 
@@ -270,6 +271,39 @@ async def test_requeue_limit_stops_after_n(
     assert out.splitlines()[0] == "requeued 2, left 0 (unparseable), kept 0 (not selected)"
     assert len(await read_raw(amqp_server_url, broker.queue, expect=2)) == 2
     await holds(amqp_server_url, broker.dead_letter_queue, 1)
+
+
+async def test_requeue_walks_window_after_window_and_stops_at_the_limit(
+    broker: Settings, cli: Cli, amqp_server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two envelopes a window: the limit falls inside the second window, and poison met
+    # on the way is passed over without taking a place in either.
+    monkeypatch.setattr(dlq, "REQUEUE_WINDOW", 2)
+    await dead_letter(
+        broker,
+        message(envelope(1), message_id(1)),
+        message(POISON, "poison-1"),
+        message(envelope(2), message_id(2)),
+        message(envelope(3), message_id(3)),
+        message(POISON, "poison-2"),
+        message(envelope(4), message_id(4)),
+        message(envelope(5), message_id(5)),
+    )
+
+    code, out, err = await cli("requeue", "--all", "--limit", "3")
+
+    assert code == 0, err
+    assert out.splitlines()[0] == "requeued 3, left 1 (unparseable), kept 0 (not selected)"
+    back = await read_raw(amqp_server_url, broker.queue, expect=3)
+    assert sorted(m.message_id or "" for m in back) == [message_id(i) for i in (1, 2, 3)]
+    await holds(amqp_server_url, broker.dead_letter_queue, 4)
+    left = await read_raw(amqp_server_url, broker.dead_letter_queue, expect=4)
+    assert sorted(m.message_id or "" for m in left) == [
+        message_id(4),
+        message_id(5),
+        "poison-1",
+        "poison-2",
+    ]
 
 
 async def test_an_empty_dead_letter_queue(broker: Settings, cli: Cli) -> None:

@@ -18,10 +18,11 @@ import pytest
 from outbox import Registry
 from outbox.broker import OperationMessage, message_id
 from outbox.cli import run_command
+from outbox.operator import dlq_discard
 from outbox.settings import Settings
 
 from support.broker_helpers import message_count, read_raw
-from support.console_helpers import dead_letter_one
+from support.console_helpers import dead_letter_one, envelope_of
 from support.ops_helpers import Ops
 from support.waiting import eventually
 
@@ -217,6 +218,37 @@ async def test_a_discard_by_id_takes_only_that_one(
     assert "missing-1" in out
     await held(settings, 1)
     assert [r[0] for r in records(database_url)] == ["poison-b"]
+
+
+async def test_a_discard_walks_window_after_window_and_stops_at_the_limit(
+    settings: Settings,
+    database_url: str,
+    registry: Registry,
+    cli: Cli,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two records a window: the limit falls inside the second window, and the envelope
+    # met on the way is kept without taking a place in either.
+    monkeypatch.setattr(dlq_discard, "DISCARD_WINDOW", 2)
+    operation = Ops(database_url, registry).new()
+    await dead_letter_one(settings, POISON, message_id="poison-1")
+    await dead_letter_one(settings, envelope_of(operation), message_id=message_id(1))
+    for n in (2, 3, 4):
+        await dead_letter_one(settings, POISON, message_id=f"poison-{n}")
+    await held(settings, 5)
+
+    code, out, err = await cli(
+        "discard", "--malformed", "--limit", "3", "--reason", "junk", "--by", "ana", "--yes"
+    )
+
+    assert code == 0, err
+    assert out.startswith(f"discarded 3 dead letter(s) from {settings.dead_letter_queue}, kept 1")
+    await held(settings, 2)
+    assert [row[0] for row in records(database_url)] == ["poison-1", "poison-2", "poison-3"]
+    left = await read_raw(
+        settings.amqp_url.get_secret_value(), settings.dead_letter_queue, expect=2
+    )
+    assert sorted(m.message_id or "" for m in left) == [message_id(1), "poison-4"]
 
 
 @pytest.mark.parametrize(
