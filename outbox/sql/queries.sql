@@ -10,16 +10,14 @@
 -- ==== outbox.store.operations: what every component shares (record, read, claim, commit, move)
 
 -- name: insert_decision
--- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql), waiting at most lock_timeout_ms for a lock; no row back when (run_id, decision_key) is taken. Every column but the input, which the caller holds already (not parsed back).
-SELECT id, run_id, decision_key, tool_name, tool_version, side_effect, input_fingerprint,
-       requires_approval, state, attempts, reconcile_attempts, lease_token, lease_owner,
-       lease_expires_at, next_attempt_at, first_attempt_at, provider_reference, result,
-       last_error_class, effect_possible, created_at, updated_at
+-- Write the operation (prepared), its outbox row and its operation.prepared event through the agent's one write path (outbox_record_decision in schema.sql), waiting at most lock_timeout_ms for a lock; no row back when (run_id, decision_key) is taken. A new operation comes back as its id and time only: every other column is the decision's own or what outbox_guard_birth makes every new row (store.operations builds the rest). An operation answered from history (its id is not the one given) comes whole in archived, without its input.
+SELECT r.id, r.created_at,
+       CASE WHEN r.id = %(id)s THEN NULL ELSE to_jsonb(r) - 'input' END AS archived
 FROM outbox_record_decision(
     %(id)s, %(run_id)s, %(decision_key)s, %(tool_name)s, %(tool_version)s, %(side_effect)s,
     %(input)s, %(input_fingerprint)s, %(requires_approval)s, %(headers)s,
     %(lock_timeout_ms)s
-)
+) AS r
 
 -- name: fingerprint_key
 -- The deployment's key for short fingerprints (outbox_deployment, created by the first migration); the runner caches it per database.

@@ -121,16 +121,15 @@ def record_decision(
                 "lock_timeout_ms": lock_timeout_ms,
             },
         )
-        if rows and rows[0]["id"] != new_id:
+        if rows and rows[0]["archived"] is not None:
             # The decision was recorded long ago and its operation moved to history
             # (schema.sql, outbox_history_archive): the function answers with it, from
             # the archived decision keys, and created nothing.
-            archived = Operation.model_validate({**rows[0], "input": decision.input})
+            archived = Operation.model_validate({**rows[0]["archived"], "input": decision.input})
             _refuse_changed_intent(archived, decision, key)
             return RecordedDecision(operation=archived, created=False)
         if rows:
-            # The row comes without its input: the statement stored this call's.
-            operation = Operation.model_validate({**rows[0], "input": decision.input})
+            operation = _born(decision, new_id, rows[0]["created_at"])
             lifecycle.emit(EventName.PREPARED, operation, attributes)
             return RecordedDecision(operation=operation, created=True)
         rows = yield Step(
@@ -145,6 +144,40 @@ def record_decision(
             return RecordedDecision(operation=existing, created=False)
     raise TransientDatabaseError(
         "the decision key kept changing hands between insert and read; retry the transaction"
+    )
+
+
+def _born(decision: NewDecision, operation_id: UUID, recorded_at: datetime) -> Operation:
+    """The operation a decision's insert has just created. Built rather than read back:
+    besides the decision's own columns, a new row holds only what outbox_guard_birth
+    (schema.sql) makes every new row hold, and decoding the whole row back cost the
+    writer about 35 µs of a decision's 230 to 260."""
+    return Operation.model_validate(
+        {
+            "id": operation_id,
+            "run_id": decision.run_id,
+            "decision_key": decision.decision_key,
+            "tool_name": decision.tool_name,
+            "tool_version": decision.tool_version,
+            "side_effect": decision.side_effect,
+            "input": decision.input,
+            "input_fingerprint": decision.input_fingerprint,
+            "requires_approval": decision.requires_approval,
+            "state": OperationState.PREPARED,
+            "attempts": 0,
+            "reconcile_attempts": 0,
+            "lease_token": 0,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "next_attempt_at": recorded_at,
+            "first_attempt_at": None,
+            "provider_reference": None,
+            "result": None,
+            "last_error_class": None,
+            "effect_possible": False,
+            "created_at": recorded_at,
+            "updated_at": recorded_at,
+        }
     )
 
 

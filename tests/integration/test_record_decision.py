@@ -286,6 +286,28 @@ def test_approval_requirement_is_decided_at_record_time(
     assert (small.operation.requires_approval, large.operation.requires_approval) == (False, True)
 
 
+def test_the_operation_returned_is_the_row_stored(
+    database_url: str, engine: sa.Engine, registry: Registry
+) -> None:
+    # The insert returns only a new row's id and time; the rest is built from the
+    # decision and what the birth guard makes every new row. Read back, it is the same.
+    with engine.begin() as connection:
+        keyed = record_decision(
+            connection, registry, "send_refund", REFUND, run_id="r", decision_key="k1"
+        )
+        keyless_to_approve = record_decision(
+            connection, registry, "send_refund", {**REFUND, "amount_cents": 50_001}, run_id="r"
+        )
+    with psycopg.connect(database_url) as check:
+        stored = [
+            Store(check).run(outbox_store.get_operation(recorded.operation.id))
+            for recorded in (keyed, keyless_to_approve)
+        ]
+
+    assert [keyed.operation, keyless_to_approve.operation] == stored
+    assert (stored[1].decision_key, stored[1].requires_approval) == (None, True)
+
+
 def test_autocommit_connection_is_refused_because_writes_would_not_commit_together(
     database_url: str, registry: Registry
 ) -> None:
