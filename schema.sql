@@ -895,11 +895,25 @@ BEGIN
     -- statement looked. Looked for again, with a snapshot taken after the insert, it is
     -- found; the transaction is refused as a serialization failure, and the retry
     -- returns the archived operation. Paid only by a decision that created a row.
+    --
+    -- Version 14: at REPEATABLE READ and SERIALIZABLE every statement sees the
+    -- transaction's first snapshot, so a move that committed after it is invisible to
+    -- both looks, and the insert (whose unique check sees only the move's delete) went
+    -- through: the key recorded twice. That snapshot still holds the row the move
+    -- deleted, though: another operation under this key beside the one just inserted,
+    -- which the unique index allows only when it was deleted after the snapshot. Found,
+    -- the transaction is refused the same way (SQLSTATE 40001, as Postgres refuses a
+    -- snapshot that missed a concurrent change); the retry's snapshot sees the key in
+    -- history. One more index probe, for those isolation levels only.
     IF FOUND AND p_decision_key IS NOT NULL
        AND (EXISTS (SELECT 1 FROM @schema@.history_keys_0 g
                     WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
             OR EXISTS (SELECT 1 FROM @schema@.history_keys_1 g
-                       WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)) THEN
+                       WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
+            OR (pg_catalog.current_setting('transaction_isolation') <> 'read committed'
+                AND EXISTS (SELECT 1 FROM @schema@.operations o
+                            WHERE o.run_id = p_run_id AND o.decision_key = p_decision_key
+                              AND o.id <> p_id))) THEN
         RAISE EXCEPTION 'decision key moved to history while it was recorded; retry the transaction'
             USING ERRCODE = 'serialization_failure';
     END IF;
@@ -1615,3 +1629,4 @@ INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO
 INSERT INTO outbox_schema_version (version) VALUES (11) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (12) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (13) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (14) ON CONFLICT (version) DO NOTHING;
