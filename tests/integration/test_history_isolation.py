@@ -10,7 +10,6 @@ snapshot, and waited for on pg_stat_activity: no sleeps."""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -22,11 +21,10 @@ from outbox.errors import TransientDatabaseError
 from outbox.store import Store
 
 from support.db_helpers import execute_admin
+from support.history_helpers import HOT, settled_days_ago, wait_for_lock_waiters
 from support.ops_helpers import Ops
-from support.waiting import eventually_sync
 
 S = OperationState
-HOT = timedelta(hours=1)
 RUN = "run-history-isolation"
 LEVELS = [
     psycopg.IsolationLevel.READ_COMMITTED,
@@ -52,15 +50,7 @@ def settled_operation(database_url: str, registry: Registry, key: str) -> Any:
     with psycopg.connect(database_url) as connection:
         first = decide(connection, registry, key)
     operation = ops.move(ops.move(first.operation, S.IN_FLIGHT), S.COMMITTED)
-    with psycopg.connect(database_url) as connection:
-        connection.execute("SET LOCAL session_replication_role = replica")
-        connection.execute(
-            "UPDATE operations SET updated_at = now() - interval '2 days' WHERE id = %s",
-            (operation.id,),
-        )
-        connection.execute(
-            "UPDATE outbox SET published_at = now() WHERE operation_id = %s", (operation.id,)
-        )
+    settled_days_ago(database_url, operation.id, 2)
     return operation
 
 
@@ -105,18 +95,16 @@ def test_a_decision_whose_snapshot_predates_a_committed_move_is_refused_then_ans
             assert Store(mover).run(outbox_store.archive_batch(HOT, 10))
         if level == psycopg.IsolationLevel.READ_COMMITTED:
             # Each statement sees what committed before it: the first look finds the key.
-            outcome: RecordedDecision | Exception = decide(agent, registry, key)
+            found = decide(agent, registry, key)
+            assert found.created is False
+            assert found.operation.id == operation.id
         else:
             with pytest.raises(TransientDatabaseError, match="SQLSTATE 40001"):
                 decide(agent, registry, key)
-            outcome = TransientDatabaseError("refused")
         agent.rollback()
     finally:
         agent.close()
 
-    if isinstance(outcome, RecordedDecision):
-        assert outcome.created is False
-        assert outcome.operation.id == operation.id
     assert_retry_gets_the_archived_one(database_url, registry, level, key, operation)
 
 
@@ -142,18 +130,10 @@ def test_a_decision_waiting_on_a_move_in_progress_is_refused_then_answered(
             assert Store(mover).run(outbox_store.archive_batch(HOT, 10))
             racer = threading.Thread(target=record)
             racer.start()
-            eventually_sync(
-                lambda: (
-                    execute_admin(
-                        database_url,
-                        "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                        "current_database() AND wait_event_type = 'Lock' "
-                        "AND query LIKE '%%outbox_record_decision%%'",
-                    )
-                    == [(1,)]
-                ),
-                within=10,
-                what="the decision waiting for the move",
+            wait_for_lock_waiters(
+                database_url,
+                "the decision waiting for the move",
+                running="%outbox_record_decision%",
             )
         racer.join(10)
         assert not racer.is_alive()
