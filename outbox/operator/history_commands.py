@@ -370,7 +370,7 @@ def _day(text: str) -> date:
 
 
 def configure_history(commands: Commands) -> None:
-    """Register ``outbox history`` (archive, drop, export, status)."""
+    """Register ``outbox history`` (archive, drop, export, status, verify)."""
     parser = commands.add_parser(
         "history",
         help="move settled operations into history, export and drop its days",
