@@ -328,6 +328,10 @@ def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
     operation named does not exist (nothing was checked)."""
     if args.archive is not None:
         return verify_export(args.archive, args.json, settings, offline=args.offline)
+    if args.offline:
+        raise ConfigurationError(
+            "--offline goes with --archive FILE: every other check reads the database"
+        )
     operation_id: UUID | None = None
     with command_transaction(settings) as connection:
         runner = Store(connection)

@@ -356,6 +356,8 @@ def test_an_export_is_checked_offline_and_said_so_when_the_database_is_unreachab
     text = capsys.readouterr().out
 
     assert (code, text_code) == (0, 0)
+    assert run_command(["ops", "verify", "--all", "--offline"]) == 2
+    assert "--offline goes with --archive" in capsys.readouterr().err
     assert report["evidence"] == "offline"
     assert report["database"] is None
     assert "could not be reached" in report["offline_reason"]
