@@ -32,9 +32,9 @@
 --                      callbacks list`), operation_ids_in_range (a short id such as
 --                      `op_74ca7733` in `ops show`), list_approval_candidates
 --                      (`approvals pending`, with each one's latest decision);
---                      `outbox history` archive, export and status (EXECUTE on
---                      outbox_history_archive and outbox_history_checkpoint, SELECT on
---                      history and history_checkpoints)
+--                      `outbox history` archive, export, status and verify (EXECUTE
+--                      on outbox_history_archive and outbox_history_checkpoint, SELECT
+--                      on history, history_checkpoints and history_checkpoint_head)
 --   outbox_callbacks   `outbox callbacks` and record_callback(): record_callback
 --                      (EXECUTE on outbox_record_callback, its only write path and
 --                      its only privilege), schema_is_current (the catalog)
@@ -118,7 +118,7 @@ REVOKE ALL ON operations, outbox, operation_events, approvals, outbox_schema_ver
     outbox_schema_applied, outbox_deployment, operation_event_heads, operation_status,
     callbacks, provider_health, provider_events, provider_calls, agent_reports,
     discarded_dead_letters, history, history_checkpoints, history_keys_0, history_keys_1,
-    history_key_generations
+    history_key_generations, history_checkpoint_head
     FROM PUBLIC, outbox_agent, outbox_dispatcher, outbox_consumer, outbox_operator,
          outbox_callbacks;
 -- Column grants survive a table-level REVOKE only if named: drop every column grant
@@ -275,6 +275,9 @@ GRANT EXECUTE ON FUNCTION outbox_history_archive(interval, integer),
     outbox_history_checkpoint(date, text) TO outbox_operator;
 GRANT SELECT ON history, history_checkpoints, history_keys_0, history_keys_1,
     history_key_generations TO outbox_operator;
+-- `outbox history verify` and `ops verify --archive` walk the checkpoint chain to its
+-- head (version 14); only the chain trigger writes either.
+GRANT SELECT ON history_checkpoint_head TO outbox_operator;
 
 -- The consumer applies provider callbacks (docs/design.md section 5, "Callbacks"): it reads
 -- the inbox (and locks the rows it applies: FOR UPDATE needs UPDATE) and writes one

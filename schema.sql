@@ -895,11 +895,25 @@ BEGIN
     -- statement looked. Looked for again, with a snapshot taken after the insert, it is
     -- found; the transaction is refused as a serialization failure, and the retry
     -- returns the archived operation. Paid only by a decision that created a row.
+    --
+    -- Version 14: at REPEATABLE READ and SERIALIZABLE every statement sees the
+    -- transaction's first snapshot, so a move that committed after it is invisible to
+    -- both looks, and the insert (whose unique check sees only the move's delete) went
+    -- through: the key recorded twice. That snapshot still holds the row the move
+    -- deleted, though: another operation under this key beside the one just inserted,
+    -- which the unique index allows only when it was deleted after the snapshot. Found,
+    -- the transaction is refused the same way (SQLSTATE 40001, as Postgres refuses a
+    -- snapshot that missed a concurrent change); the retry's snapshot sees the key in
+    -- history. One more index probe, for those isolation levels only.
     IF FOUND AND p_decision_key IS NOT NULL
        AND (EXISTS (SELECT 1 FROM @schema@.history_keys_0 g
                     WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
             OR EXISTS (SELECT 1 FROM @schema@.history_keys_1 g
-                       WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)) THEN
+                       WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key)
+            OR (pg_catalog.current_setting('transaction_isolation') <> 'read committed'
+                AND EXISTS (SELECT 1 FROM @schema@.operations o
+                            WHERE o.run_id = p_run_id AND o.decision_key = p_decision_key
+                              AND o.id <> p_id))) THEN
         RAISE EXCEPTION 'decision key moved to history while it was recorded; retry the transaction'
             USING ERRCODE = 'serialization_failure';
     END IF;
@@ -1241,6 +1255,150 @@ CREATE TRIGGER history_checkpoints_append_only
     BEFORE UPDATE OR DELETE ON history_checkpoints
     FOR EACH ROW EXECUTE FUNCTION outbox_history_checkpoints_append_only();
 
+-- Version 14: the checkpoints are a chain of their own, as an operation's events are
+-- (version 5): each row carries its position (seq), the hash of the checkpoint before
+-- it (prev_hash, NULL for the first) and its own hash over a canonical form of itself
+-- and prev_hash, all written by the insert trigger below whatever the INSERT said. A
+-- row deleted or changed, even by the tables' owner with the append-only trigger off,
+-- no longer links, and `outbox history verify` names the first such link; the head
+-- (history_checkpoint_head) counts the rows and names the last hash, so a deleted
+-- newest row shows too. An owner who rewrote the whole chain and its head would still
+-- disagree with every export's checkpoint line that carries a hash
+-- (`ops verify --archive`): keep those where the owner cannot write.
+ALTER TABLE history_checkpoints ADD COLUMN IF NOT EXISTS seq bigint;
+ALTER TABLE history_checkpoints ADD COLUMN IF NOT EXISTS prev_hash bytea;
+ALTER TABLE history_checkpoints ADD COLUMN IF NOT EXISTS hash bytea;
+CREATE UNIQUE INDEX IF NOT EXISTS history_checkpoints_seq ON history_checkpoints (seq);
+
+-- One row: how many checkpoints the chain holds and the hash of the newest. Its UPDATE
+-- in the trigger also serializes checkpoint inserts: a second one waits for the first
+-- to commit and chains after it. Granted to no login for writing; the operators read
+-- it to verify.
+CREATE TABLE IF NOT EXISTS history_checkpoint_head (
+    singleton    boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    checkpoints  bigint NOT NULL CHECK (checkpoints >= 0),
+    -- The hash before last_hash: the trigger's one UPDATE returns it as the new row's
+    -- prev_hash (RETURNING sees only the new row).
+    prev_hash    bytea,
+    last_hash    bytea
+);
+
+-- The canonical form of a checkpoint, and its hash (the trigger, the migration below and
+-- verify_checkpoint_chain in queries.sql all use this one): SHA-256 over the tag
+-- "outbox.checkpoint.v1", then id and seq (8 bytes each), kind behind its length,
+-- settled_on (4: days since 2000-01-01), operations (4), events (8), the digest's 32
+-- bytes, recorded_by behind its length, recorded_at (8: microseconds since
+-- 2000-01-01 UTC), then prev_hash behind its length (-1 for none). Fixed widths and
+-- lengths, integers big-endian, text as UTF-8: no two checkpoints share one form. A
+-- NULL anywhere gives NULL, which matches no stored hash.
+CREATE OR REPLACE FUNCTION outbox_checkpoint_hash(
+    p_id bigint, p_seq bigint, p_kind text, p_settled_on date, p_operations integer,
+    p_events bigint, p_digest text, p_recorded_by name, p_recorded_at timestamptz,
+    p_prev_hash bytea
+) RETURNS bytea
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN sha256(
+    'outbox.checkpoint.v1'::bytea
+    || int8send(p_id) || int8send(p_seq)
+    || int4send(octet_length(convert_to(p_kind, 'UTF8'))) || convert_to(p_kind, 'UTF8')
+    || date_send(p_settled_on) || int4send(p_operations) || int8send(p_events)
+    || decode(p_digest, 'hex')
+    || int4send(octet_length(convert_to(p_recorded_by::text, 'UTF8')))
+    || convert_to(p_recorded_by::text, 'UTF8')
+    || timestamptz_send(p_recorded_at)
+    || int4send(coalesce(octet_length(p_prev_hash), -1)) || coalesce(p_prev_hash, ''::bytea)
+);
+
+-- Chain every new checkpoint. Who and when are the database's, whatever the INSERT
+-- said: no writer backdates one. SECURITY DEFINER, so the head needs no grant. The id
+-- is the column's own (no login but the owner inserts here, and only through the
+-- functions below; an owner's INSERT whose chosen id collided would move the head
+-- without a row, which verify reports as a missing tail).
+CREATE OR REPLACE FUNCTION outbox_chain_checkpoint() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    NEW.recorded_by := session_user;
+    NEW.recorded_at := clock_timestamp();
+    UPDATE @schema@.history_checkpoint_head h
+    SET checkpoints = h.checkpoints + 1,
+        prev_hash = h.last_hash,
+        last_hash = @schema@.outbox_checkpoint_hash(
+            NEW.id, h.checkpoints + 1, NEW.kind, NEW.settled_on, NEW.operations, NEW.events,
+            NEW.digest, NEW.recorded_by, NEW.recorded_at, h.last_hash)
+    WHERE h.singleton
+    RETURNING h.checkpoints, h.prev_hash, h.last_hash INTO NEW.seq, NEW.prev_hash, NEW.hash;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'history_checkpoint_head is missing: run outbox migrate'
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+REVOKE ALL ON FUNCTION outbox_chain_checkpoint() FROM PUBLIC;
+
+DROP TRIGGER IF EXISTS history_checkpoints_chain ON history_checkpoints;
+CREATE TRIGGER history_checkpoints_chain
+    BEFORE INSERT ON history_checkpoints
+    FOR EACH ROW EXECUTE FUNCTION outbox_chain_checkpoint();
+
+-- Only the chain trigger moves the head (as for operation_event_heads, version 8).
+CREATE OR REPLACE FUNCTION outbox_checkpoint_head_guard() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'history_checkpoint_head is written only by the history_checkpoints chain trigger'
+        USING ERRCODE = 'insufficient_privilege';
+END;
+$$;
+
+DROP TRIGGER IF EXISTS history_checkpoint_head_guard ON history_checkpoint_head;
+CREATE TRIGGER history_checkpoint_head_guard
+    BEFORE UPDATE OR DELETE ON history_checkpoint_head
+    FOR EACH STATEMENT WHEN (pg_trigger_depth() = 0)
+    EXECUTE FUNCTION outbox_checkpoint_head_guard();
+
+-- Chain the checkpoints a version 13 database wrote, in id order, and anchor the head
+-- (an empty chain on a new database). Once: version 14 is recorded in this same
+-- transaction, and the ADD COLUMNs above hold the table's ACCESS EXCLUSIVE lock until
+-- commit, so no checkpoint is written meanwhile; the append-only trigger is off for
+-- these UPDATEs only, inside the migration's transaction.
+DO $$
+DECLARE
+    checkpoint record;
+    chain_seq bigint := 0;
+    previous bytea;
+    before_previous bytea;
+    link_hash bytea;
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox_schema_version WHERE version = 14) THEN
+        RETURN;
+    END IF;
+    ALTER TABLE history_checkpoints DISABLE TRIGGER history_checkpoints_append_only;
+    FOR checkpoint IN
+        SELECT id, kind, settled_on, operations, events, digest, recorded_by, recorded_at
+        FROM history_checkpoints
+        ORDER BY id
+    LOOP
+        chain_seq := chain_seq + 1;
+        link_hash := outbox_checkpoint_hash(checkpoint.id, chain_seq, checkpoint.kind,
+                                            checkpoint.settled_on, checkpoint.operations,
+                                            checkpoint.events, checkpoint.digest,
+                                            checkpoint.recorded_by, checkpoint.recorded_at,
+                                            previous);
+        UPDATE history_checkpoints SET seq = chain_seq, prev_hash = previous, hash = link_hash
+        WHERE id = checkpoint.id;
+        before_previous := previous;
+        previous := link_hash;
+    END LOOP;
+    ALTER TABLE history_checkpoints ENABLE TRIGGER history_checkpoints_append_only;
+    INSERT INTO history_checkpoint_head (singleton, checkpoints, prev_hash, last_hash)
+    VALUES (true, chain_seq, before_previous, previous)
+    ON CONFLICT (singleton) DO NOTHING;
+END;
+$$;
+
+ALTER TABLE history_checkpoints ALTER COLUMN seq SET NOT NULL;
+ALTER TABLE history_checkpoints ALTER COLUMN hash SET NOT NULL;
+
 -- The decision keys of archived operations, in two plain generations (not a partitioned
 -- table: a look-up by key cannot be pruned to a day, design section 15), so that
 -- outbox_record_decision, with two index probes, returns the archived operation for a
@@ -1423,12 +1581,49 @@ END;
 $$;
 REVOKE ALL ON FUNCTION outbox_history_archive(interval, integer) FROM PUBLIC;
 
--- A checkpoint of one whole day of history, as it is now: before an export is written
--- (its first line) and before the day is dropped. 'dropped' only for the tables' owner,
--- who alone can drop.
+-- What one whole day of history holds now, as a checkpoint states it: how many
+-- operations and events, and the digest of their heads. Read as the caller (an
+-- operator's export compares its snapshot with the checkpoint it recorded), and by the
+-- function below. A SQL-standard body: bound here, nothing looked up at run time.
+CREATE OR REPLACE FUNCTION outbox_history_day(p_day date)
+RETURNS TABLE (operations integer, events bigint, digest text)
+LANGUAGE sql STABLE
+BEGIN ATOMIC
+    SELECT count(*)::integer, coalesce(sum(h.event_count), 0)::bigint,
+           encode(sha256(convert_to(coalesce(string_agg(
+               outbox_history_digest_line(h.operation_id, h.event_count, h.last_hash),
+               E'\n' ORDER BY h.operation_id), ''), 'UTF8')), 'hex')
+    FROM history h
+    WHERE h.settled_on = p_day;
+END;
+
+-- Version 14: the checkpoint function returns the whole row, its id and place in the
+-- chain included (an export's first line carries them, for `ops verify --archive` to
+-- find the row again). A function's result type cannot be changed in place: the
+-- version 13 one is dropped once, and whoever could execute it may execute the new one
+-- (its grants are carried over here, so a migration without --roles keeps them).
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_proc p
+               WHERE p.oid = to_regprocedure('outbox_history_checkpoint(date, text)')
+                 AND NOT 'seq' = ANY (p.proargnames)) THEN
+        PERFORM set_config('outbox.migrate_checkpoint_acl',
+                           coalesce((SELECT p.proacl::text FROM pg_proc p WHERE p.oid =
+                                         to_regprocedure('outbox_history_checkpoint(date, text)')),
+                                    '{}'),
+                           true);
+        DROP FUNCTION outbox_history_checkpoint(date, text);
+    END IF;
+END;
+$$;
+
+-- A checkpoint of one whole day of history, as it is now: an export's (its first line)
+-- and the day's before it is dropped. 'dropped' only for the tables' owner, who alone
+-- can drop.
 CREATE OR REPLACE FUNCTION outbox_history_checkpoint(p_day date, p_kind text)
-RETURNS TABLE (settled_on date, operations integer, events bigint, digest text,
-               recorded_by name, recorded_at timestamptz)
+RETURNS TABLE (id bigint, seq bigint, kind text, settled_on date, operations integer,
+               events bigint, digest text, recorded_by name, recorded_at timestamptz,
+               prev_hash text, hash text)
 LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
     IF p_kind IS DISTINCT FROM 'exported' AND p_kind IS DISTINCT FROM 'dropped' THEN
@@ -1444,16 +1639,35 @@ BEGIN
     END IF;
     RETURN QUERY
     INSERT INTO @schema@.history_checkpoints AS k (kind, settled_on, "operations", events, digest)
-    SELECT p_kind, p_day, count(*), coalesce(sum(h.event_count), 0),
-           encode(sha256(convert_to(coalesce(string_agg(
-               @schema@.outbox_history_digest_line(h.operation_id, h.event_count, h.last_hash),
-               E'\n' ORDER BY h.operation_id), ''), 'UTF8')), 'hex')
-    FROM @schema@.history h
-    WHERE h.settled_on = p_day
-    RETURNING k.settled_on, k.operations, k.events, k.digest, k.recorded_by, k.recorded_at;
+    SELECT p_kind, p_day, d.operations, d.events, d.digest
+    FROM @schema@.outbox_history_day(p_day) d
+    RETURNING k.id, k.seq, k.kind, k.settled_on, k.operations, k.events, k.digest,
+              k.recorded_by, k.recorded_at, encode(k.prev_hash, 'hex'), encode(k.hash, 'hex');
 END;
 $$;
 REVOKE ALL ON FUNCTION outbox_history_checkpoint(date, text) FROM PUBLIC;
+DO $$
+DECLARE
+    held record;
+    carried text := coalesce(current_setting('outbox.migrate_checkpoint_acl', true), '');
+BEGIN
+    IF carried IN ('', '{}') THEN
+        RETURN;
+    END IF;
+    FOR held IN
+        SELECT DISTINCT g.rolname
+        FROM aclexplode(carried::aclitem[]) a
+        JOIN pg_roles g ON g.oid = a.grantee
+        WHERE a.privilege_type = 'EXECUTE'
+          AND a.grantee <> (SELECT p.proowner FROM pg_proc p
+                            WHERE p.oid = to_regprocedure('outbox_history_checkpoint(date, text)'))
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION outbox_history_checkpoint(date, text) TO %I',
+                       held.rolname);
+    END LOOP;
+    PERFORM set_config('outbox.migrate_checkpoint_acl', '', true);
+END;
+$$;
 
 -- Truncate the older key generation once every key in it is older than p_retention, and
 -- make it the current one; returns whether it did. The owner's alone (outbox history
@@ -1615,3 +1829,4 @@ INSERT INTO outbox_schema_version (version) VALUES (10) ON CONFLICT (version) DO
 INSERT INTO outbox_schema_version (version) VALUES (11) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (12) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (13) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (14) ON CONFLICT (version) DO NOTHING;

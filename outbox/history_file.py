@@ -4,7 +4,8 @@ compared, and the checkpoint digest of a day (docs/operating.md, "History retent
 
 ``outbox history export`` writes one file per day of history, JSON lines: a first line
 ``{"checkpoint": {...}}`` (the day, how many operations and events, the digest, who
-recorded it and when), then one line per operation as its ``history`` row holds it, each
+recorded it and when, and since schema version 14 the row's id, seq and hash in the
+checkpoint chain), then one line per operation as its ``history`` row holds it, each
 written as Postgres printed it. ``outbox ops verify --archive FILE`` reads it back here.
 
 The hash covers an event's attributes in jsonb's own text form: keys sorted by length
@@ -150,12 +151,17 @@ def digest(heads: Iterable[tuple[UUID, int, str | None]]) -> str:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What a checkpoint row says left (or was exported) of one day."""
+    """What a checkpoint row says left (or was exported) of one day; an export written
+    since schema version 14 also names the row (id) and its place in the checkpoint
+    chain (seq, its hash), which only the database can confirm."""
 
     settled_on: date
     operations: int
     events: int
     digest: str
+    id: int | None = None
+    seq: int | None = None
+    hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,10 @@ def _lines(path: Path) -> Iterator[tuple[int, Any]]:
         raise ArchiveUnreadable(f"{path}: line {error.lineno} is not JSON") from None
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
 def verify_archive(path: Path) -> ArchiveReport:
     """Recompute every chain in an export and the digest of its checkpoint line."""
     lines = _lines(path)
@@ -204,6 +214,9 @@ def verify_archive(path: Path) -> ArchiveReport:
             int(head["operations"]),
             int(head["events"]),
             str(head["digest"]),
+            id=_optional_int(head.get("id")),
+            seq=_optional_int(head.get("seq")),
+            hash=str(head["hash"]) if head.get("hash") is not None else None,
         )
     except StopIteration:
         raise ArchiveUnreadable(f"{path}: empty, no checkpoint line") from None

@@ -400,7 +400,14 @@ def configure_ops(commands: Commands) -> None:
         type=Path,
         metavar="FILE",
         help="an export of `outbox history export`: every chain in it and its checkpoint "
-        "digest, without a database",
+        "line, then that line against the database's checkpoint row and chain (offline, "
+        "and said so, when the database cannot be reached)",
+    )
+    verify.add_argument(
+        "--offline",
+        action="store_true",
+        help="with --archive: do not ask the database; the file is checked against its "
+        "own checkpoint line only, which is offline-only evidence",
     )
     _json_flag(verify, "one JSON document instead of text")
 

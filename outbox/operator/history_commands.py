@@ -1,4 +1,4 @@
-"""``outbox history`` (archive, drop, export, status) and what ``outbox ops show`` and
+"""``outbox history`` (archive, drop, export, status, verify) and what ``outbox ops show`` and
 ``outbox ops verify`` do for an operation that left the hot tables: docs/operating.md,
 "History retention", and docs/design.md section 15.
 
@@ -34,9 +34,10 @@ from outbox.errors import (
     ServiceUnavailable,
     connect_failure,
 )
-from outbox.history_file import ArchiveUnreadable, broken_links, load_line, verify_archive
+from outbox.history_file import broken_links, load_line
 from outbox.models import display_operation_id
 from outbox.operator import render, views
+from outbox.operator.history_verify import archived_report, cmd_history_verify, verify_export
 from outbox.settings import Settings
 from outbox.store import Store
 from outbox.text import printable
@@ -47,6 +48,8 @@ Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 DEFAULT_BATCH = 500
 MAX_BATCH = 10_000
 RECENT_CHECKPOINTS = 10
+# An export records its checkpoint, then reads the day; this many times at most.
+EXPORT_TRIES = 3
 
 
 def _span(value: timedelta) -> str:
@@ -110,29 +113,51 @@ def cmd_history_archive(args: argparse.Namespace, settings: Settings) -> int:
 
 def _export(settings: Settings, day: date, directory: Path) -> tuple[Path, store.DayCheckpoint]:
     """One day of history to ``directory/history-<day>.jsonl``: its checkpoint, then one
-    line per operation, all read in one REPEATABLE READ snapshot; written beside and
-    renamed, so a file of that name is always whole."""
+    line per operation; written beside and renamed, so a file of that name is whole.
+
+    The checkpoint is recorded in a transaction of its own: its insert waits for the
+    checkpoint chain's head, which a REPEATABLE READ transaction could not take after
+    an archive batch moved it (a serialization failure), and which it would hold for the
+    whole export. The rows are then read in one REPEATABLE READ snapshot that must hold
+    exactly what the checkpoint states; an archive batch that added to the day in
+    between makes the export record a new checkpoint and read again."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"history-{day.isoformat()}.jsonl"
     partial = target.with_suffix(".jsonl.partial")
-    with command_transaction(settings) as connection:
-        connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        runner = Store(connection)
-        checkpoint = runner.run(store.checkpoint_day(day, "exported"))
-        with partial.open("w", encoding="utf-8") as file:
-            file.write(json.dumps({"checkpoint": _checkpoint_json(checkpoint)}) + "\n")
-            after: UUID | None = None
-            while page := runner.run(store.export_lines(day, after)):
-                file.writelines(line + "\n" for _, line in page)
-                after = page[-1][0]
-            file.flush()
-            os.fsync(file.fileno())
-    partial.replace(target)
-    return target, checkpoint
+    for _ in range(EXPORT_TRIES):
+        with command_transaction(settings) as connection:
+            checkpoint = Store(connection).run(store.checkpoint_day(day, "exported"))
+        with command_transaction(settings) as connection:
+            connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            runner = Store(connection)
+            seen = runner.run(store.day_digest(day))
+            if (seen.operations, seen.events, seen.digest) != (
+                checkpoint.operations,
+                checkpoint.events,
+                checkpoint.digest,
+            ):
+                continue
+            with partial.open("w", encoding="utf-8") as file:
+                file.write(json.dumps({"checkpoint": _checkpoint_json(checkpoint)}) + "\n")
+                after: UUID | None = None
+                while page := runner.run(store.export_lines(day, after)):
+                    file.writelines(line + "\n" for _, line in page)
+                    after = page[-1][0]
+                file.flush()
+                os.fsync(file.fileno())
+        partial.replace(target)
+        return target, checkpoint
+    raise ServiceUnavailable(
+        f"{day.isoformat()} kept changing while it was exported ({EXPORT_TRIES} tries: "
+        "operations of that day were being moved into history); nothing was written. "
+        "Export it again once the archive run is over"
+    )
 
 
 def _checkpoint_json(checkpoint: store.DayCheckpoint) -> dict[str, Any]:
     return {
+        "id": checkpoint.id,
+        "seq": checkpoint.seq,
         "kind": checkpoint.kind,
         "settled_on": checkpoint.settled_on.isoformat(),
         "operations": checkpoint.operations,
@@ -140,6 +165,8 @@ def _checkpoint_json(checkpoint: store.DayCheckpoint) -> dict[str, Any]:
         "digest": checkpoint.digest,
         "recorded_by": checkpoint.recorded_by,
         "recorded_at": checkpoint.recorded_at.isoformat() if checkpoint.recorded_at else None,
+        "prev_hash": checkpoint.prev_hash,
+        "hash": checkpoint.hash,
     }
 
 
@@ -248,8 +275,9 @@ def cmd_history_status(args: argparse.Namespace, settings: Settings) -> int:
     print("recent checkpoints:")
     for c in checkpoints:
         print(
-            f"  {c.kind:<8} {c.settled_on.isoformat()}  {c.operations} op(s) {c.events} event(s) "
-            f"{c.digest[:16]}  by {printable(str(c.recorded_by))} at {c.recorded_at}"
+            f"  #{c.seq} {c.kind:<8} {c.settled_on.isoformat()}  {c.operations} op(s) "
+            f"{c.events} event(s) {c.digest[:16]}  by {printable(str(c.recorded_by))} at "
+            f"{c.recorded_at}"
         )
     return 0
 
@@ -263,60 +291,15 @@ def archived_row(runner: Store, operation_id: UUID) -> dict[str, Any] | None:
     return row
 
 
-def _report(links: list[Any], operations: int, events: int) -> store.ChainReport:
-    return store.ChainReport(
-        operations_checked=operations,
-        events_checked=events,
-        broken=tuple(
-            store.BrokenLink(link.operation_id, link.event_id, link.reason) for link in links
-        ),
-    )
-
-
 def verify_archived(row: dict[str, Any], as_json: bool) -> int:
     """``ops verify`` of an operation only history holds: its chain recomputed here."""
     operation_id = UUID(str(row["operation_id"]))
-    report = _report(broken_links(row), 1, len(row["events"]))
+    report = archived_report(broken_links(row), 1, len(row["events"]))
     if as_json:
         print_json({**render.chain_json(report), "archived": row["settled_on"]})
     else:
         print(f"{render.chain_text(report, operation_id)} (archived, settled {row['settled_on']})")
     return 0 if report.intact else 1
-
-
-def verify_export(path: Path, as_json: bool) -> int:
-    """``ops verify --archive FILE``: every chain in an export and its checkpoint digest,
-    without a database. Exit 0 intact, 1 broken or not matching, 2 unreadable."""
-    try:
-        found = verify_archive(path)
-    except ArchiveUnreadable as error:
-        print(f"outbox ops verify: {printable(str(error))}; nothing was checked", file=sys.stderr)
-        return 2
-    report = _report(list(found.broken), found.operations_checked, found.events_checked)
-    day = found.checkpoint.settled_on.isoformat()
-    if as_json:
-        print_json(
-            {
-                **render.chain_json(report),
-                "intact": found.intact,
-                "settled_on": day,
-                "checkpoint_digest": found.checkpoint.digest,
-                "computed_digest": found.computed_digest,
-                "digest_matches": found.digest_matches,
-            }
-        )
-    else:
-        print(f"{printable(str(path))} ({day}): {render.chain_text(report, None)}")
-        if found.digest_matches:
-            print(f"checkpoint digest {found.checkpoint.digest} matches the file")
-        else:
-            print(
-                f"checkpoint MISMATCH: it names {found.checkpoint.operations} operation(s), "
-                f"{found.checkpoint.events} event(s), digest {found.checkpoint.digest}; the file "
-                f"holds {found.operations_checked}, {found.events_checked}, digest "
-                f"{found.computed_digest}"
-            )
-    return 0 if found.intact else 1
 
 
 def show_archived(row: dict[str, Any], as_json: bool) -> int:
@@ -344,7 +327,11 @@ def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 when every chain checked is intact, 1 when a link is broken, 2 when the
     operation named does not exist (nothing was checked)."""
     if args.archive is not None:
-        return verify_export(args.archive, args.json)
+        return verify_export(args.archive, args.json, settings, offline=args.offline)
+    if args.offline:
+        raise ConfigurationError(
+            "--offline goes with --archive FILE: every other check reads the database"
+        )
     operation_id: UUID | None = None
     with command_transaction(settings) as connection:
         runner = Store(connection)
@@ -387,7 +374,7 @@ def _day(text: str) -> date:
 
 
 def configure_history(commands: Commands) -> None:
-    """Register ``outbox history`` (archive, drop, export, status)."""
+    """Register ``outbox history`` (archive, drop, export, status, verify)."""
     parser = commands.add_parser(
         "history",
         help="move settled operations into history, export and drop its days",
@@ -451,3 +438,11 @@ def configure_history(commands: Commands) -> None:
 
     status = leaf("status", cmd_history_status, "the days history holds and the newest checkpoints")
     status.add_argument("--json", action="store_true", help="one JSON document")
+
+    verify = leaf(
+        "verify",
+        cmd_history_verify,
+        "walk the chain of history checkpoints and its head; report the first broken link "
+        "(exit 1), or that every link holds (exit 0)",
+    )
+    verify.add_argument("--json", action="store_true", help="one JSON document")

@@ -1205,9 +1205,14 @@ FROM outbox_history_archive(%(hot)s, %(batch)s)
 ORDER BY settled_on
 
 -- name: history_checkpoint_day
--- Record the checkpoint of one whole day of history as it is now (kind exported or dropped), and return it: the first line of an export, the last word on a dropped day.
-SELECT settled_on, operations, events, digest, recorded_by, recorded_at
+-- Record the checkpoint of one whole day of history as it is now (kind exported or dropped), and return it with its place in the checkpoint chain: the first line of an export, the last word on a dropped day.
+SELECT id, seq, kind, settled_on, operations, events, digest, recorded_by, recorded_at,
+       prev_hash, hash
 FROM outbox_history_checkpoint(%(day)s, %(kind)s)
+
+-- name: history_day_digest
+-- What one day of history holds as this transaction sees it, as a checkpoint states it (outbox_history_day): an export compares its snapshot with the checkpoint it recorded just before.
+SELECT operations, events, digest FROM outbox_history_day(%(day)s)
 
 -- name: history_export_page
 -- One page of a day of history in operation id order after a cursor, each row as the text Postgres gives its jsonb (numbers and strings exactly as stored): the lines of an export.
@@ -1232,10 +1237,63 @@ ORDER BY c.relname
 
 -- name: history_recent_checkpoints
 -- The newest checkpoints, newest first: what left the hot tables, what was exported, what was dropped, by whom and when.
-SELECT id, kind, settled_on, operations, events, digest, recorded_by, recorded_at
+SELECT id, seq, kind, settled_on, operations, events, digest, recorded_by, recorded_at,
+       encode(prev_hash, 'hex') AS prev_hash, encode(hash, 'hex') AS hash
 FROM history_checkpoints
-ORDER BY id DESC
+ORDER BY seq DESC
 LIMIT %(limit)s
+
+-- name: history_checkpoint_of_export
+-- The checkpoint row an export's first line names: by its id when the line carries one (exports since schema version 14), else the day's exported or dropped checkpoint with the line's digest, the oldest first.
+SELECT id, seq, kind, settled_on, operations, events, digest, recorded_by, recorded_at,
+       encode(prev_hash, 'hex') AS prev_hash, encode(hash, 'hex') AS hash
+FROM history_checkpoints
+WHERE id = %(id)s::bigint
+   OR (%(id)s::bigint IS NULL AND settled_on = %(day)s::date AND digest = %(digest)s
+       AND kind IN ('exported', 'dropped'))
+ORDER BY id
+LIMIT 1
+
+-- name: verify_checkpoint_chain
+-- Walk the chain of history checkpoints in seq order: how many there are, and every broken link (seq, checkpoint id or null, reason), each row hashed by outbox_checkpoint_hash as the insert trigger hashed it, and the last one compared with the head.
+WITH chain AS (
+    SELECT k.id, k.seq, k.hash,
+           k.hash IS DISTINCT FROM outbox_checkpoint_hash(k.id, k.seq, k.kind, k.settled_on,
+                                                          k.operations, k.events, k.digest,
+                                                          k.recorded_by, k.recorded_at,
+                                                          k.prev_hash) AS altered,
+           CASE WHEN lag(k.id) OVER w IS NULL
+                THEN k.prev_hash IS NOT NULL OR k.seq IS DISTINCT FROM 1
+                ELSE k.prev_hash IS DISTINCT FROM lag(k.hash) OVER w
+                     OR k.seq IS DISTINCT FROM lag(k.seq) OVER w + 1
+           END AS unlinked,
+           lead(k.id) OVER w IS NULL AS newest
+    FROM history_checkpoints k
+    WINDOW w AS (ORDER BY k.seq, k.id)
+), links AS (
+    SELECT seq, id, 'hash_mismatch' AS reason FROM chain WHERE altered
+    UNION ALL
+    SELECT seq, id, 'prev_mismatch' FROM chain WHERE unlinked
+    UNION ALL
+    -- The head: more checkpoints counted than are left is a deleted tail; a head that
+    -- names another last checkpoint, or none at all, was written around the trigger.
+    SELECT CASE WHEN h.checkpoints > coalesce(t.seq, 0) THEN h.checkpoints
+                ELSE coalesce(t.seq, h.checkpoints, 0) END,
+           CASE WHEN h.checkpoints > coalesce(t.seq, 0) THEN NULL ELSE t.id END,
+           CASE WHEN h.checkpoints > coalesce(t.seq, 0) THEN 'missing_tail'
+                ELSE 'anchor_mismatch' END
+    FROM (SELECT 1) AS one
+    LEFT JOIN history_checkpoint_head h ON h.singleton
+    LEFT JOIN chain t ON t.newest
+    WHERE h.singleton IS NULL
+       OR h.checkpoints IS DISTINCT FROM coalesce(t.seq, 0)
+       OR h.last_hash IS DISTINCT FROM t.hash
+)
+SELECT (SELECT count(*) FROM chain) AS checked,
+       coalesce((SELECT jsonb_agg(jsonb_build_object('seq', l.seq, 'checkpoint_id', l.id,
+                                                     'reason', l.reason)
+                                  ORDER BY l.seq, l.reason)
+                 FROM links l), '[]'::jsonb) AS broken
 
 -- name: history_operation
 -- One archived operation, found by id in each day's index, as the text Postgres gives its history row (the form an export line has): what `ops show` and `ops verify` read once the hot tables no longer hold it.
@@ -1307,7 +1365,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history, version 14's chained checkpoints) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1319,6 +1377,8 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_callback') IS NOT NULL
        AND to_regclass('discarded_dead_letters') IS NOT NULL
        AND to_regproc('outbox_history_archive') IS NOT NULL
+       AND to_regclass('history_checkpoint_head') IS NOT NULL
+       AND to_regproc('outbox_chain_checkpoint') IS NOT NULL
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2

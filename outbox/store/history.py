@@ -34,7 +34,9 @@ DROP_LOCK_TIMEOUT = "10s"
 
 @dataclass(frozen=True)
 class DayCheckpoint:
-    """A checkpoint row: what left (archived), was exported or was dropped of one day."""
+    """A checkpoint row: what left (archived), was exported or was dropped of one day,
+    and (when read back from the table) its place in the checkpoint chain: ``seq``, the
+    hash of the one before it and its own, hex."""
 
     settled_on: date
     operations: int
@@ -43,6 +45,49 @@ class DayCheckpoint:
     kind: str = "archived"
     recorded_by: str | None = None
     recorded_at: datetime | None = None
+    id: int | None = None
+    seq: int | None = None
+    prev_hash: str | None = None
+    hash: str | None = None
+
+
+@dataclass(frozen=True)
+class DayDigest:
+    """What a day of history holds, as a checkpoint of it would state it."""
+
+    operations: int
+    events: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class CheckpointLink:
+    """One place where the checkpoint chain disagrees with itself. ``reason``:
+    ``hash_mismatch`` (the row changed), ``prev_mismatch`` (it does not follow the one
+    before it: a row before it was deleted or rewritten), ``missing_tail`` (the head
+    counts more rows than are left: the newest were deleted; ``checkpoint_id`` is None),
+    ``anchor_mismatch`` (the head names another last row, or is missing)."""
+
+    seq: int
+    checkpoint_id: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class CheckpointChainReport:
+    """What a walk of the checkpoint chain found: how many rows, and every broken link
+    in seq order."""
+
+    checked: int
+    broken: tuple[CheckpointLink, ...]
+
+    @property
+    def intact(self) -> bool:
+        return not self.broken
+
+    @property
+    def first_broken(self) -> CheckpointLink | None:
+        return self.broken[0] if self.broken else None
 
 
 @dataclass(frozen=True)
@@ -65,6 +110,10 @@ def _checkpoint(row: Row, kind: str | None = None) -> DayCheckpoint:
         kind=kind or row.get("kind", "archived"),
         recorded_by=row.get("recorded_by"),
         recorded_at=row.get("recorded_at"),
+        id=row.get("id"),
+        seq=row.get("seq"),
+        prev_hash=row.get("prev_hash"),
+        hash=row.get("hash"),
     )
 
 
@@ -79,6 +128,37 @@ def checkpoint_day(day: date, kind: str) -> Plan[DayCheckpoint]:
     """Record and return the checkpoint of one whole day (``exported`` or ``dropped``)."""
     rows = yield Step("history_checkpoint_day", {"day": day, "kind": kind})
     return _checkpoint(rows[0], kind)
+
+
+def day_digest(day: date) -> Plan[DayDigest]:
+    """What ``day`` holds as the caller's transaction sees it: an export compares its
+    snapshot with the checkpoint it recorded just before."""
+    rows = yield Step("history_day_digest", {"day": day})
+    row = rows[0]
+    return DayDigest(int(row["operations"]), int(row["events"]), str(row["digest"]))
+
+
+def checkpoint_of_export(
+    checkpoint_id: int | None, day: date, digest: str
+) -> Plan[DayCheckpoint | None]:
+    """The checkpoint row an export's first line names: by id when it has one, else the
+    day's exported or dropped checkpoint with that digest; None when there is none."""
+    rows = yield Step(
+        "history_checkpoint_of_export", {"id": checkpoint_id, "day": day, "digest": digest}
+    )
+    return _checkpoint(rows[0]) if rows else None
+
+
+def verify_checkpoints() -> Plan[CheckpointChainReport]:
+    """Walk the whole checkpoint chain and its head."""
+    rows = yield Step("verify_checkpoint_chain", {})
+    return CheckpointChainReport(
+        checked=int(rows[0]["checked"]),
+        broken=tuple(
+            CheckpointLink(int(link["seq"]), link["checkpoint_id"], str(link["reason"]))
+            for link in rows[0]["broken"]
+        ),
+    )
 
 
 def export_lines(day: date, after: UUID | None = None) -> Plan[list[tuple[UUID, str]]]:

@@ -25,38 +25,21 @@ from outbox.states import EventName
 from outbox.store import Store
 
 from support.db_helpers import execute_admin
+from support.history_helpers import (
+    HOT,
+    archive_all,
+    archived_day,
+    settled_days_ago,
+    wait_for_lock_waiters,
+)
 from support.ops_helpers import Ops
-from support.waiting import eventually_sync
 
 S = OperationState
-HOT = timedelta(hours=1)
 
 
 @pytest.fixture
 def ops(database_url: str, registry: Registry) -> Ops:
     return Ops(database_url, registry)
-
-
-def settled_days_ago(database_url: str, operation_id: UUID, days: int) -> None:
-    """What only the owner could do, and what the test needs: the operation settled
-    ``days`` ago (its settled time is its last update; a terminal row takes none), its
-    message published long since."""
-    with psycopg.connect(database_url) as connection:
-        connection.execute("SET LOCAL session_replication_role = replica")
-        connection.execute(
-            "UPDATE operations SET updated_at = now() - make_interval(days => %s) WHERE id = %s",
-            (days, operation_id),
-        )
-        connection.execute(
-            "UPDATE outbox SET published_at = now() WHERE operation_id = %s", (operation_id,)
-        )
-
-
-def archive_all(ops: Ops, hot: timedelta = HOT, batch: int = 100) -> list[Any]:
-    checkpoints: list[Any] = []
-    while moved := ops.run(outbox_store.archive_batch(hot, batch)):
-        checkpoints.extend(moved)
-    return checkpoints
 
 
 def hot_rows(database_url: str, operation_id: UUID) -> dict[str, int]:
@@ -200,15 +183,6 @@ def test_a_changed_archived_event_is_found(ops: Ops, database_url: str) -> None:
     ]
 
 
-def archived_day(database_url: str, operation_id: UUID) -> str:
-    rows = execute_admin(
-        database_url,
-        "SELECT settled_on::text FROM history WHERE operation_id = %s",
-        (operation_id,),
-    )
-    return str(rows[0][0])
-
-
 def test_archive_export_verify_and_drop_from_the_command_line(
     ops: Ops,
     database_url: str,
@@ -326,18 +300,7 @@ def test_a_decision_racing_the_move_of_its_key_is_refused_and_its_retry_gets_the
         assert Store(mover).run(outbox_store.archive_batch(HOT, 10))
         racer = threading.Thread(target=retry)
         racer.start()
-        eventually_sync(
-            lambda: (
-                execute_admin(
-                    database_url,
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                )
-                == [(1,)]
-            ),
-            within=10,
-            what="the retried decision waiting for the move",
-        )
+        wait_for_lock_waiters(database_url, "the retried decision waiting for the move")
     racer.join(10)
     again = recorded(database_url, registry, "refund-race")
 

@@ -47,6 +47,7 @@ TABLES = (
     "history_keys_0",
     "history_keys_1",
     "history_key_generations",
+    "history_checkpoint_head",
 )
 
 
@@ -182,10 +183,14 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_days",
         "history_recent_checkpoints",
         "history_operation",
+        "history_day_digest",
+        "history_checkpoint_of_export",
+        "verify_checkpoint_chain",
     },
     HISTORY_DROP: {
         "history_days",
         "history_checkpoint_day",
+        "history_day_digest",
         "history_export_page",
         "history_rotate_keys",
     },

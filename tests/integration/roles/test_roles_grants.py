@@ -76,6 +76,7 @@ GRANTS: dict[str, dict[str, set[str]]] = {
         "history_keys_0": {"SELECT"},
         "history_keys_1": {"SELECT"},
         "history_key_generations": {"SELECT"},
+        "history_checkpoint_head": {"SELECT"},
     },
     # No table at all: it writes through outbox_record_callback only.
     CALLBACKS: {},

@@ -81,6 +81,14 @@ ATTEMPTS = {
     "delete history": "DELETE FROM history",
     "delete evidence as the move": "SELECT set_config('outbox.history_move', 'on', false); "
     "DELETE FROM operation_events",
+    # The checkpoint chain (version 14): written by the owner's functions alone.
+    "change a checkpoint": "UPDATE history_checkpoints SET operations = 0",
+    "delete a checkpoint": "DELETE FROM history_checkpoints",
+    "forge a checkpoint": "INSERT INTO history_checkpoints (kind, settled_on, operations, "
+    "events, digest) VALUES ('archived', current_date, 0, 0, repeat('0', 64))",
+    "truncate checkpoints": "TRUNCATE history_checkpoints",
+    "move the checkpoint head": "UPDATE history_checkpoint_head SET checkpoints = 0",
+    "lock the checkpoint head": "SELECT 1 FROM history_checkpoint_head FOR UPDATE",
 }
 
 
@@ -107,6 +115,7 @@ def test_no_component_login_can_drop_detach_or_forget_history(
     assert execute_admin(
         roles_database, "SELECT count(*) FROM history WHERE operation_id = %s", (operation.id,)
     ) == [(1,)]
+    assert run(roles_database, outbox_store.verify_checkpoints()).intact
     assert execute_admin(
         roles_database, "SELECT count(*) FROM operation_events WHERE operation_id = %s", (hot.id,)
     ) == [(1,)]
@@ -136,6 +145,8 @@ def test_the_operator_moves_exports_and_reads_history_and_the_owner_drops_it(
         run_command(["history", "export", "--day", day, "--out", str(tmp_path)]),
         run_command(["ops", "show", operation.display_id]),
         run_command(["ops", "verify", operation.display_id]),
+        run_command(["history", "verify"]),
+        run_command(["ops", "verify", "--archive", str(tmp_path / f"history-{day}.jsonl")]),
     ]
     operator_drop = run_command(["history", "drop", "--retention", "30d"])
     monkeypatch.setenv("OUTBOX_DATABASE_URL", roles_database)

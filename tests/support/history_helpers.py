@@ -1,0 +1,71 @@
+"""What the history tests share: an operation settled long ago (what only the owner
+could write, and what a test of the move needs), moving everything eligible, and the day
+an archived operation landed on."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from outbox import store as outbox_store
+
+from support.db_helpers import execute_admin
+from support.ops_helpers import Ops
+from support.waiting import eventually_sync
+
+HOT = timedelta(hours=1)
+
+
+def settled_days_ago(
+    database_url: str, operation_id: UUID, days: int, *, published: bool = True
+) -> None:
+    """The operation settled ``days`` ago (its settled time is its last update; a
+    terminal row takes none), its message published long since unless ``published`` is
+    False (then the move passes it over until it is)."""
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SET LOCAL session_replication_role = replica")
+        connection.execute(
+            "UPDATE operations SET updated_at = now() - make_interval(days => %s) WHERE id = %s",
+            (days, operation_id),
+        )
+        connection.execute(
+            "UPDATE outbox SET published_at = CASE WHEN %s THEN now() END WHERE operation_id = %s",
+            (published, operation_id),
+        )
+
+
+def archive_all(ops: Ops, hot: timedelta = HOT, batch: int = 100) -> list[Any]:
+    checkpoints: list[Any] = []
+    while moved := ops.run(outbox_store.archive_batch(hot, batch)):
+        checkpoints.extend(moved)
+    return checkpoints
+
+
+def archived_day(database_url: str, operation_id: UUID) -> str:
+    rows = execute_admin(
+        database_url,
+        "SELECT settled_on::text FROM history WHERE operation_id = %s",
+        (operation_id,),
+    )
+    return str(rows[0][0])
+
+
+def wait_for_lock_waiters(database_url: str, what: str, *, running: str = "%") -> None:
+    """Until one session of this database (whose statement is like ``running``) waits
+    for a lock: the interleaving a race test holds."""
+    eventually_sync(
+        lambda: (
+            execute_admin(
+                database_url,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query LIKE %s",
+                (running,),
+            )
+            == [(1,)]
+        ),
+        within=10,
+        what=what,
+    )
