@@ -33,11 +33,11 @@ from outbox.cli.arguments import (
 from outbox.cli.run import EXIT_FAILED, print_json
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
-from outbox.errors import ConfigurationError, OperationNotFound
+from outbox.errors import ConfigurationError
 from outbox.loading import registry_from
 from outbox.models import ApprovalDecision
 from outbox.operator import (
-    history_commands,
+    archived,
     one_operation,
     render,
     render_providers,
@@ -80,31 +80,39 @@ def _registry(settings: Settings) -> Registry | None:
 
 def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
     window = args.since
+    where = {
+        "states": [S(state) for state in args.states] if args.states else None,
+        "tool": args.tool,
+        "since": window if isinstance(window, datetime) else None,
+        "within": window if isinstance(window, timedelta) else None,
+        "limit": args.limit,
+    }
     with command_transaction(settings) as connection:
         runner = Store(connection)
         key = runner.run(store.fingerprint_key())
-        summaries = runner.run(
-            store.list_operation_summaries(
-                states=[S(state) for state in args.states] if args.states else None,
-                tool=args.tool,
-                since=window if isinstance(window, datetime) else None,
-                within=window if isinstance(window, timedelta) else None,
-                limit=args.limit,
-            )
-        )
+        summaries = runner.run(store.list_operation_summaries(**where))
+        moved = archived.listing(runner, summaries, **where) if args.archived else None
+        summaries = moved.summaries if moved else summaries
         escalations = views.escalations(runner, ((s.id, s.state) for s in summaries))
     now = datetime.now(UTC)
+    archived_at = moved.archived_at if moved else None
     if args.json:
         print_json(
             [
                 render.summary_json(s, key, render.escalation_json(escalations.get(s.id), now))
+                | (
+                    {}
+                    if archived_at is None
+                    else {"archived_at": render.instant(archived_at.get(s.id))}
+                )
                 for s in summaries
             ]
         )
     else:
         # A list of escalations says why each one waits, and for how long.
         only_escalated = bool(args.states) and set(args.states) == {str(S.ESCALATED)}
-        print(render.listing_text(summaries, escalations if only_escalated else None, now))
+        shown = escalations if only_escalated else None
+        print(render.listing_text(summaries, shown, now, archived_at))
     return 0
 
 
@@ -115,10 +123,7 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
         key = runner.run(store.fingerprint_key())
         operation = runner.run(store.find_operation(operation_id))
         if operation is None:  # moved to history, or never there
-            archived = history_commands.archived_row(runner, operation_id)
-            if archived is None:
-                raise OperationNotFound(f"no operation with id {operation_id}")
-            return history_commands.show_archived(archived, args.json)
+            return archived.show(runner, operation_id, args)
         page = runner.run(
             store.events_page(
                 operation_id, after_id=args.after, before_id=args.before, limit=args.events
@@ -330,6 +335,12 @@ def configure_ops(commands: Commands) -> None:
         type=positive_int,
         default=DEFAULT_LIST_LIMIT,
         help=f"show at most N operations (default {DEFAULT_LIST_LIMIT})",
+    )
+    listing.add_argument(
+        "--archived",
+        action="store_true",
+        help="also operations moved to history (OUTBOX_HISTORY_HOT after they settled), "
+        "newest first, under the same --limit; an ARCHIVED column says when each moved",
     )
     _json_flag(listing)
 

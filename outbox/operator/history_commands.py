@@ -1,6 +1,7 @@
-"""``outbox history`` (archive, drop, export, status) and what ``outbox ops show`` and
-``outbox ops verify`` do for an operation that left the hot tables: docs/operating.md,
-"History retention", and docs/design.md section 15.
+"""``outbox history`` (archive, drop, export, status) and what ``outbox ops verify`` does
+for an operation that left the hot tables (``ops show`` and ``ops list --archived`` are
+:mod:`outbox.operator.archived`): docs/operating.md, "History retention", and
+docs/design.md section 15.
 
 ``archive`` and ``export`` and ``status`` run as an operator. ``drop`` runs as the tables'
 owner (the login ``outbox migrate`` runs as): it detaches a day's partition of
@@ -254,7 +255,7 @@ def cmd_history_status(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-# --- ops show and ops verify of an archived operation, and of an export ----------------
+# --- ops verify of an archived operation, and of an export ---------------------------
 
 
 def archived_row(runner: Store, operation_id: UUID) -> dict[str, Any] | None:
@@ -271,6 +272,13 @@ def _report(links: list[Any], operations: int, events: int) -> store.ChainReport
             store.BrokenLink(link.operation_id, link.event_id, link.reason) for link in links
         ),
     )
+
+
+def archived_chain(runner: Store, operation_id: UUID) -> store.ChainReport | None:
+    """The evidence chain of an operation only history holds, recomputed here (the
+    console's operation page); None when history does not hold it."""
+    row = archived_row(runner, operation_id)
+    return None if row is None else _report(broken_links(row), 1, len(row["events"]))
 
 
 def verify_archived(row: dict[str, Any], as_json: bool) -> int:
@@ -317,27 +325,6 @@ def verify_export(path: Path, as_json: bool) -> int:
                 f"{found.computed_digest}"
             )
     return 0 if found.intact else 1
-
-
-def show_archived(row: dict[str, Any], as_json: bool) -> int:
-    """``ops show`` of an operation only history holds: the row as it was moved."""
-    if as_json:
-        print_json({"archived": True, **row})
-        return 0
-    operation = row["operation"]
-    print(
-        f"{display_operation_id(UUID(str(row['operation_id'])))}  (archived: settled "
-        f"{row['settled_at']}, moved to history {row['archived_at']})"
-    )
-    for field in ("run_id", "decision_key", "tool_name", "tool_version", "state", "attempts"):
-        print(f"  {field:<13} {printable(str(operation.get(field)))}")
-    print(f"  {'input':<13} {printable(json.dumps(operation.get('input'), default=str))}")
-    print(f"events ({len(row['events'])}):")
-    for event in row["events"]:
-        attributes = printable(json.dumps(event["attributes"], default=str))
-        print(f"  {event['created_at']}  {event['name']:<30} {attributes}")
-    print(f"callbacks: {len(row['callbacks'])}, approvals: {len(row['approvals'])}")
-    return 0
 
 
 def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:

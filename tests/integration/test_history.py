@@ -25,38 +25,16 @@ from outbox.states import EventName
 from outbox.store import Store
 
 from support.db_helpers import execute_admin
+from support.history_helpers import HOT, archive_all, settled_days_ago
 from support.ops_helpers import Ops
 from support.waiting import eventually_sync
 
 S = OperationState
-HOT = timedelta(hours=1)
 
 
 @pytest.fixture
 def ops(database_url: str, registry: Registry) -> Ops:
     return Ops(database_url, registry)
-
-
-def settled_days_ago(database_url: str, operation_id: UUID, days: int) -> None:
-    """What only the owner could do, and what the test needs: the operation settled
-    ``days`` ago (its settled time is its last update; a terminal row takes none), its
-    message published long since."""
-    with psycopg.connect(database_url) as connection:
-        connection.execute("SET LOCAL session_replication_role = replica")
-        connection.execute(
-            "UPDATE operations SET updated_at = now() - make_interval(days => %s) WHERE id = %s",
-            (days, operation_id),
-        )
-        connection.execute(
-            "UPDATE outbox SET published_at = now() WHERE operation_id = %s", (operation_id,)
-        )
-
-
-def archive_all(ops: Ops, hot: timedelta = HOT, batch: int = 100) -> list[Any]:
-    checkpoints: list[Any] = []
-    while moved := ops.run(outbox_store.archive_batch(hot, batch)):
-        checkpoints.extend(moved)
-    return checkpoints
 
 
 def hot_rows(database_url: str, operation_id: UUID) -> dict[str, int]:
