@@ -12,7 +12,8 @@
 --                      its only write path), report_agent_completed (EXECUTE on
 --                      outbox_report_agent_completed), get_operation_by_decision_key,
 --                      fingerprint_key; await_outcome: listen_operation_changes,
---                      operation_outcomes; check_approval: latest_approval
+--                      operation_outcomes, archived_outcomes (an operation moved to
+--                      history); check_approval: latest_approval
 --   outbox_dispatcher  claim_outbox_batch, mark_outbox_published, mark_outbox_failed,
 --                      outbox_backlog, operations_by_state, delete_published_outbox_rows,
 --                      listen_outbox_pending
@@ -135,7 +136,7 @@ BEGIN
         JOIN pg_roles g ON g.oid = p.grantee
         WHERE c.relnamespace = current_schema()::regnamespace
           AND c.relname IN ('operations', 'outbox', 'operation_events', 'approvals',
-                            'callbacks')
+                            'callbacks', 'history')
           AND g.rolname IN ('outbox_agent', 'outbox_dispatcher', 'outbox_consumer',
                             'outbox_operator', 'outbox_callbacks')
     LOOP
@@ -190,6 +191,15 @@ GRANT EXECUTE ON FUNCTION outbox_record_decision(uuid, text, text, text, integer
 -- the table itself only what check_approval compares: the id and the fingerprint.
 GRANT SELECT ON operation_status TO outbox_agent;
 GRANT SELECT (id, input_fingerprint) ON operations TO outbox_agent;
+-- await_outcome of an operation that moved to history (history retention, schema.sql
+-- version 13), after record_decision answered a retried key with it or a wait began
+-- late: the outcome as the archived key keeps it, the operation row without its input
+-- (what operation_status shows of a hot one, and what outbox_record_decision already
+-- hands the agent for a retried key), and of history only what maps an id to its key.
+-- Not history's operation (its input), events, callbacks or approvals (who decided):
+-- those are the operators'.
+GRANT SELECT ON history_keys_0, history_keys_1 TO outbox_agent;
+GRANT SELECT (operation_id, run_id, decision_key) ON history TO outbox_agent;
 -- What the agent says of an operation its login recorded (agent.completed) goes through
 -- outbox_report_agent_completed, never into operation_events: an append there locks the
 -- operation's chain head until the agent's transaction ends, and the agent's

@@ -18,9 +18,16 @@ from uuid import UUID
 
 from outbox import store
 from outbox.errors import OperationNotFound
-from outbox.models import ApprovalStatus, _Record, approval_status, display_operation_id
+from outbox.models import (
+    ApprovalStatus,
+    Operation,
+    RecordedDecision,
+    _Record,
+    approval_status,
+    display_operation_id,
+)
 from outbox.states import OperationState
-from outbox.store import AsyncConnection, AsyncStore, Store, SyncConnection
+from outbox.store import AsyncConnection, AsyncStore, Plan, Row, Store, SyncConnection
 
 Until = Literal["final", "attention"]
 
@@ -152,23 +159,51 @@ def outcome_from_row(row: dict[str, Any]) -> Outcome:
 
 
 def get_outcome(connection: SyncConnection, operation_id: UUID) -> Outcome:
-    """One read of where ``operation_id`` stands. Raises :class:`OperationNotFound`."""
-    rows = Store(connection, require_transaction=False).run(
-        store.operation_outcomes([operation_id])
-    )
+    """One read of where ``operation_id`` stands, from history once it moved there.
+    Raises :class:`OperationNotFound`."""
+    rows = Store(connection, require_transaction=False).run(outcome_rows(operation_id))
     return single_outcome(rows, operation_id)
 
 
 async def get_outcome_async(connection: AsyncConnection, operation_id: UUID) -> Outcome:
     """The async twin of :func:`get_outcome`."""
     runner = await AsyncStore.on(connection, require_transaction=False)
-    return single_outcome(await runner.run(store.operation_outcomes([operation_id])), operation_id)
+    return single_outcome(await runner.run(outcome_rows(operation_id)), operation_id)
+
+
+def outcome_rows(operation_id: UUID, key: tuple[str, str] | None = None) -> Plan[list[Row]]:
+    """The operation's outcome row: from the hot tables, or (only when they no longer
+    hold it) as history keeps it; ``key`` is its ``(run_id, decision_key)`` if known."""
+    rows = yield from store.operation_outcomes([operation_id])
+    if rows:
+        return rows
+    return (yield from store.archived_outcomes({operation_id: key}))
+
+
+def decision_key_of(operation: object) -> tuple[str, str] | None:
+    """The ``(run_id, decision_key)`` of what an agent waits on, when it carries one: an
+    archived operation's outcome is then found by its key alone."""
+    if isinstance(operation, RecordedDecision):
+        operation = operation.operation
+    if isinstance(operation, Operation | Outcome) and operation.decision_key is not None:
+        return operation.run_id, operation.decision_key
+    return None
 
 
 def single_outcome(rows: list[dict[str, Any]], operation_id: UUID) -> Outcome:
     if not rows:
         raise not_visible(operation_id)
+    if rows[0]["state"] is None:
+        raise archived_without_key(operation_id)
     return outcome_from_row(rows[0])
+
+
+def archived_without_key(operation_id: UUID) -> OperationNotFound:
+    shown = display_operation_id(operation_id)
+    return OperationNotFound(
+        f"{shown} settled and moved to history, and was recorded without a decision key: "
+        f"its outcome is kept only where operators read it (outbox ops show {shown})"
+    )
 
 
 def not_visible(operation_id: UUID) -> OperationNotFound:

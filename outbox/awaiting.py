@@ -16,6 +16,10 @@ One :class:`OutcomeWatcher` serves every waiter of a process on one dedicated
 connection: it ``LISTEN``\\ s before its first read (a notification sent before that is
 lost), answers all waiters with one batched status query per wake-up, and polls every
 ``poll_interval`` as the safety net for notifications that were never sent or were lost.
+
+An operation the hot tables no longer hold (moved to history, docs/operating.md "History
+retention") is asked for there once, by its decision key when the caller passed a
+handle that carries one: its final outcome never changes again.
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ from outbox.agent_outcome import (
     Outcome,
     OutcomeStatus,
     Until,
+    archived_without_key,
+    decision_key_of,
     get_outcome,
     get_outcome_async,
     not_visible,
     outcome_from_row,
+    outcome_rows,
     single_outcome,
     status_of_row,
     statuses_until,
@@ -201,6 +208,8 @@ class OutcomeWatcher:
         self.listen = listen
         self._connect_parameters = connect_parameters or command_parameters()
         self._waiters: dict[UUID, list[_Waiter]] = {}
+        # The (run_id, decision_key) of each operation waited for that carries one.
+        self._keys: dict[UUID, tuple[str, str]] = {}
         # The last row read of each operation waited for, with its row version.
         self._rows: dict[UUID, dict[str, Any]] = {}
         # Operations with a waiter that has not been answered by a read yet.
@@ -302,6 +311,8 @@ class OutcomeWatcher:
             await self.start()
         waiter = _Waiter(target, asyncio.get_running_loop().create_future())
         self._waiters.setdefault(operation_id, []).append(waiter)
+        if (key := decision_key_of(operation)) is not None:
+            self._keys[operation_id] = key
         self._arrived.add(operation_id)
         self._wake.set()
         try:
@@ -332,6 +343,7 @@ class OutcomeWatcher:
         if not waiters:
             del self._waiters[operation_id]
             self._rows.pop(operation_id, None)
+            self._keys.pop(operation_id, None)
         if not waiter.future.done():
             waiter.future.cancel()
 
@@ -414,6 +426,15 @@ class OutcomeWatcher:
         arrived, self._arrived = self._arrived, set()
         try:
             rows = await runner.run(store.operation_outcomes_changed(known))
+            seen = {row["id"] for row in rows} | set(self._rows)
+            # A new waiter's operation the hot tables no longer hold: history's, if
+            # anyone's (an archived row never changes, so it is asked for once).
+            gone = {i: self._keys.get(i) for i in arrived if i not in seen}
+            if gone:
+                rows += [
+                    {**row, "row_version": None}
+                    for row in await runner.run(store.archived_outcomes(gone))
+                ]
         except BaseException:
             self._arrived |= arrived  # answered by the read after the reconnect
             raise
@@ -425,14 +446,18 @@ class OutcomeWatcher:
         for operation_id in changed:
             waiters = self._waiters.get(operation_id, [])
             row = self._rows.get(operation_id)
-            status = None if row is None else status_of_row(row)
+            status = None if row is None or row["state"] is None else status_of_row(row)
             outcome: Outcome | None = None
             for waiter in list(waiters):
                 if waiter.future.done():
                     continue
                 waiter.read.set()
-                if row is None:
-                    waiter.future.set_exception(not_visible(operation_id))
+                if row is None or row["state"] is None:
+                    waiter.future.set_exception(
+                        not_visible(operation_id)
+                        if row is None
+                        else archived_without_key(operation_id)
+                    )
                     continue
                 waiter.latest_row = row
                 if status in waiter.target:
@@ -540,7 +565,7 @@ def await_outcome_sync(
         runner.run(store.listen_operation_changes())
         while True:
             outcome = single_outcome(
-                runner.run(store.operation_outcomes([operation_id])), operation_id
+                runner.run(outcome_rows(operation_id, decision_key_of(operation))), operation_id
             )
             remaining = None if deadline is None else deadline - time.monotonic()
             if outcome.status in target or (remaining is not None and remaining <= 0):

@@ -36,7 +36,8 @@ from outbox.contracts import Registry, ToolContract
 from outbox.errors import OperationNotFound, OutboxError
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalCheck, Callback, Operation
-from outbox.operator import dlq, dlq_discard, queues, timeline, views, waits
+from outbox.operator import dlq, dlq_discard, history_commands, queues, timeline, views, waits
+from outbox.operator.archived import approval_when_settled
 from outbox.operator.input import has_controls
 from outbox.operator.queues import QueueState
 from outbox.operator.render import age_text, stamp, stats_json, unreadable_text
@@ -45,6 +46,7 @@ from outbox.operator.views import Escalation, ProvidersView
 from outbox.settings import Settings
 from outbox.states import OperationState
 from outbox.store import (
+    ArchivedOperation,
     ChainReport,
     Cursor,
     EventsPage,
@@ -287,6 +289,8 @@ class OperationView:
     """An outbox row of it waits for the dispatcher."""
     escalation: Escalation | None
     """Why and since when a person has it, when it is escalated."""
+    archived: ArchivedOperation | None = None
+    """When and how it left the hot tables, for an operation only history holds."""
 
     def short(self, fingerprint: str) -> str:
         """The keyed short fingerprint, the one form a person reads anywhere."""
@@ -374,23 +378,65 @@ def load_operation(
     )
 
 
+def load_archived(
+    runner: Store, operation_id: UUID, where: TimelineQuery = TimelineQuery()
+) -> OperationView:
+    """An operation only history holds, as :func:`load_operation` reads a hot one (the
+    approval check as it stood when it settled); OperationNotFound when history does
+    not hold it either."""
+    archived = runner.run(store.archived_facts(operation_id))
+    if archived is None:
+        raise OperationNotFound(f"no operation with id {operation_id}")
+    key = runner.run(store.fingerprint_key())
+    page = store.archived_events_page(
+        operation_id, after_id=where.after, before_id=where.before, limit=EVENTS_PAGE
+    )
+    return OperationView(
+        operation=archived.operation,
+        page=runner.run(page),
+        approval=approval_when_settled(archived, key),
+        approvals=archived.approvals[::-1],  # newest first, as a hot operation's
+        fingerprint_key=key,
+        callbacks=archived.callbacks,
+        unpublished=False,
+        escalation=None,
+        archived=archived,
+    )
+
+
+def load_any(runner: Store, operation_id: UUID, where: TimelineQuery) -> OperationView:
+    """The hot tables first; history only for what they no longer hold."""
+    try:
+        return load_operation(runner, operation_id, where)
+    except OperationNotFound:
+        return load_archived(runner, operation_id, where)
+
+
 def approval_pending(view: OperationView) -> bool:
     check = view.approval
     return view.operation.state is S.PREPARED and check is not None and not check.is_valid
 
 
 async def _evidence_chain(
-    request: Request, operation_id: UUID
+    request: Request, operation_id: UUID, archived: bool
 ) -> tuple[ChainReport | None, str | None]:
-    """The operation's evidence chain, checked in a transaction of its own: a check that
-    cannot run (a database without the chain, a login without the grant) leaves the
-    rest of the page as it is and says why."""
+    """The operation's evidence chain, checked in a transaction of its own (an archived
+    one's recomputed from its history row): a check that cannot run (a database without
+    the chain, a login without the grant) leaves the rest of the page as it is and says
+    why."""
+
+    def check(runner: Store) -> ChainReport | None:
+        if archived:
+            return history_commands.archived_chain(runner, operation_id)
+        report: ChainReport = runner.run(store.verify_chain(operation_id))
+        return report
+
     try:
-        report: ChainReport = await read(
-            request, lambda runner: runner.run(store.verify_chain(operation_id))
-        )
+        report = await read(request, check)
     except (OutboxError, psycopg.Error) as error:
         return None, f"could not be checked ({type(error).__name__})"
+    if report is None:
+        return None, "could not be checked: history no longer holds it"
     return report, None
 
 
@@ -401,10 +447,10 @@ async def operation(request: Request) -> Response:
     operation_id = await read(request, lambda r: views.operation_id_of(r, named))
     where = parse_timeline(request.query_params)
     try:
-        view: OperationView = await read(request, lambda r: load_operation(r, operation_id, where))
+        view: OperationView = await read(request, lambda r: load_any(r, operation_id, where))
     except OperationNotFound:
         raise HTTPProblem(404, "no operation with this id") from None
-    chain, chain_error = await _evidence_chain(request, operation_id)
+    chain, chain_error = await _evidence_chain(request, operation_id, view.archived is not None)
     console = console_of(request)
     op = view.operation
     now = datetime.now(UTC)

@@ -17,7 +17,6 @@ import argparse
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import TypeAlias
 
 from outbox import store
@@ -33,11 +32,11 @@ from outbox.cli.arguments import (
 from outbox.cli.run import EXIT_FAILED, print_json
 from outbox.connections import command_transaction
 from outbox.contracts import Registry
-from outbox.errors import ConfigurationError, OperationNotFound
+from outbox.errors import ConfigurationError
 from outbox.loading import registry_from
 from outbox.models import ApprovalDecision
 from outbox.operator import (
-    history_commands,
+    archived,
     one_operation,
     render,
     render_providers,
@@ -46,7 +45,7 @@ from outbox.operator import (
     views,
 )
 from outbox.operator.batch_commands import add_batch_flags, is_batch, resolve_many
-from outbox.operator.history_commands import cmd_ops_verify
+from outbox.operator.history_commands import add_verify_targets, cmd_ops_verify
 from outbox.operator.input import DEFAULT_APPROVAL_TTL, MAX_TYPED_REFERENCE
 from outbox.operator.rules import Resolution
 from outbox.settings import Settings
@@ -80,31 +79,39 @@ def _registry(settings: Settings) -> Registry | None:
 
 def cmd_ops_list(args: argparse.Namespace, settings: Settings) -> int:
     window = args.since
+    where = {
+        "states": [S(state) for state in args.states] if args.states else None,
+        "tool": args.tool,
+        "since": window if isinstance(window, datetime) else None,
+        "within": window if isinstance(window, timedelta) else None,
+        "limit": args.limit,
+    }
     with command_transaction(settings) as connection:
         runner = Store(connection)
         key = runner.run(store.fingerprint_key())
-        summaries = runner.run(
-            store.list_operation_summaries(
-                states=[S(state) for state in args.states] if args.states else None,
-                tool=args.tool,
-                since=window if isinstance(window, datetime) else None,
-                within=window if isinstance(window, timedelta) else None,
-                limit=args.limit,
-            )
-        )
+        summaries = runner.run(store.list_operation_summaries(**where))
+        moved = archived.listing(runner, summaries, **where) if args.archived else None
+        summaries = moved.summaries if moved else summaries
         escalations = views.escalations(runner, ((s.id, s.state) for s in summaries))
     now = datetime.now(UTC)
+    archived_at = moved.archived_at if moved else None
     if args.json:
         print_json(
             [
                 render.summary_json(s, key, render.escalation_json(escalations.get(s.id), now))
+                | (
+                    {}
+                    if archived_at is None
+                    else {"archived_at": render.instant(archived_at.get(s.id))}
+                )
                 for s in summaries
             ]
         )
     else:
         # A list of escalations says why each one waits, and for how long.
         only_escalated = bool(args.states) and set(args.states) == {str(S.ESCALATED)}
-        print(render.listing_text(summaries, escalations if only_escalated else None, now))
+        shown = escalations if only_escalated else None
+        print(render.listing_text(summaries, shown, now, archived_at))
     return 0
 
 
@@ -115,10 +122,7 @@ def cmd_ops_show(args: argparse.Namespace, settings: Settings) -> int:
         key = runner.run(store.fingerprint_key())
         operation = runner.run(store.find_operation(operation_id))
         if operation is None:  # moved to history, or never there
-            archived = history_commands.archived_row(runner, operation_id)
-            if archived is None:
-                raise OperationNotFound(f"no operation with id {operation_id}")
-            return history_commands.show_archived(archived, args.json)
+            return archived.show(runner, operation_id, args)
         page = runner.run(
             store.events_page(
                 operation_id, after_id=args.after, before_id=args.before, limit=args.events
@@ -331,6 +335,12 @@ def configure_ops(commands: Commands) -> None:
         default=DEFAULT_LIST_LIMIT,
         help=f"show at most N operations (default {DEFAULT_LIST_LIMIT})",
     )
+    listing.add_argument(
+        "--archived",
+        action="store_true",
+        help="also operations moved to history (OUTBOX_HISTORY_HOT after they settled), "
+        "newest first, under the same --limit; an ARCHIVED column says when each moved",
+    )
     _json_flag(listing)
 
     show = _leaf(
@@ -385,30 +395,7 @@ def configure_ops(commands: Commands) -> None:
         "status 0 when intact, 1 when a link is broken, 2 for an operation id that is "
         "malformed or unknown.",
     )
-    target = verify.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "operation_id",
-        metavar="OP_ID",
-        nargs="?",
-        help=OP_ID_HELP,
-    )
-    target.add_argument(
-        "--all", dest="all_operations", action="store_true", help="every operation, page by page"
-    )
-    target.add_argument(
-        "--archive",
-        type=Path,
-        metavar="FILE",
-        help="an export of `outbox history export`: every chain in it and its checkpoint "
-        "line, then that line against the database's checkpoint row and chain (offline, "
-        "and said so, when the database cannot be reached)",
-    )
-    verify.add_argument(
-        "--offline",
-        action="store_true",
-        help="with --archive: do not ask the database; the file is checked against its "
-        "own checkpoint line only, which is offline-only evidence",
-    )
+    add_verify_targets(verify, OP_ID_HELP)
     _json_flag(verify, "one JSON document instead of text")
 
     _configure_resolve(ops)

@@ -239,6 +239,8 @@ def discard_fate(view: DeadLetterView) -> str:
         )
     if view.why.startswith("unknown_operation"):
         return "no operation has this id: nothing waits for this message"
+    if view.why.startswith("archived"):
+        return "its operation settled and moved to history: nothing waits for this message"
     state, escalation = view.operation_state, view.escalation
     if escalation is not None:
         return (

@@ -1,6 +1,7 @@
-"""``outbox history`` (archive, drop, export, status, verify) and what ``outbox ops show`` and
-``outbox ops verify`` do for an operation that left the hot tables: docs/operating.md,
-"History retention", and docs/design.md section 15.
+"""``outbox history`` (archive, drop, export, status, verify) and what ``outbox ops
+verify`` does for an operation that left the hot tables (``ops show`` and ``ops list
+--archived`` are :mod:`outbox.operator.archived`): docs/operating.md, "History
+retention", and docs/design.md section 15.
 
 ``archive`` and ``export`` and ``status`` run as an operator. ``drop`` runs as the tables'
 owner (the login ``outbox migrate`` runs as): it detaches a day's partition of
@@ -282,13 +283,20 @@ def cmd_history_status(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-# --- ops show and ops verify of an archived operation, and of an export ----------------
+# --- ops verify of an archived operation, and of an export ---------------------------
 
 
 def archived_row(runner: Store, operation_id: UUID) -> dict[str, Any] | None:
     line = runner.run(store.archived_operation(operation_id))
     row: dict[str, Any] | None = load_line(line) if line is not None else None
     return row
+
+
+def archived_chain(runner: Store, operation_id: UUID) -> store.ChainReport | None:
+    """The evidence chain of an operation only history holds, recomputed here (the
+    console's operation page); None when history does not hold it."""
+    row = archived_row(runner, operation_id)
+    return None if row is None else archived_report(broken_links(row), 1, len(row["events"]))
 
 
 def verify_archived(row: dict[str, Any], as_json: bool) -> int:
@@ -302,25 +310,33 @@ def verify_archived(row: dict[str, Any], as_json: bool) -> int:
     return 0 if report.intact else 1
 
 
-def show_archived(row: dict[str, Any], as_json: bool) -> int:
-    """``ops show`` of an operation only history holds: the row as it was moved."""
-    if as_json:
-        print_json({"archived": True, **row})
-        return 0
-    operation = row["operation"]
-    print(
-        f"{display_operation_id(UUID(str(row['operation_id'])))}  (archived: settled "
-        f"{row['settled_at']}, moved to history {row['archived_at']})"
+def add_verify_targets(parser: argparse.ArgumentParser, op_id_help: str) -> None:
+    """``outbox ops verify``'s targets: one operation, ``--all``, or an export file
+    (``--archive``, with ``--offline``)."""
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "operation_id",
+        metavar="OP_ID",
+        nargs="?",
+        help=op_id_help,
     )
-    for field in ("run_id", "decision_key", "tool_name", "tool_version", "state", "attempts"):
-        print(f"  {field:<13} {printable(str(operation.get(field)))}")
-    print(f"  {'input':<13} {printable(json.dumps(operation.get('input'), default=str))}")
-    print(f"events ({len(row['events'])}):")
-    for event in row["events"]:
-        attributes = printable(json.dumps(event["attributes"], default=str))
-        print(f"  {event['created_at']}  {event['name']:<30} {attributes}")
-    print(f"callbacks: {len(row['callbacks'])}, approvals: {len(row['approvals'])}")
-    return 0
+    target.add_argument(
+        "--all", dest="all_operations", action="store_true", help="every operation, page by page"
+    )
+    target.add_argument(
+        "--archive",
+        type=Path,
+        metavar="FILE",
+        help="an export of `outbox history export`: every chain in it and its checkpoint "
+        "line, then that line against the database's checkpoint row and chain (offline, "
+        "and said so, when the database cannot be reached)",
+    )
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="with --archive: do not ask the database; the file is checked against its "
+        "own checkpoint line only, which is offline-only evidence",
+    )
 
 
 def cmd_ops_verify(args: argparse.Namespace, settings: Settings) -> int:

@@ -28,13 +28,16 @@ def show_text(
     approval: str | None,
     key: str,
     callbacks: Sequence[Callback] = (),
+    archived: str | None = None,
 ) -> str:
+    """``archived``: when and how an operation only history holds left the hot tables."""
     header = [
         ("operation", operation.display_id),
         ("run", operation.run_id),
         ("tool", f"{operation.tool_name} v{operation.tool_version}"),
         ("side effect", str(operation.side_effect)),
         ("state", str(operation.state)),
+        *([("archived", archived)] if archived else []),
         ("fingerprint", keyed_fingerprint(key, operation.input_fingerprint)),
         ("input", intent_text(operation.input)),
         ("attempts", str(operation.attempts)),
@@ -69,10 +72,12 @@ def show_json(
     decided_by: str | None,
     key: str,
     callbacks: Sequence[Callback] = (),
+    archived: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``ops show --json``: what the text shows, as JSON (the input and the attributes
     as they are stored, escaped by JSON; an unreadable one as its marker), with the
-    cursors of the pages before and after the events shown."""
+    cursors of the pages before and after the events shown. ``archived`` is null for an
+    operation the hot tables hold, and says when one only history holds moved there."""
     return {
         "id": operation.display_id,
         "run_id": operation.run_id,
@@ -105,4 +110,5 @@ def show_json(
             },
         ),
         "callbacks": [callback_json(c) for c in callbacks],
+        "archived": archived,
     }

@@ -121,9 +121,11 @@ def listing_text(
     summaries: Sequence[OperationSummary],
     escalations: dict[UUID, Escalation] | None = None,
     now: datetime | None = None,
+    archived_at: dict[UUID, datetime] | None = None,
 ) -> str:
     """The operations table; with ``escalations`` (a list of escalated operations), why
-    each was handed to a person and how long it has waited."""
+    each was handed to a person and how long it has waited; with ``archived_at`` (a
+    list that covers history too), when each archived one moved there."""
     if not summaries:
         return "no operations match"
     headers = ["ID", "TOOL", "STATE", "ATTEMPTS", "RECONCILES", "LAST ERROR", "UPDATED"]
@@ -149,6 +151,10 @@ def listing_text(
                 if escalation
                 else ["-", "-"]
             )
+    if archived_at is not None:
+        headers.append("ARCHIVED")
+        for row, summary in zip(rows, summaries, strict=True):
+            row.append(stamp(archived_at[summary.id]) if summary.id in archived_at else "-")
     return table(headers, rows)
 
 

@@ -21,7 +21,7 @@ from uuid import UUID
 
 from outbox import store
 from outbox.contracts import Registry, SideEffect
-from outbox.errors import IllegalTransition, ToolNotRegistered
+from outbox.errors import IllegalTransition, OperationNotFound, ToolNotRegistered
 from outbox.fingerprint_key import keyed_fingerprint
 from outbox.models import Approval, ApprovalDecision, Operation
 from outbox.operator import input as person_input
@@ -66,6 +66,29 @@ _LABELS = {
     Resolution.REJECTED: "It must not happen: rejected",
     Resolution.NOT_COMMITTED: "It provably did not happen: retry once more",
 }
+
+
+def current_operation(runner: Store, operation_id: UUID, change: str) -> Operation:
+    """The operation as the hot tables hold it, to ``change`` (resolve, cancel, ...).
+    One that moved to history is refused (IllegalTransition), saying so: it settled for
+    good, and nothing of it can change."""
+    try:
+        return runner.run(store.get_operation(operation_id))
+    except OperationNotFound:
+        archived = runner.run(store.archived_facts(operation_id))
+        if archived is None:
+            raise
+    operation = archived.operation
+    raise IllegalTransition(
+        f"{operation.display_id} is archived: it settled {operation.state} at "
+        f"{_utc(archived.settled_at)} and moved to history at {_utc(archived.archived_at)}, "
+        f"where nothing of it changes. It cannot be {change}; nothing was changed "
+        f"(outbox ops show {operation.display_id} shows it)"
+    )
+
+
+def _utc(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def resolvable(operation: Operation, force: bool) -> None:
@@ -171,7 +194,7 @@ def resolve(
     reference = person_input.provider_reference(
         provider_reference, committed=resolution is Resolution.COMMITTED
     )
-    current = runner.run(store.get_operation(operation_id))
+    current = current_operation(runner, operation_id, "resolved")
     resolvable(current, force)
     refused = refusal(resolution, registry, current)
     if refused is not None:
@@ -199,7 +222,7 @@ def cancel(runner: Store, operation_id: UUID, *, by: str, reason: str) -> Operat
     """End a prepared operation as rejected before any worker attempts it; ``reason`` is
     judged as evidence (:func:`outbox.operator.input.evidence`)."""
     kept = person_input.evidence(reason)
-    current = runner.run(store.get_operation(operation_id))
+    current = current_operation(runner, operation_id, "cancelled")
     if current.state is not S.PREPARED:
         raise IllegalTransition(
             f"{current.display_id} is {current.state}: only a prepared operation, which "
@@ -261,7 +284,7 @@ def decide_approval(
     default, a denial must not have one (:func:`outbox.operator.input.approval_ttl`).
     """
     lifetime = person_input.approval_ttl(decision, ttl)
-    current = runner.run(store.get_operation(operation_id))
+    current = current_operation(runner, operation_id, f"{decision} approval")
     approvable(current)
     key = runner.run(store.fingerprint_key())
     now_short = keyed_fingerprint(key, current.input_fingerprint)

@@ -30,7 +30,9 @@ _HEX = frozenset("0123456789abcdef")
 
 def operation_id_of(runner: Store, text: str) -> UUID:
     """The operation ``text`` names: ``op_<uuid>``, a bare uuid, or the start of one
-    (at least 8 hex digits, ``op_`` optional) that only one operation has."""
+    (at least 8 hex digits, ``op_`` optional) that only one operation has, in the hot
+    tables or in history: a prefix that one hot and one archived operation share is as
+    ambiguous as any other."""
     given = text.strip()
     try:
         return parse_operation_id(given)
@@ -43,10 +45,15 @@ def operation_id_of(runner: Store, text: str) -> UUID:
             f"start of one (at least {MIN_SHORT_ID} hex digits, as the console shows it)"
         )
     matches = runner.run(store.operations_with_prefix(prefix))
+    if len(matches) < 2:
+        # The hot tables named at most one: history may name another (or the same
+        # one, moved between the two reads).
+        archived = runner.run(store.archived_ids_with_prefix(prefix))
+        matches = sorted({*matches, *archived})
     if not matches:
         raise OperationNotFound(f"no operation id starts with {given!r}")
     if len(matches) > 1:
-        first, second = (display_operation_id(m) for m in matches)
+        first, second = (display_operation_id(m) for m in matches[:2])
         raise OperationNotFound(
             f"{given!r} is ambiguous: {first}, {second} and maybe more start with it; give "
             "more of the id"
@@ -104,7 +111,8 @@ def dead_letter_views(runner: Store, messages: Iterable[DeadLetter]) -> list[Dea
     is not an envelope is ``malformed`` (or ``oversized``), one whose operation does not
     exist ``unknown_operation``, as the consumer logs them. The reasons are read with
     one query for all the messages, each from its operation's newest such event alone:
-    a long timeline costs what a short one does."""
+    a long timeline costs what a short one does. An operation only history holds says so
+    (``archived``): the consumer would refuse a requeued copy as unknown."""
     shown = [dead_letter_views_without_database(message) for message in messages]
     states: dict[UUID, OperationState] = {}
     for view in shown:
@@ -116,11 +124,15 @@ def dead_letter_views(runner: Store, messages: Iterable[DeadLetter]) -> list[Dea
                 ).state
     reasons = runner.run(store.last_dead_letters(list(states)))
     escalated = escalations(runner, states.items())
+    missing = {v.message.envelope.operation_id for v in shown if v.message.envelope} - set(states)
+    archived = runner.run(store.archived_states(sorted(missing)))
     views = []
     for view in shown:
         envelope = view.message.envelope
         if envelope is None:
             views.append(view)
+        elif envelope.operation_id in archived:
+            views.append(replace(view, why=_archived_why(archived[envelope.operation_id])))
         elif envelope.operation_id not in states:
             views.append(replace(view, why="unknown_operation: no operation has this id"))
         else:
@@ -134,6 +146,13 @@ def dead_letter_views(runner: Store, messages: Iterable[DeadLetter]) -> list[Dea
                 )
             )
     return views
+
+
+def _archived_why(state: OperationState) -> str:
+    return (
+        f"archived: its operation settled {state} and moved to history; nothing waits for "
+        "this message, and a requeued copy comes back here (unknown_operation)"
+    )
 
 
 def dead_letter_views_without_database(message: DeadLetter) -> DeadLetterView:

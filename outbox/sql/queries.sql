@@ -310,6 +310,33 @@ WHERE known.row_version IS NULL
    OR o.row_version <> known.row_version
    OR (o.requires_approval AND o.state = 'prepared')
 
+-- name: archived_outcomes
+-- operation_outcomes of operations the hot tables no longer hold (asked only for those): each one's row as the archive kept it with its decision key, without the input (history_keys_0 and _1, one primary-key probe each). The key is the caller's when it holds one; otherwise history gives it, by id (a primary-key probe per day). An archived operation whose key is not kept (recorded without one) comes back with no state; an id found nowhere is absent.
+SELECT w.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
+       o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
+       o.last_error_class, o.updated_at, now() AS checked_at,
+       NULL::text AS approval_decision, NULL::text AS approval_intent_hash,
+       NULL::timestamptz AS approval_expires_at
+FROM unnest(%(ids)b::uuid[], %(run_ids)b::text[], %(decision_keys)b::text[])
+     AS w (id, run_id, decision_key)
+LEFT JOIN LATERAL (
+    SELECT h.run_id, h.decision_key FROM history h
+    WHERE w.decision_key IS NULL AND h.operation_id = w.id
+    LIMIT 1
+) h ON true
+LEFT JOIN LATERAL (
+    SELECT g.operation FROM history_keys_0 g
+    WHERE g.run_id = coalesce(w.run_id, h.run_id)
+      AND g.decision_key = coalesce(w.decision_key, h.decision_key) AND g.operation_id = w.id
+    UNION ALL
+    SELECT g.operation FROM history_keys_1 g
+    WHERE g.run_id = coalesce(w.run_id, h.run_id)
+      AND g.decision_key = coalesce(w.decision_key, h.decision_key) AND g.operation_id = w.id
+    LIMIT 1
+) k ON true
+LEFT JOIN LATERAL jsonb_populate_record(NULL::operations, k.operation) AS o ON true
+WHERE k.operation IS NOT NULL OR h.run_id IS NOT NULL
+
 -- ==== outbox.store.dispatch: the dispatcher's outbox rows and gauges
 
 -- name: claim_outbox_batch
@@ -1196,7 +1223,7 @@ SELECT current_user AS login,
             THEN pg_has_role(current_user, 'outbox_operator', 'MEMBER')
             ELSE false END AS operator
 
--- ==== outbox.store.history: `outbox history` (archive, export, status, drop) and the archived operations `ops show` and `ops verify` read
+-- ==== outbox.store.history: `outbox history` (archive, export, status, drop) and the archived operations `ops show`, `ops list --archived`, `ops verify`, the console and a short id read
 
 -- name: history_archive_batch
 -- Move one batch of settled operations older than the hot window into history (outbox_history_archive in schema.sql, as the tables' owner); one checkpoint per day the batch touched, none when nothing was left to move.
@@ -1300,6 +1327,99 @@ SELECT (SELECT count(*) FROM chain) AS checked,
 SELECT to_jsonb(h)::text AS line
 FROM history h
 WHERE h.operation_id = %(id)s
+
+-- name: history_operation_facts
+-- One archived operation without its events (a reader takes those a page at a time, history_events_page): the operation row as it was moved, its callbacks and approvals, when it settled and when it moved, and its chain head; found by id in each day's index.
+SELECT h.operation_id, h.settled_on, h.settled_at, h.archived_at, h.operation, h.callbacks,
+       h.approvals, h.event_count, h.last_hash
+FROM history h
+WHERE h.operation_id = %(id)s
+
+-- name: history_events_page
+-- list_events_page for an archived operation: at most `limit` of the events its history row holds after event `after`, oldest first, or (when not `forward`) the `limit` just before event `before`, and a count of the events on either side of the page, in one snapshot.
+WITH events AS MATERIALIZED (
+    SELECT (e->>'id')::bigint AS id, e->>'name' AS name, e->'attributes' AS attributes,
+           (e->>'created_at')::timestamptz AS created_at
+    FROM history h CROSS JOIN LATERAL jsonb_array_elements(h.events) AS e
+    WHERE h.operation_id = %(operation_id)s
+), page AS (
+    (SELECT id, name, attributes, created_at FROM events
+     WHERE %(forward)s::boolean AND id > %(after)s::bigint
+     ORDER BY id
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT id, name, attributes, created_at FROM events
+     WHERE NOT %(forward)s::boolean AND id < %(before)s::bigint
+     ORDER BY id DESC
+     LIMIT %(limit)s)
+), bounds AS MATERIALIZED (
+    SELECT coalesce(min(id), CASE WHEN %(forward)s::boolean THEN %(after)s::bigint + 1
+                                  ELSE %(before)s::bigint END) AS lo,
+           coalesce(max(id), CASE WHEN %(forward)s::boolean THEN %(after)s::bigint
+                                  ELSE %(before)s::bigint - 1 END) AS hi
+    FROM page
+), counts AS MATERIALIZED (
+    SELECT b.lo, b.hi,
+           (SELECT count(*) FROM events e WHERE e.id < b.lo) AS earlier,
+           (SELECT count(*) FROM events e WHERE e.id > b.hi) AS later
+    FROM bounds b
+)
+SELECT c.lo, c.hi, c.earlier, c.later,
+       p.id, %(operation_id)s::uuid AS operation_id, p.name, p.attributes, p.created_at
+FROM counts c
+LEFT JOIN page p ON true
+ORDER BY p.id
+
+-- name: history_ids_in_range
+-- Up to two archived operation ids between two bounds, lowest first: the operations a short id names in history (operation_ids_in_range is the hot tables'); one range scan of each day's primary key.
+SELECT h.operation_id AS id
+FROM history h
+WHERE h.operation_id BETWEEN %(lowest)s AND %(highest)s
+ORDER BY h.operation_id
+LIMIT 2
+
+-- name: history_states
+-- The final state of each of these operations that history holds (the operations of dead letters the hot tables no longer have): a primary-key probe of each day per id.
+SELECT h.operation_id, h.state
+FROM history h
+WHERE h.operation_id = ANY(%(ids)b::uuid[])
+
+-- name: history_summaries
+-- list_operation_summaries over history (`outbox ops list --archived`): archived operations settled newest first, filtered by state, tool and age, at most `limit`. Day by day from the newest (a top-N of one partition each; history has no index on the settled time), so a listing reads the few newest days it shows, not the whole history (executed in 4 to 8 ms where one sort of a history of 92,227 operations took 972 ms, docs/operating.md "History retention"). Never the input.
+SELECT o.id, o.run_id, o.tool_name, o.tool_version, o.side_effect, o.input_fingerprint,
+       o.requires_approval, o.state, o.attempts, o.reconcile_attempts, o.provider_reference,
+       o.last_error_class, o.created_at, o.updated_at, p.archived_at
+FROM (
+    SELECT d.day, h.operation_id, h.settled_at, h.archived_at, h.operation
+    FROM (
+        -- The days history holds, newest first: the order the rows are wanted in, so
+        -- the days are visited lazily and the limit stops the walk.
+        SELECT to_date(substr(c.relname, 10), 'YYYYMMDD') AS day
+        FROM pg_inherits i
+        JOIN pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = to_regclass('history') AND c.relname ~ '^history_p[0-9]{8}$'
+        ORDER BY 1 DESC
+    ) d
+    CROSS JOIN LATERAL (
+        SELECT h.operation_id, h.settled_at, h.archived_at, h.operation
+        FROM history h
+        WHERE h.settled_on = d.day
+          AND (%(states)b::text[] IS NULL OR h.state = ANY(%(states)b::text[]))
+          AND (%(tool)s::text IS NULL OR h.operation->>'tool_name' = %(tool)s::text)
+          AND (%(since)s::timestamptz IS NULL OR h.settled_at >= %(since)s::timestamptz)
+          AND (%(ago)s::interval IS NULL OR h.settled_at >= now() - %(ago)s::interval)
+        ORDER BY h.settled_at DESC, h.operation_id
+        LIMIT %(limit)s
+    ) h
+    WHERE (%(since)s::timestamptz IS NULL
+           OR d.day >= (%(since)s::timestamptz AT TIME ZONE 'UTC')::date)
+      AND (%(ago)s::interval IS NULL
+           OR d.day >= ((now() - %(ago)s::interval) AT TIME ZONE 'UTC')::date)
+    ORDER BY d.day DESC, h.settled_at DESC, h.operation_id
+    LIMIT %(limit)s
+) p
+CROSS JOIN LATERAL jsonb_populate_record(NULL::operations, p.operation - 'input') AS o
+ORDER BY p.day DESC, p.settled_at DESC, p.operation_id
 
 -- name: history_rotate_keys
 -- Forget the older generation of archived decision keys once every key in it is older than the retention, and make it the current one (outbox_history_rotate_keys, the owner's alone); whether it did.

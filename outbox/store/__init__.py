@@ -34,6 +34,7 @@ from __future__ import annotations
 from outbox.states import Waiting
 from outbox.store.approvals import check_approval, decide_approval
 from outbox.store.awaiting import (
+    archived_outcomes,
     listen_operation_changes,
     operation_outcomes,
     operation_outcomes_changed,
@@ -84,6 +85,8 @@ from outbox.store.gauges import (
     lock_blockers,
 )
 from outbox.store.history import (
+    ArchivedOperation,
+    ArchivedSummary,
     CheckpointChainReport,
     CheckpointLink,
     DayCheckpoint,
@@ -91,7 +94,12 @@ from outbox.store.history import (
     DropTiming,
     HistoryDay,
     archive_batch,
+    archived_events_page,
+    archived_facts,
+    archived_ids_with_prefix,
     archived_operation,
+    archived_states,
+    archived_summaries,
     checkpoint_day,
     checkpoint_of_export,
     day_digest,
@@ -185,6 +193,8 @@ __all__ = [
     "MAX_EVENTS_PAGE",
     "NOTIFY_CHANNEL",
     "RESOLUTION_EVIDENCE_LIMIT",
+    "ArchivedOperation",
+    "ArchivedSummary",
     "AsyncConnection",
     "AsyncStore",
     "Backlog",
@@ -232,7 +242,13 @@ __all__ = [
     "append_event",
     "approver_of",
     "archive_batch",
+    "archived_events_page",
+    "archived_facts",
+    "archived_ids_with_prefix",
     "archived_operation",
+    "archived_outcomes",
+    "archived_states",
+    "archived_summaries",
     "backend_activity",
     "book_provider_call",
     "callbacks_of",

@@ -30,3 +30,22 @@ def operation_outcomes_changed(known: Mapping[UUID, int | None]) -> Plan[list[Ro
         {"ids": list(known), "row_versions": list(known.values())},
     )
     return rows
+
+
+def archived_outcomes(wanted: Mapping[UUID, tuple[str, str] | None]) -> Plan[list[Row]]:
+    """:func:`operation_outcomes` for operations the hot tables no longer hold (ask only
+    for those): ``wanted`` maps each id to its ``(run_id, decision_key)`` when the caller
+    knows them (two primary-key probes), else None (history gives them, by id). An
+    archived operation recorded without a decision key comes back with ``state`` None:
+    its outcome is not kept where an agent may read it. An id found nowhere is absent."""
+    ids = list(wanted)
+    keys = [wanted[operation_id] for operation_id in ids]
+    rows = yield Step(
+        "archived_outcomes",
+        {
+            "ids": ids,
+            "run_ids": [key[0] if key else None for key in keys],
+            "decision_keys": [key[1] if key else None for key in keys],
+        },
+    )
+    return rows

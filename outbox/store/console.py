@@ -18,7 +18,7 @@ from uuid import UUID
 from outbox.models import Approval, OperationEvent
 from outbox.states import OperationState
 from outbox.store.operator import OperationSummary
-from outbox.store.runner import Plan, Step
+from outbox.store.runner import Plan, Row, Step
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,15 @@ def events_page(
     ``before_id``; with neither, the newest ``limit``. Following ``next`` from
     ``after_id=0``, or ``previous`` from the newest page, reads every event once, in
     order."""
+    rows = yield Step("list_events_page", page_parameters(operation_id, after_id, before_id, limit))
+    return page_of_events(rows)
+
+
+def page_parameters(
+    operation_id: UUID, after_id: int | None, before_id: int | None, limit: int
+) -> dict[str, object]:
+    """The parameters of a page of events (list_events_page, history_events_page); a
+    size or a cursor out of bounds is a ValueError."""
     if not 1 <= limit <= MAX_EVENTS_PAGE:
         raise ValueError(f"a page of events holds 1 to {MAX_EVENTS_PAGE} events, not {limit}")
     if after_id is not None and before_id is not None:
@@ -121,16 +130,17 @@ def events_page(
     for cursor in (after_id, before_id):
         if cursor is not None and not _NO_EVENT <= cursor < _PAST_EVERY_EVENT:
             raise ValueError(f"not an event id: {cursor}")
-    rows = yield Step(
-        "list_events_page",
-        {
-            "operation_id": operation_id,
-            "forward": after_id is not None,
-            "after": _NO_EVENT if after_id is None else after_id,
-            "before": _PAST_EVERY_EVENT if before_id is None else before_id,
-            "limit": limit,
-        },
-    )
+    return {
+        "operation_id": operation_id,
+        "forward": after_id is not None,
+        "after": _NO_EVENT if after_id is None else after_id,
+        "before": _PAST_EVERY_EVENT if before_id is None else before_id,
+        "limit": limit,
+    }
+
+
+def page_of_events(rows: list[Row]) -> EventsPage:
+    """A page of events from the rows of list_events_page or history_events_page."""
     counts = rows[0]
     return EventsPage(
         events=[OperationEvent.model_validate(row) for row in rows if row["id"] is not None],

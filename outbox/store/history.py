@@ -22,6 +22,10 @@ import psycopg
 import psycopg.sql
 
 from outbox.errors import wrap_database_errors
+from outbox.models import Approval, Callback, Operation
+from outbox.states import OperationState
+from outbox.store.console import EventsPage, page_of_events, page_parameters
+from outbox.store.operator import OperationSummary, prefix_range
 from outbox.store.runner import Plan, Row, Step
 
 # Rows per statement of an export: each is one operation's whole evidence.
@@ -195,6 +199,107 @@ def archived_operation(operation_id: UUID) -> Plan[str | None]:
     """The archived operation's history row as Postgres prints it, or None."""
     rows = yield Step("history_operation", {"id": operation_id})
     return str(rows[0]["line"]) if rows else None
+
+
+@dataclass(frozen=True)
+class ArchivedOperation:
+    """An operation only history holds, as it was when it moved (its input included):
+    the operator's to read, never to change. Its events are read a page at a time
+    (:func:`archived_events_page`)."""
+
+    operation: Operation
+    settled_on: date
+    """The day (UTC) it settled: its partition of history, dropped after the retention."""
+    settled_at: datetime
+    archived_at: datetime
+    """When it moved out of the hot tables."""
+    callbacks: list[Callback]
+    approvals: list[Approval]
+    """Oldest first, each with who decided."""
+    event_count: int
+    last_hash: str | None
+
+
+def archived_facts(operation_id: UUID) -> Plan[ArchivedOperation | None]:
+    """An archived operation without its events, or None when history does not hold it."""
+    rows = yield Step("history_operation_facts", {"id": operation_id})
+    if not rows:
+        return None
+    row = rows[0]
+    return ArchivedOperation(
+        operation=Operation.model_validate(row["operation"]),
+        settled_on=row["settled_on"],
+        settled_at=row["settled_at"],
+        archived_at=row["archived_at"],
+        callbacks=[Callback.model_validate(c) for c in row["callbacks"]],
+        approvals=[Approval.model_validate(a) for a in row["approvals"]],
+        event_count=int(row["event_count"]),
+        last_hash=row["last_hash"],
+    )
+
+
+def archived_events_page(
+    operation_id: UUID,
+    *,
+    after_id: int | None = None,
+    before_id: int | None = None,
+    limit: int = 100,
+) -> Plan[EventsPage]:
+    """:func:`~outbox.store.events_page` for an archived operation, from its history row
+    (an operation history does not hold has an empty timeline)."""
+    rows = yield Step(
+        "history_events_page", page_parameters(operation_id, after_id, before_id, limit)
+    )
+    return page_of_events(rows)
+
+
+def archived_ids_with_prefix(hex_prefix: str) -> Plan[list[UUID]]:
+    """:func:`~outbox.store.operations_with_prefix` in history: at most two archived
+    operation ids that start with ``hex_prefix``."""
+    rows = yield Step("history_ids_in_range", prefix_range(hex_prefix))
+    return [row["id"] for row in rows]
+
+
+def archived_states(operation_ids: list[UUID]) -> Plan[dict[UUID, OperationState]]:
+    """The final state of each of ``operation_ids`` that history holds."""
+    if not operation_ids:
+        return {}
+    rows = yield Step("history_states", {"ids": operation_ids})
+    return {row["operation_id"]: OperationState(row["state"]) for row in rows}
+
+
+@dataclass(frozen=True)
+class ArchivedSummary:
+    """An archived operation in a listing: what a hot one shows, and when it moved."""
+
+    summary: OperationSummary
+    archived_at: datetime
+
+
+def archived_summaries(
+    *,
+    states: list[OperationState] | None = None,
+    tool: str | None = None,
+    since: datetime | None = None,
+    within: timedelta | None = None,
+    limit: int = 50,
+) -> Plan[list[ArchivedSummary]]:
+    """:func:`~outbox.store.list_operation_summaries` over history: archived operations
+    by settled time, newest first, at most ``limit``."""
+    rows = yield Step(
+        "history_summaries",
+        {
+            "states": [str(s) for s in states] if states else None,
+            "tool": tool,
+            "since": since,
+            "ago": within,
+            "limit": limit,
+        },
+    )
+    return [
+        ArchivedSummary(summary=OperationSummary.from_row(row), archived_at=row["archived_at"])
+        for row in rows
+    ]
 
 
 def rotate_keys(retention: timedelta) -> Plan[bool]:

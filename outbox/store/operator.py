@@ -203,20 +203,23 @@ def operations_with_prefix(hex_prefix: str) -> Plan[list[UUID]]:
     """At most two operation ids that start with ``hex_prefix`` (lowercase hex digits,
     no dashes): one when a short id names a single operation, two when it is ambiguous.
     The primary key's index answers it as a range."""
+    rows = yield Step("operation_ids_in_range", prefix_range(hex_prefix))
+    return [row["id"] for row in rows]
+
+
+def prefix_range(hex_prefix: str) -> dict[str, UUID]:
+    """The lowest and the highest id that start with ``hex_prefix``; ValueError for
+    anything but 1 to 32 lowercase hex digits."""
     if (
         not hex_prefix
         or len(hex_prefix) > 32
         or any(c not in "0123456789abcdef" for c in hex_prefix)
     ):
         raise ValueError(f"not the start of an operation id: {hex_prefix!r}")
-    rows = yield Step(
-        "operation_ids_in_range",
-        {
-            "lowest": UUID(hex_prefix.ljust(32, "0")),
-            "highest": UUID(hex_prefix.ljust(32, "f")),
-        },
-    )
-    return [row["id"] for row in rows]
+    return {
+        "lowest": UUID(hex_prefix.ljust(32, "0")),
+        "highest": UUID(hex_prefix.ljust(32, "f")),
+    }
 
 
 def pending_approvals() -> Plan[list[PendingApproval]]:

@@ -1,9 +1,10 @@
 """What the console tests share: counting what an action could write, resolving through
-the form, the shorthand for states.
+the form, the shorthand for states, reading an operation page's timeline.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
@@ -15,6 +16,7 @@ from outbox.models import Operation
 from support.console_helpers import csrf
 
 S = OperationState
+_EVENT_ROW = re.compile(r'<tr id="event-(\d+)">')
 
 
 def counts(database_url: str) -> dict[str, int]:
@@ -32,3 +34,15 @@ def counts(database_url: str) -> dict[str, int]:
 def resolve(browser: TestClient, op: Operation, **form: str) -> Any:
     token = csrf(browser, f"/operations/{op.display_id}")
     return browser.post(f"/operations/{op.display_id}/resolve", data={"csrf_token": token, **form})
+
+
+def timeline_rows(html: str) -> list[int]:
+    """The ids of the events an operation page's timeline shows, in order."""
+    timeline = html.split('id="timeline"', 1)[1].split("</table>", 1)[0]
+    return [int(event_id) for event_id in _EVENT_ROW.findall(timeline)]
+
+
+def link(html: str, kind: str) -> str | None:
+    """Where a page's link of this class goes (``later-events``, ``oldest-events``...)."""
+    found = re.search(rf'<a class="{kind}" href="([^"]+)"', html)
+    return found.group(1) if found else None

@@ -1,6 +1,7 @@
 """What the history tests share: an operation settled long ago (what only the owner
-could write, and what a test of the move needs), moving everything eligible, and the day
-an archived operation landed on."""
+could write, and what a test of the move needs), moving everything eligible as `outbox
+history archive` moves it, the day an archived operation landed on, and an approved
+operation."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from uuid import UUID
 
 import psycopg
 
+from outbox import Operation
 from outbox import store as outbox_store
+from outbox.models import ApprovalDecision
 
 from support.db_helpers import execute_admin
-from support.ops_helpers import Ops
+from support.ops_helpers import LEASE, Ops
 from support.waiting import eventually_sync
 
 HOT = timedelta(hours=1)
@@ -38,6 +41,7 @@ def settled_days_ago(
 
 
 def archive_all(ops: Ops, hot: timedelta = HOT, batch: int = 100) -> list[Any]:
+    """Every batch the archive command would move, as ``ops``' login; their checkpoints."""
     checkpoints: list[Any] = []
     while moved := ops.run(outbox_store.archive_batch(hot, batch)):
         checkpoints.extend(moved)
@@ -69,3 +73,15 @@ def wait_for_lock_waiters(database_url: str, what: str, *, running: str = "%") -
         within=10,
         what=what,
     )
+
+
+def approved(ops: Ops, approver: str = "lead@example.com") -> Operation:
+    """A prepared operation whose contract asks for an approval, granted by ``approver``:
+    what an archived operation's approval check and approvals show."""
+    operation = ops.new(amount_cents=90_000)
+    ops.run(
+        outbox_store.decide_approval(
+            operation.id, decision=ApprovalDecision.GRANTED, approved_by=approver, ttl=LEASE
+        )
+    )
+    return operation

@@ -61,6 +61,10 @@ MIGRATE, CHAOS = "outbox migrate", "python -m harness.chaos"
 # (a detach needs ownership of history; roles.sql grants no group that).
 HISTORY, HISTORY_DROP = "outbox history", "outbox history drop"
 
+# The agent's await_outcome (and get_outcome) of an operation that moved to history, as
+# outbox_agent: the archived decision keys, and history's ids and keys alone.
+AWAIT_ARCHIVED = "await_outcome of an archived operation"
+
 
 # `outbox console` runs as outbox_operator too: its reads besides those of `outbox ops`.
 # tests/integration/console/ runs every page and action as a login that holds
@@ -147,8 +151,10 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "last_reasons",
         # `ops resolve` over a filter and the console's batch preview select by it.
         "escalations_matching",
-        # `ops show op_74ca7733`: the short id the console prints.
+        # `ops show op_74ca7733`: the short id the console prints, in the hot tables and
+        # in history (a prefix both hold is ambiguous).
         "operation_ids_in_range",
+        "history_ids_in_range",
         "get_operation",
         # `ops show` and the console read a timeline a page at a time, never whole.
         "list_events_page",
@@ -186,7 +192,14 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_day_digest",
         "history_checkpoint_of_export",
         "verify_checkpoint_chain",
+        # `ops show` and the console's page of an archived operation, `ops list --archived`.
+        "history_operation_facts",
+        "history_events_page",
+        "history_summaries",
+        # A dead letter whose operation moved: `outbox dlq list`, the console's page.
+        "history_states",
     },
+    AWAIT_ARCHIVED: {"archived_outcomes"},
     HISTORY_DROP: {
         "history_days",
         "history_checkpoint_day",

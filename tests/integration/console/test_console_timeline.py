@@ -4,8 +4,6 @@ the dead letters read each operation's reason without its timeline."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from starlette.testclient import TestClient
 
@@ -14,11 +12,11 @@ from outbox import store as outbox_store
 from outbox.console.app import Console
 from outbox.states import EventName
 
+from support.console_cases import link, timeline_rows
 from support.console_helpers import client, dead_letter_one, envelope_of, logged_in
 from support.ops_helpers import Ops
 
 LONG = 2000
-ROW = re.compile(r'<tr id="event-(\d+)">')
 
 
 @pytest.fixture
@@ -27,16 +25,6 @@ def no_whole_timelines(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a console page read a whole timeline")
 
     monkeypatch.setattr(outbox_store, "events", whole)
-
-
-def rows(html: str) -> list[int]:
-    timeline = html.split('id="timeline"', 1)[1].split("</table>", 1)[0]
-    return [int(event_id) for event_id in ROW.findall(timeline)]
-
-
-def link(html: str, kind: str) -> str | None:
-    found = re.search(rf'<a class="{kind}" href="([^"]+)"', html)
-    return found.group(1) if found else None
 
 
 def test_the_operation_page_shows_the_newest_page_and_links_walk_it_once(
@@ -51,17 +39,17 @@ def test_the_operation_page_shows_the_newest_page_and_links_walk_it_once(
     path = link(newest, "oldest-events")
     while path is not None:
         html = browser.get(path).text
-        assert len(rows(html)) <= 100
-        forward += rows(html)
+        assert len(timeline_rows(html)) <= 100
+        forward += timeline_rows(html)
         path = link(html, "later-events")
-    backward = rows(newest)
+    backward = timeline_rows(newest)
     path = link(newest, "earlier-events")
     while path is not None:
         html = browser.get(path).text
-        backward = rows(html) + backward
+        backward = timeline_rows(html) + backward
         path = link(html, "earlier-events")
 
-    assert rows(newest) == every[-100:]
+    assert timeline_rows(newest) == every[-100:]
     assert f"events {LONG - 98}-{LONG + 1} of {LONG + 1}" in newest
     assert link(newest, "later-events") is None
     assert forward == every

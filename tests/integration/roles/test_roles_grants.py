@@ -41,6 +41,9 @@ GRANTS: dict[str, dict[str, set[str]]] = {
     AGENT: {
         "operation_status": {"SELECT"},
         "outbox_deployment": {"SELECT"},
+        # await_outcome of an archived operation: its key's row, which holds no input.
+        "history_keys_0": {"SELECT"},
+        "history_keys_1": {"SELECT"},
     },
     DISPATCHER: {"outbox": {"SELECT", "DELETE"}},
     CONSUMER: {
@@ -108,6 +111,8 @@ COLUMN_GRANTS: dict[str, dict[tuple[str, str], frozenset[str]]] = {
         ("approvals", "SELECT"): frozenset(
             {"id", "operation_id", "intent_hash", "decision", "expires_at", "created_at"}
         ),
+        # Of history, only what maps an archived operation's id to its decision key.
+        ("history", "SELECT"): frozenset({"operation_id", "run_id", "decision_key"}),
     },
     DISPATCHER: {
         ("operations", "SELECT"): frozenset(

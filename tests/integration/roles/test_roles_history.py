@@ -5,6 +5,7 @@ move."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -14,16 +15,26 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from outbox import Operation, Registry
+from outbox import (
+    Operation,
+    OutcomeStatus,
+    Registry,
+    await_outcome,
+    await_outcome_sync,
+    record_decision,
+)
 from outbox import store as outbox_store
 from outbox.cli import run_command
+from outbox.errors import OperationNotFound
 
 from support.db_helpers import execute_admin
+from support.history_helpers import settled_days_ago
 from support.logins import Login
 from support.logs import Ran, statements_seen
 from support.ops_helpers import Ops
 from support.roles_cases import (
     AGENT,
+    AWAIT_ARCHIVED,
     CALLBACKS,
     COMPONENT_QUERIES,
     CONSUMER,
@@ -32,6 +43,7 @@ from support.roles_cases import (
     HISTORY_DROP,
     OPERATOR,
     S,
+    advance,
     run,
 )
 
@@ -44,15 +56,7 @@ def ran() -> Iterator[Ran]:
 
 def settled_long_ago(database_url: str, registry: Registry, days: int = 200) -> Operation:
     operation = Ops(database_url, registry).at(S.COMMITTED)
-    with psycopg.connect(database_url) as connection:
-        connection.execute("SET LOCAL session_replication_role = replica")
-        connection.execute(
-            "UPDATE operations SET updated_at = now() - make_interval(days => %s) WHERE id = %s",
-            (days, operation.id),
-        )
-        connection.execute(
-            "UPDATE outbox SET published_at = now() WHERE operation_id = %s", (operation.id,)
-        )
+    settled_days_ago(database_url, operation.id, days)
     return operation
 
 
@@ -143,11 +147,19 @@ def test_the_operator_moves_exports_and_reads_history_and_the_owner_drops_it(
     codes += [
         run_command(["history", "status"]),
         run_command(["history", "export", "--day", day, "--out", str(tmp_path)]),
-        run_command(["ops", "show", operation.display_id]),
+        run_command(["ops", "show", operation.display_id[:11]]),
+        run_command(["ops", "list", "--archived"]),
         run_command(["ops", "verify", operation.display_id]),
         run_command(["history", "verify"]),
         run_command(["ops", "verify", "--archive", str(tmp_path / f"history-{day}.jsonl")]),
     ]
+    # What a dead letter's view reads of an operation that moved.
+    archived_states = run(operator, outbox_store.archived_states([operation.id]))
+    # An archived operation is the operator's to read, not to change: refused by name.
+    refused = run_command(
+        ["ops", "resolve", operation.display_id, "--rejected", "--evidence", "e", "--by", "a"]
+    )
+    refusal = capsys.readouterr().err
     operator_drop = run_command(["history", "drop", "--retention", "30d"])
     monkeypatch.setenv("OUTBOX_DATABASE_URL", roles_database)
     codes.append(
@@ -156,9 +168,54 @@ def test_the_operator_moves_exports_and_reads_history_and_the_owner_drops_it(
     output = capsys.readouterr()
 
     assert codes == [0] * len(codes), output.err
+    assert refused == 1
+    assert archived_states == {operation.id: S.COMMITTED}
+    assert f"{operation.display_id} is archived" in refusal
     assert operator_drop == 2
     assert "history drop runs as the owner of the outbox tables" in output.err
     assert "lock time" in output.out
     assert execute_admin(roles_database, "SELECT count(*) FROM history") == [(0,)]
     assert COMPONENT_QUERIES[HISTORY] <= ran.by(urlsplit(operator).username)
     assert COMPONENT_QUERIES[HISTORY_DROP] <= ran.by(urlsplit(roles_database).username)
+
+
+def test_the_agent_awaits_an_archived_outcome_and_reads_nothing_else_of_history(
+    login: Login, roles_database: str, registry: Registry, ran: Ran
+) -> None:
+    agent = login(AGENT)
+    refund = {"payment_id": "pay_1", "amount_cents": 100}
+    with psycopg.connect(agent) as connection:
+        keyed = record_decision(
+            connection, registry, "send_refund", refund, run_id="r", decision_key="k"
+        )
+    with psycopg.connect(agent) as connection:
+        keyless = record_decision(connection, registry, "send_refund", refund, run_id="r")
+    for recorded in (keyed, keyless):
+        advance(roles_database, recorded.operation, S.IN_FLIGHT, S.COMMITTED)
+        settled_days_ago(roles_database, recorded.operation.id, 3)
+    assert run(roles_database, outbox_store.archive_batch(timedelta(days=1), 10))
+    ran.records.clear()
+
+    by_id = await_outcome_sync(agent, keyed.operation.id, timeout=0)
+    by_key = asyncio.run(await_outcome(agent, keyed, timeout=0))
+    with pytest.raises(OperationNotFound, match="recorded without a decision key"):
+        await_outcome_sync(agent, keyless.operation.id, timeout=0)
+    refused = {}
+    for column in ("operation", "events", "callbacks", "approvals", "state", "settled_at"):
+        with psycopg.connect(agent, autocommit=True) as connection:
+            try:
+                connection.execute(f"SELECT {column} FROM history")
+            except psycopg.errors.InsufficientPrivilege:
+                refused[column] = True
+
+    assert (by_id.status, by_key.status) == (OutcomeStatus.COMMITTED, OutcomeStatus.COMMITTED)
+    assert by_id.provider_reference == by_key.provider_reference
+    assert by_id.operation_id == keyed.operation.id
+    assert refused == dict.fromkeys(refused, True)
+    assert len(refused) == 6
+    assert ran.by(urlsplit(agent).username) == {
+        "listen_operation_changes",
+        "operation_outcomes",
+        "operation_outcomes_changed",
+        *COMPONENT_QUERIES[AWAIT_ARCHIVED],
+    }
