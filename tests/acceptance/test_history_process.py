@@ -85,6 +85,9 @@ class Stream(threading.Thread):
             self.failure = error
 
 
+# Its own deadlines (a minute for the stream, a minute for each decision to settle)
+# are the test's; the harness's default minute for a whole test is shorter than they are.
+@pytest.mark.timeout(240)
 def test_a_day_of_history_leaves_while_decisions_stream(
     settings: Settings,
     tmp_path: Path,
