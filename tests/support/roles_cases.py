@@ -163,7 +163,11 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "transition_operation",
         "list_approval_candidates",
         "insert_approval",
+        # `outbox stats` and the overview: counted while the table is small, the
+        # settled states estimated from a sample past EXACT_SETTLED_COUNT_BELOW.
+        "operations_analyzed_rows",
         "count_operations_by_tool_and_state",
+        "estimate_operations_by_tool_and_state",
         "outbox_backlog",
         "verify_event_chains",
         # Short fingerprints are the keyed ones, and who decided an approval is shown.
