@@ -191,6 +191,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_checkpoint_day",
         "history_export_page",
         "history_days",
+        # `history status` of a day whose drop was recorded and which is still attached.
+        "history_day_rows",
         "history_recent_checkpoints",
         "history_operation",
         "history_day_digest",
