@@ -31,8 +31,8 @@ from outbox.store.runner import Plan, Row, Step
 RESOLUTION_EVIDENCE_LIMIT = 500
 
 # How many of the operations table's pages the overview's estimate of the settled
-# operations reads (8 MB at the default block size; about 18,500 rows at 2.1 kB an
-# operation): its cost, whatever the history holds.
+# operations reads (8 MB at the default block size; about 18,000 operations as
+# bench.history_scale fills them): its cost, whatever the history holds.
 SETTLED_SAMPLE_PAGES = 1_000
 # Estimates are shown to three significant figures: the sample cannot say more.
 _ESTIMATE_DIGITS = 3
