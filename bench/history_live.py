@@ -36,6 +36,7 @@ from outbox.sql import QUERIES
 from outbox.states import EventName, OperationState
 from outbox.store import Store
 from outbox.store.dispatch import EXACT_SETTLED_COUNT_BELOW
+from outbox.store.operator import SETTLED_SAMPLE_PAGES
 
 RUNS = 5
 RUN_SIZE = 8
@@ -107,7 +108,9 @@ class LiveWorkload:
             ],
             "reconciler: execution_gauges": [("execution_gauges", {})],
             "console: overview": [
-                ("count_operations_by_tool_and_state", {}),
+                # What it reads on a table past EXACT_SETTLED_COUNT_BELOW, as the full one.
+                ("operations_analyzed_rows", {}),
+                ("estimate_operations_by_tool_and_state", {"sample_pages": SETTLED_SAMPLE_PAGES}),
                 ("list_approval_candidates", {}),
                 ("console_operations_page", {**page, "states": ["escalated"], "limit": 11}),
             ],

@@ -56,6 +56,7 @@ from outbox.store import (
     PreparedWaits,
     Store,
 )
+from outbox.store.dispatch import EXACT_SETTLED_COUNT_BELOW
 from outbox.text import printable
 
 S = OperationState
@@ -109,7 +110,8 @@ async def overview(request: Request) -> Response:
     def work(
         runner: Store,
     ) -> tuple[dict[str, Any], OperationPage, ProvidersView, PreparedWaits]:
-        stats = runner.run(store.operation_stats())
+        # The threshold read here, with the note that shows it, so both say one thing.
+        stats = runner.run(store.operation_stats(exact_below=EXACT_SETTLED_COUNT_BELOW))
         escalated = runner.run(
             store.operations_page(OperationFilter(states=(S.ESCALATED,)), limit=10)
         )
@@ -133,6 +135,7 @@ async def overview(request: Request) -> Response:
         queue_error=queue_error,
         age_text=age_text,
         numbers=numbers,
+        exact_below=f"{EXACT_SETTLED_COUNT_BELOW:,}",
         states=[str(s) for s in S],
         escalated=escalated.rows,
         dead_letters=dead,

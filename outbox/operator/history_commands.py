@@ -255,6 +255,7 @@ def cmd_history_status(args: argparse.Namespace, settings: Settings) -> int:
                         "operations": d.operations,
                         "events": d.events,
                         "detaching": d.detaching,
+                        "counted_from": "rows" if d.counted else "checkpoints",
                     }
                     for d in days
                 ],
@@ -266,10 +267,13 @@ def cmd_history_status(args: argparse.Namespace, settings: Settings) -> int:
     held = [d for d in days if d.operations]
     print(
         f"history: {len(days)} day partition(s), {sum(d.operations for d in days)} "
-        f"operation(s); oldest {held[0].settled_on.isoformat() if held else '-'}"
+        f"operation(s); oldest {held[0].settled_on.isoformat() if held else '-'} (as the "
+        "archive's checkpoints recorded each day, not counted row by row)"
     )
     for d in days:
         note = " (detach interrupted: `history drop` finishes it)" if d.detaching else ""
+        if d.counted:
+            note += " (counted: a drop of this day was recorded, and it is still here)"
         print(
             f"  {d.settled_on.isoformat()}  {d.operations} operation(s), {d.events} event(s){note}"
         )

@@ -342,24 +342,28 @@ def stats_json(stats: OperationStats) -> dict[str, Any]:
         "oldest_pending_age_seconds": round(stats.backlog.oldest_age_seconds, 3),
         "escalations_waiting": by_state[str(S.ESCALATED)],
         "approvals_waiting": stats.pending_approvals,
+        # The states whose figures above are estimates, not counts ("about N").
+        "estimated": [str(s) for s in S if s in stats.estimated],
     }
 
 
 def stats_text(numbers: dict[str, Any]) -> str:
     states = [str(s) for s in S]
-    rows = [
-        [tool, *(str(counts[s]) for s in states), str(sum(counts.values()))]
-        for tool, counts in numbers["by_tool"].items()
-    ]
-    rows.append(
-        [
-            "all",
-            *(str(numbers["by_state"][s]) for s in states),
-            str(sum(numbers["by_state"].values())),
-        ]
-    )
-    lines = [
-        table(["TOOL", *(s.upper() for s in states), "TOTAL"], rows),
+    estimated = set(numbers["estimated"])
+
+    def cells(counts: dict[str, int]) -> list[str]:
+        shown = [f"~{counts[s]}" if s in estimated else str(counts[s]) for s in states]
+        return [*shown, f"{'~' if estimated else ''}{sum(counts.values())}"]
+
+    rows = [[tool, *cells(counts)] for tool, counts in numbers["by_tool"].items()]
+    rows.append(["all", *cells(numbers["by_state"])])
+    lines = [table(["TOOL", *(s.upper() for s in states), "TOTAL"], rows)]
+    if estimated:
+        lines.append(
+            f"~ about: {' and '.join(s for s in states if s in estimated)} are estimated from "
+            "a sample of the operations table; the open states are counted (docs/console.md)"
+        )
+    lines += [
         "",
         f"outbox backlog       {numbers['outbox_backlog']} unpublished row(s), oldest waiting "
         f"{numbers['oldest_pending_age_seconds']:.1f} s",

@@ -103,6 +103,10 @@ class HistoryDay:
     operations: int
     events: int
     detaching: bool
+    counted: bool = False
+    """Whether ``operations`` and ``events`` were counted from the partition's rows (a
+    day with a dropped checkpoint that is still attached) rather than summed from its
+    archived checkpoints."""
 
 
 def _checkpoint(row: Row, kind: str | None = None) -> DayCheckpoint:
@@ -175,18 +179,27 @@ def export_lines(day: date, after: UUID | None = None) -> Plan[list[tuple[UUID, 
 
 
 def history_days() -> Plan[list[HistoryDay]]:
-    """Every day history holds, oldest first."""
+    """Every day history holds, oldest first, with what the archive's checkpoints
+    recorded moving into it: the rows themselves are read only for a day whose drop was
+    recorded and which is still attached, where the checkpoints cannot say."""
     rows = yield Step("history_days", {})
-    return [
-        HistoryDay(
-            settled_on=row["settled_on"],
-            partition=row["partition"],
-            operations=int(row["operations"]),
-            events=int(row["events"]),
-            detaching=bool(row["detaching"]),
+    days = []
+    for row in rows:
+        counted = bool(row["drop_recorded"])
+        counts = row
+        if counted:
+            [counts] = yield Step("history_day_rows", {"day": row["settled_on"]})
+        days.append(
+            HistoryDay(
+                settled_on=row["settled_on"],
+                partition=row["partition"],
+                operations=int(counts["operations"]),
+                events=int(counts["events"]),
+                detaching=bool(row["detaching"]),
+                counted=counted,
+            )
         )
-        for row in rows
-    ]
+    return days
 
 
 def recent_checkpoints(limit: int) -> Plan[list[DayCheckpoint]]:

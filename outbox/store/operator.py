@@ -22,13 +22,20 @@ from outbox.states import (
     legal_targets,
 )
 from outbox.store.approvals import approval_check
-from outbox.store.dispatch import Backlog, outbox_backlog
+from outbox.store.dispatch import EXACT_SETTLED_COUNT_BELOW, Backlog, outbox_backlog
 from outbox.store.operations import fingerprint_key, get_operation
 from outbox.store.runner import Plan, Row, Step
 
 # How many characters of an operator's evidence a resolution keeps in its event: a
 # longer one is refused, never cut (outbox.operator.input.evidence says so first).
 RESOLUTION_EVIDENCE_LIMIT = 500
+
+# How many of the operations table's pages the overview's estimate of the settled
+# operations reads (8 MB at the default block size; about 18,000 operations as
+# bench.history_scale fills them): its cost, whatever the history holds.
+SETTLED_SAMPLE_PAGES = 1_000
+# Estimates are shown to three significant figures: the sample cannot say more.
+_ESTIMATE_DIGITS = 3
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,9 @@ class OperationStats:
     """tool name -> state -> operations."""
     backlog: Backlog
     pending_approvals: int
+    estimated: frozenset[OperationState] = frozenset()
+    """The states whose figures in ``by_tool`` are estimates (committed and rejected on
+    a large table), not counts; empty when every figure was counted."""
 
 
 def list_operation_summaries(
@@ -263,14 +273,38 @@ def approver_of(check: ApprovalCheck) -> Plan[str | None]:
     return next((str(row["approved_by"]) for row in rows if row["id"] == check.approval.id), None)
 
 
-def operation_stats() -> Plan[OperationStats]:
-    rows = yield Step("count_operations_by_tool_and_state", {})
+def _about(estimate: int) -> int:
+    """An estimate to three significant figures (62,776 -> 62,800)."""
+    digits = len(str(abs(estimate)))
+    return estimate if digits <= _ESTIMATE_DIGITS else round(estimate, _ESTIMATE_DIGITS - digits)
+
+
+def operation_stats(
+    exact_below: int = EXACT_SETTLED_COUNT_BELOW, sample_pages: int = SETTLED_SAMPLE_PAGES
+) -> Plan[OperationStats]:
+    """Operations by tool and state, the outbox backlog and the approvals waiting, at a
+    cost that does not grow with the history: the open states are counted; committed
+    and rejected too while the statistics say the table holds fewer than
+    ``exact_below`` rows (as the dispatcher's gauge does), and past that estimated from
+    a sample of about ``sample_pages`` pages, to three significant figures."""
+    size = yield Step("operations_analyzed_rows", {})
+    if float(size[0]["analyzed_rows"]) < exact_below:
+        rows = yield Step("count_operations_by_tool_and_state", {})
+        estimated: frozenset[OperationState] = frozenset()
+    else:
+        rows = yield Step("estimate_operations_by_tool_and_state", {"sample_pages": sample_pages})
+        estimated = frozenset((OperationState.COMMITTED, OperationState.REJECTED))
     by_tool: dict[str, dict[str, int]] = {}
     for row in rows:
-        by_tool.setdefault(row["tool_name"], {})[row["state"]] = int(row["operations"])
+        count = int(row["operations"])
+        if row.get("estimated"):
+            count = _about(count)
+        by_tool.setdefault(row["tool_name"], {})[row["state"]] = count
     backlog = yield from outbox_backlog()
     pending = yield from pending_approvals()
-    return OperationStats(by_tool=by_tool, backlog=backlog, pending_approvals=len(pending))
+    return OperationStats(
+        by_tool=by_tool, backlog=backlog, pending_approvals=len(pending), estimated=estimated
+    )
 
 
 def resolve_operation(

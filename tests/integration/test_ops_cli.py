@@ -740,6 +740,7 @@ def test_stats_counts_states_tools_backlog_and_waiting_work(
     assert numbers["oldest_pending_age_seconds"] > 0
     assert numbers["escalations_waiting"] == 2
     assert numbers["approvals_waiting"] == 1
+    assert numbers["estimated"] == []  # a small table: every figure counted
 
     text = cli.ok("stats")
     assert "outbox backlog       8 unpublished row(s)" in text

@@ -163,7 +163,11 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "transition_operation",
         "list_approval_candidates",
         "insert_approval",
+        # `outbox stats` and the overview: counted while the table is small, the
+        # settled states estimated from a sample past EXACT_SETTLED_COUNT_BELOW.
+        "operations_analyzed_rows",
         "count_operations_by_tool_and_state",
+        "estimate_operations_by_tool_and_state",
         "outbox_backlog",
         "verify_event_chains",
         # Short fingerprints are the keyed ones, and who decided an approval is shown.
@@ -187,6 +191,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_checkpoint_day",
         "history_export_page",
         "history_days",
+        # `history status` of a day whose drop was recorded and which is still attached.
+        "history_day_rows",
         "history_recent_checkpoints",
         "history_operation",
         "history_day_digest",

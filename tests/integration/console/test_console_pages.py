@@ -134,6 +134,40 @@ def test_the_overview_counts_what_waits_for_a_person(browser: TestClient, ops: O
     assert escalated.display_id in html
 
 
+def test_the_overview_says_which_counts_are_estimates(
+    browser: TestClient, ops: Ops, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the threshold (forced to 0) committed and rejected are estimated from a
+    # sample and read "about N"; the open states stay counts. Below it, nothing does.
+    for state in (S.COMMITTED, S.COMMITTED, S.REJECTED, S.ESCALATED):
+        ops.at(state)
+    with psycopg.connect(database_url, autocommit=True) as connection:
+        connection.execute("ANALYZE operations")
+    logged_in(browser)
+
+    def cells() -> tuple[dict[str, str], str]:
+        html = browser.get("/").text
+        table = html.split('id="by-state"')[1].split("</section>")[0]
+        row = table.split("<tr><td>send_refund</td>")[1].split("</tr>")[0]
+        shown = re.findall(r'state=([a-z_]+)&amp;tool=send_refund">([^<]*)</a>', row)
+        return dict(shown), table
+
+    exact, exact_table = cells()
+    monkeypatch.setattr("outbox.console.pages.EXACT_SETTLED_COUNT_BELOW", 0)
+    estimated, estimated_table = cells()
+
+    assert exact == {
+        "prepared": "0", "in_flight": "0", "committed": "2",
+        "rejected": "1", "outcome_unknown": "0", "escalated": "1",
+    }  # fmt: skip
+    assert "about" not in exact_table
+    assert estimated == {
+        **exact, "committed": "about 2", "rejected": "about 1",
+    }  # fmt: skip
+    assert 'id="by-state-estimated"' in estimated_table
+    assert "committed and rejected are estimated" in estimated_table
+
+
 def test_the_operation_page_shows_timeline_card_and_approvals(
     browser: TestClient, ops: Ops
 ) -> None:

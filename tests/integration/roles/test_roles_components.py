@@ -520,6 +520,9 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
     assert run(operator, outbox_store.all_providers()) == []
     assert run(operator, outbox_store.provider_events("send_refund")) == []
     assert run(operator, outbox_store.waiting_operations_by_tool()) == {}
+    # `outbox stats` and the overview on a large table estimate the settled operations
+    # from a sample (here forced with a threshold of 0): a catalog read and a sample.
+    assert run(operator, outbox_store.operation_stats(exact_below=0)).estimated
     # `outbox dlq discard` records a dead letter before removing it; `dlq discarded`.
     discard = outbox_store.DeadLetterDiscard(
         message_id="outbox-1",
