@@ -35,7 +35,6 @@ from outbox.settings import ENV_PREFIX
 from outbox.sql import QUERIES
 from outbox.states import EventName, OperationState
 from outbox.store import Store
-from outbox.store.dispatch import EXACT_SETTLED_COUNT_BELOW
 from outbox.store.operator import SETTLED_SAMPLE_PAGES
 
 RUNS = 5
@@ -82,7 +81,8 @@ class LiveWorkload:
             "dispatcher: claim + mark published": [("claim_outbox_batch", {"batch_size": BATCH})],
             "dispatcher: gauges": [
                 ("outbox_backlog", {}),
-                ("operations_by_state", {"exact_below": EXACT_SETTLED_COUNT_BELOW}),
+                ("operations_analyzed_rows", {}),
+                ("operations_by_state", {}),
             ],
             "consumer: claim": [
                 ("get_operation", {"id": self.prepared[0]}),

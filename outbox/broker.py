@@ -407,13 +407,18 @@ async def delete_topology(amqp_url: str, topology: Topology) -> None:
 
 
 async def _exchange_exists(channel: AbstractChannel, name: str) -> bool:
-    """Whether the broker has exchange ``name``. A passive declare of one it lacks closes
-    the channel, which is opened again for the caller."""
+    """Whether the broker has exchange ``name``, asked on a channel of its own: a passive
+    declare of one the broker lacks closes the channel it was asked on, and the daemon's
+    own channel closing reads to it as a lost session."""
+    connection = (await channel.get_underlay_channel()).connection
+    side = await connection.channel()
     try:
-        await channel.get_exchange(name, ensure=True)
+        await side.exchange_declare(exchange=name, passive=True)
     except aiormq.exceptions.ChannelNotFoundEntity:
-        await channel.reopen()
         return False
+    finally:
+        if not side.is_closed:
+            await side.close()
     return True
 
 

@@ -108,7 +108,11 @@ def operations_by_state(
     set from it drops back to 0 instead of keeping its last non-zero value. Open states
     are exact; committed and rejected are estimated once the table holds
     ``exact_below`` rows or more."""
-    rows = yield Step("operations_by_state", {"exact_below": exact_below})
+    size = yield Step("operations_analyzed_rows", {})
+    if float(size[0]["analyzed_rows"]) < exact_below:
+        rows = yield Step("count_operations_by_state", {})
+    else:
+        rows = yield Step("operations_by_state", {})
     counts = dict.fromkeys(OperationState, 0)
     counts.update((OperationState(row["state"]), int(row["operations"])) for row in rows)
     return counts

@@ -288,7 +288,7 @@ def test_the_gauge_counts_what_is_open_exactly_and_settled_from_the_statistics(
         plan = "\n".join(
             row[0]
             for row in connection.execute(
-                "EXPLAIN " + QUERIES["operations_by_state"].sql, {"exact_below": 0}
+                "EXPLAIN " + QUERIES["operations_by_state"].sql
             ).fetchall()
         )
 

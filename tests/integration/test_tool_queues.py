@@ -204,11 +204,14 @@ async def test_a_daemon_without_groups_refuses_to_declare_on_a_broker_routing_by
     connection = await aio_pika.connect(grouped_settings.amqp_url.get_secret_value())
     async with connection:
         channel = await connection.channel()
+        closed: list[object] = []
+        channel.close_callbacks.add(lambda *_: closed.append(True))
         with pytest.raises(ConfigurationError, match=r"routes by tool .*OUTBOX_TOOL_QUEUES"):
             await declare_topology(channel, ungrouped)
         # The probe left the channel usable, and the routes as migrate made them: a
         # grouped tool's message reaches its group's queue and not the default one.
         assert (await require_topology(channel, ungrouped)).queue.name == grouped_settings.queue
+        assert closed == []
     await publish(grouped_settings, "send_refund.v1", "lookup.v1")
 
     async def both_counted() -> bool:

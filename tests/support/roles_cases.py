@@ -93,6 +93,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "mark_outbox_published",
         "mark_outbox_failed",
         "outbox_backlog",
+        "operations_analyzed_rows",
+        "count_operations_by_state",
         "operations_by_state",
         "delete_published_outbox_rows",
         # The liveness probe of a transaction past its soft deadline, and whom one that

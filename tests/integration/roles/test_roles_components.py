@@ -186,6 +186,8 @@ async def test_the_dispatcher_publishes_what_the_agent_recorded(
     failed = outbox_store.FailedPublish(first_row, "broker said no", timedelta(0))
     run(dispatcher_url, outbox_store.mark_outbox_failed([failed]))
     deleted = run(dispatcher_url, outbox_store.delete_published_outbox_rows(timedelta(0), 10))
+    # The gauge on a table past its exact-count threshold (here any table).
+    by_state = run(dispatcher_url, outbox_store.operations_by_state(exact_below=0))
     # A batch past its soft deadline: is the server working on it? Its own backends only.
     with psycopg.connect(dispatcher_url) as watched:
         pid = watched.info.backend_pid
@@ -198,6 +200,7 @@ async def test_the_dispatcher_publishes_what_the_agent_recorded(
     assert sorted(m.body.operation_id for m in messages) == sorted(o.id for o in recorded)
     assert backlog.pending == 0
     assert deleted == 3
+    assert by_state[OperationState.PREPARED] == 3
     assert execute_admin(roles_database, "SELECT count(*) FROM outbox") == [(0,)]
     assert queries_run_by(ran, dispatcher_url) == COMPONENT_QUERIES[DISPATCHER]
 
