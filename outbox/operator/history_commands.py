@@ -47,7 +47,9 @@ from outbox.urls import redact_url
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 DEFAULT_BATCH = 500
-MAX_BATCH = 10_000
+# The most outbox_history_archive moves in one transaction (schema.sql): each operation
+# holds two advisory locks to the commit, in the lock table every session shares.
+MAX_BATCH = 1_000
 RECENT_CHECKPOINTS = 10
 # An export records its checkpoint, then reads the day; this many times at most.
 EXPORT_TRIES = 3
@@ -425,7 +427,7 @@ def configure_history(commands: Commands) -> None:
         type=positive_int_up_to(MAX_BATCH),
         default=DEFAULT_BATCH,
         metavar="N",
-        help=f"operations per transaction (default {DEFAULT_BATCH})",
+        help=f"operations per transaction (default {DEFAULT_BATCH}, at most {MAX_BATCH})",
     )
     archive.add_argument("--json", action="store_true", help="one JSON document")
 
