@@ -196,10 +196,15 @@ def test_migrating_a_version_14_database_replaces_the_move_and_keeps_its_grants(
         "DELETE FROM outbox_schema_version WHERE version = 15",
     )
     before = one_batch(database_url, backlog, 100)
+    with psycopg.connect(database_url) as connection:
+        told_to_migrate = not outbox_schema.schema_is_current(connection)
 
     with psycopg.connect(database_url) as connection:
         assert outbox_schema.apply_schema(connection) == outbox_schema.SCHEMA_VERSION == 15
+        assert outbox_schema.schema_is_current(connection)
     after = one_batch(database_url, backlog, 100)
+
+    assert told_to_migrate
 
     assert before == (0, 0)
     assert after == (100, 200)
