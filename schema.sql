@@ -1663,6 +1663,48 @@ END;
 $$;
 REVOKE ALL ON FUNCTION outbox_history_archive(interval, integer) FROM PUBLIC;
 
+-- Version 16: a day's digest in blocks. One string of every line of a day cannot pass
+-- Postgres's 1 GB bound on a value: at about 105 bytes a line, a day of more than about
+-- ten million operations failed its export's and its drop's checkpoint ("Cannot enlarge
+-- string buffer"), so retention stopped at the rates capacity.md sizes for. The lines,
+-- in operation id order, are cut into blocks of outbox_history_digest_block() lines. A
+-- day of one block keeps the digest it always had (the SHA-256 of its lines, joined by
+-- newlines); a longer day's is the SHA-256 of its blocks' digests, hex, joined by
+-- newlines (such a line has no space, so it is never an operation's line). An archive
+-- batch moves at most 1,000 operations, one block: its checkpoint's digest above is
+-- this one's. Python's outbox/history_file.py computes the same from an export.
+CREATE OR REPLACE FUNCTION outbox_history_digest_block() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN 100000;
+
+-- What one whole day of history holds now, in blocks of p_block lines (a test's small
+-- blocks; outbox_history_day below uses the schema's).
+CREATE OR REPLACE FUNCTION outbox_history_day_blocks(p_day date, p_block integer)
+RETURNS TABLE (operations integer, events bigint, digest text)
+LANGUAGE sql STABLE
+BEGIN ATOMIC
+    WITH numbered AS (
+        SELECT h.operation_id, h.event_count, h.last_hash,
+               (row_number() OVER (ORDER BY h.operation_id) - 1) / p_block AS block
+        FROM history h
+        WHERE h.settled_on = p_day
+    ), blocks AS (
+        SELECT n.block, count(*) AS operations, sum(n.event_count) AS events,
+               encode(sha256(convert_to(string_agg(
+                   outbox_history_digest_line(n.operation_id, n.event_count, n.last_hash),
+                   E'\n' ORDER BY n.operation_id), 'UTF8')), 'hex') AS digest
+        FROM numbered n
+        GROUP BY n.block
+    )
+    SELECT coalesce(sum(b.operations), 0)::integer, coalesce(sum(b.events), 0)::bigint,
+           CASE WHEN count(*) > 1
+                THEN encode(sha256(convert_to(string_agg(b.digest, E'\n' ORDER BY b.block),
+                                              'UTF8')), 'hex')
+                ELSE coalesce(min(b.digest), encode(sha256(''::bytea), 'hex'))
+           END
+    FROM blocks b;
+END;
+
 -- What one whole day of history holds now, as a checkpoint states it: how many
 -- operations and events, and the digest of their heads. Read as the caller (an
 -- operator's export compares its snapshot with the checkpoint it recorded), and by the
@@ -1671,12 +1713,8 @@ CREATE OR REPLACE FUNCTION outbox_history_day(p_day date)
 RETURNS TABLE (operations integer, events bigint, digest text)
 LANGUAGE sql STABLE
 BEGIN ATOMIC
-    SELECT count(*)::integer, coalesce(sum(h.event_count), 0)::bigint,
-           encode(sha256(convert_to(coalesce(string_agg(
-               outbox_history_digest_line(h.operation_id, h.event_count, h.last_hash),
-               E'\n' ORDER BY h.operation_id), ''), 'UTF8')), 'hex')
-    FROM history h
-    WHERE h.settled_on = p_day;
+    SELECT d.operations, d.events, d.digest
+    FROM outbox_history_day_blocks(p_day, outbox_history_digest_block()) d;
 END;
 
 -- Version 14: the checkpoint function returns the whole row, its id and place in the
@@ -1913,3 +1951,4 @@ INSERT INTO outbox_schema_version (version) VALUES (12) ON CONFLICT (version) DO
 INSERT INTO outbox_schema_version (version) VALUES (13) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (14) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (15) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (16) ON CONFLICT (version) DO NOTHING;

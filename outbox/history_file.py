@@ -17,6 +17,7 @@ them, numbers as written. :func:`jsonb_text` rebuilds that form from the parsed 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
 from collections.abc import Iterable, Iterator
@@ -140,13 +141,30 @@ def broken_links(row: dict[str, Any]) -> list[ArchivedLink]:
     return broken
 
 
-def digest(heads: Iterable[tuple[UUID, int, str | None]]) -> str:
+# Lines of a day per block of its digest: outbox_history_digest_block() in schema.sql.
+DIGEST_BLOCK = 100_000
+
+
+def digest(heads: Iterable[tuple[UUID, int, str | None]], block: int = DIGEST_BLOCK) -> str:
     """The checkpoint digest of ``(operation id, events, last hash)`` heads, as
-    ``outbox_history_digest_line`` and ``history_checkpoints`` define it."""
-    lines = sorted(
-        f"{operation_id} {events} {last_hash or '-'}" for operation_id, events, last_hash in heads
-    )
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    ``outbox_history_day`` and ``history_checkpoints`` define it: the heads' lines in
+    operation id order, in blocks of ``block``; one block's digest is the SHA-256 of its
+    lines joined by newlines, and a longer day's the SHA-256 of its blocks' digests (hex,
+    joined by newlines). One string of a whole day's lines is what Postgres could not
+    build past 1 GB; a block's is about 10 MB."""
+    ordered = list(heads)
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(ordered)):
+        ordered.sort(key=lambda head: head[0])
+    blocks: list[str] = []
+    for start in range(0, len(ordered), block):
+        lines = (
+            f"{operation_id} {events} {last_hash or '-'}"
+            for operation_id, events, last_hash in ordered[start : start + block]
+        )
+        blocks.append(hashlib.sha256("\n".join(lines).encode()).hexdigest())
+    if len(blocks) == 1:
+        return blocks[0]
+    return hashlib.sha256("\n".join(blocks).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
