@@ -465,6 +465,15 @@ def configure_history(commands: Commands) -> None:
         "verify",
         cmd_history_verify,
         "walk the chain of history checkpoints and its head; report the first broken link "
-        "(exit 1), or that every link holds (exit 0)",
+        "(exit 1), or that every link holds (exit 0); with --days or --day, also each "
+        "day's rows against its checkpoints",
     )
     verify.add_argument("--json", action="store_true", help="one JSON document")
+    which = verify.add_mutually_exclusive_group()
+    which.add_argument(
+        "--days",
+        action="store_true",
+        help="count and hash every day history holds and compare it with its checkpoints "
+        "(reads all of history)",
+    )
+    which.add_argument("--day", type=_day, default=None, help="the same for one day (YYYY-MM-DD)")

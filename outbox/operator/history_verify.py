@@ -29,6 +29,7 @@ from outbox.history_file import (
     verify_archive,
 )
 from outbox.operator import render
+from outbox.operator.history_days import day_json, day_text, verify_days
 from outbox.settings import Settings
 from outbox.store import Store
 from outbox.text import printable
@@ -68,24 +69,39 @@ def chain_verdict(chain: store.CheckpointChainReport) -> str:
 
 
 def cmd_history_verify(args: argparse.Namespace, settings: Settings) -> int:
-    """Walk the checkpoint chain. Exit 0 intact, 1 a broken link."""
+    """Walk the checkpoint chain, and with ``--days`` or ``--day D`` compare each day's
+    rows with its checkpoints. Exit 0 intact, 1 a broken link or a day that disagrees."""
+    every_day = args.days or args.day is not None
     with command_transaction(settings) as connection:
-        chain = Store(connection).run(store.verify_checkpoints())
+        runner = Store(connection)
+        chain = runner.run(store.verify_checkpoints())
+        days = runner.run(verify_days(args.day)) if every_day else []
+    failed = [verdict for verdict in days if verdict.failed]
     if args.json:
         first = chain.first_broken
-        print_json(
-            {
-                "intact": chain.intact,
-                "checkpoints_checked": chain.checked,
-                "first_broken": _link_json(first) if first is not None else None,
-                "broken": [_link_json(link) for link in chain.broken],
-            }
-        )
+        report: dict[str, Any] = {
+            "intact": chain.intact and not failed,
+            "checkpoints_checked": chain.checked,
+            "first_broken": _link_json(first) if first is not None else None,
+            "broken": [_link_json(link) for link in chain.broken],
+        }
+        if every_day:
+            report["days_checked"] = len(days)
+            report["days_failed"] = len(failed)
+            report["days"] = [day_json(verdict) for verdict in days]
+        print_json(report)
     else:
         print(chain_verdict(chain))
         for link in chain.broken[1:]:
             print(f"  {_link_text(link)}")
-    return 0 if chain.intact else 1
+        for verdict in days:
+            print(day_text(verdict))
+        if every_day:
+            print(
+                f"{len(days)} day(s) compared with their checkpoints: "
+                + (f"{len(failed)} DISAGREE" if failed else "every one agrees")
+            )
+    return 0 if chain.intact and not failed else 1
 
 
 @dataclass(frozen=True)

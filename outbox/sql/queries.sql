@@ -1295,6 +1295,56 @@ CROSS JOIN LATERAL (
 WHERE i.inhparent = to_regclass('history') AND c.relname ~ '^history_p[0-9]{8}$'
 ORDER BY c.relname
 
+-- name: history_day_records
+-- What the checkpoints record of each day (one with %(day)s, every one without): days whose partition is attached, and days an archive recorded whose drop was not recorded. Per day: whether its partition is attached, the sums of its archived checkpoints, whether a drop was recorded, its newest checkpoint (an export states the whole day as it should be now), and the exports whose counts are not what had been archived before them. `outbox history verify --days` compares them with the day's rows (history_day_digest).
+WITH attached AS (
+    SELECT to_date(substr(c.relname, 10), 'YYYYMMDD') AS settled_on
+    FROM pg_inherits i
+    JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = to_regclass('history') AND c.relname ~ '^history_p[0-9]{8}$'
+), days AS (
+    SELECT a.settled_on FROM attached a
+    UNION
+    SELECT k.settled_on FROM history_checkpoints k WHERE k.kind = 'archived'
+)
+SELECT d.settled_on,
+       EXISTS (SELECT 1 FROM attached a WHERE a.settled_on = d.settled_on) AS attached,
+       r.archived_operations, r.archived_events, r.archived_checkpoints, r.drop_recorded,
+       n.id AS newest_id, n.kind AS newest_kind, n.digest AS newest_digest,
+       x.exports_disagreeing
+FROM days d
+CROSS JOIN LATERAL (
+    SELECT coalesce(sum(k.operations) FILTER (WHERE k.kind = 'archived'), 0) AS archived_operations,
+           coalesce(sum(k.events) FILTER (WHERE k.kind = 'archived'), 0) AS archived_events,
+           count(*) FILTER (WHERE k.kind = 'archived') AS archived_checkpoints,
+           coalesce(bool_or(k.kind = 'dropped'), false) AS drop_recorded
+    FROM history_checkpoints k
+    WHERE k.settled_on = d.settled_on
+) r
+LEFT JOIN LATERAL (
+    SELECT k.id, k.kind, k.digest
+    FROM history_checkpoints k
+    WHERE k.settled_on = d.settled_on
+    ORDER BY k.seq DESC
+    LIMIT 1
+) n ON true
+CROSS JOIN LATERAL (
+    SELECT coalesce(array_agg(e.id ORDER BY e.seq), '{}') AS exports_disagreeing
+    FROM history_checkpoints e
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(a.operations), 0) AS operations, coalesce(sum(a.events), 0) AS events
+        FROM history_checkpoints a
+        WHERE a.settled_on = e.settled_on AND a.kind = 'archived' AND a.seq < e.seq
+    ) before
+    WHERE e.settled_on = d.settled_on AND e.kind = 'exported'
+      AND (e.operations <> before.operations OR e.events <> before.events)
+) x
+WHERE (%(day)s::date IS NULL OR d.settled_on = %(day)s::date)
+  -- A day dropped as recorded holds nothing to compare.
+  AND NOT (r.drop_recorded
+           AND NOT EXISTS (SELECT 1 FROM attached a WHERE a.settled_on = d.settled_on))
+ORDER BY d.settled_on
+
 -- name: history_day_rows
 -- How many operations and events one day of history holds, counted from its partition alone: for `history status` of a day whose archived checkpoints cannot say (history_days: drop_recorded).
 SELECT count(*) AS operations, coalesce(sum(h.event_count), 0) AS events

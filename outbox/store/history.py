@@ -202,6 +202,59 @@ def history_days() -> Plan[list[HistoryDay]]:
     return days
 
 
+@dataclass(frozen=True)
+class DayRecord:
+    """What the checkpoints record of one day: for ``history verify --days``."""
+
+    settled_on: date
+    attached: bool
+    """Whether the day's partition is attached (a day with no drop recorded should be)."""
+    archived_operations: int
+    archived_events: int
+    archived_checkpoints: int
+    drop_recorded: bool
+    newest_id: int | None
+    newest_kind: str | None
+    newest_digest: str | None
+    exports_disagreeing: tuple[int, ...]
+    """Exports whose counts are not the sums archived before them."""
+
+    @property
+    def recorded_digest(self) -> tuple[int, str] | None:
+        """(checkpoint id, digest) of the whole day as it should be now: its newest
+        checkpoint when that is an export, or its only archived one; None when the day
+        was moved in several batches since its last export (their digests cover a batch
+        each, so only the counts can be compared)."""
+        if self.newest_id is None or self.newest_digest is None:
+            return None
+        if self.newest_kind == "exported" or (
+            self.newest_kind == "archived" and self.archived_checkpoints == 1
+        ):
+            return self.newest_id, self.newest_digest
+        return None
+
+
+def day_records(day: date | None = None) -> Plan[list[DayRecord]]:
+    """What the checkpoints record of ``day``, or of every day history holds or should
+    hold (a day dropped as recorded is left out), oldest first."""
+    rows = yield Step("history_day_records", {"day": day})
+    return [
+        DayRecord(
+            settled_on=row["settled_on"],
+            attached=bool(row["attached"]),
+            archived_operations=int(row["archived_operations"]),
+            archived_events=int(row["archived_events"]),
+            archived_checkpoints=int(row["archived_checkpoints"]),
+            drop_recorded=bool(row["drop_recorded"]),
+            newest_id=row["newest_id"],
+            newest_kind=row["newest_kind"],
+            newest_digest=row["newest_digest"],
+            exports_disagreeing=tuple(int(i) for i in row["exports_disagreeing"]),
+        )
+        for row in rows
+    ]
+
+
 def recent_checkpoints(limit: int) -> Plan[list[DayCheckpoint]]:
     """The newest checkpoints, newest first."""
     rows = yield Step("history_recent_checkpoints", {"limit": limit})

@@ -200,6 +200,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_day_digest",
         "history_checkpoint_of_export",
         "verify_checkpoint_chain",
+        # `history verify --days`: what the checkpoints record of each day.
+        "history_day_records",
         # `ops show` and the console's page of an archived operation, `ops list --archived`.
         "history_operation_facts",
         "history_events_page",

@@ -153,6 +153,7 @@ def test_the_operator_moves_exports_and_reads_history_and_the_owner_drops_it(
         run_command(["ops", "list", "--archived"]),
         run_command(["ops", "verify", operation.display_id]),
         run_command(["history", "verify"]),
+        run_command(["history", "verify", "--days"]),
         run_command(["ops", "verify", "--archive", str(tmp_path / f"history-{day}.jsonl")]),
     ]
     # What a dead letter's view reads of an operation that moved.
