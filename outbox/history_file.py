@@ -221,8 +221,9 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def verify_archive(path: Path) -> ArchiveReport:
-    """Recompute every chain in an export and the digest of its checkpoint line."""
+def verify_archive(path: Path, block: int = DIGEST_BLOCK) -> ArchiveReport:
+    """Recompute every chain in an export and the digest of its checkpoint line (in
+    blocks of ``block`` lines; a test's are small)."""
     lines = _lines(path)
     try:
         number, first = next(lines)
@@ -252,4 +253,10 @@ def verify_archive(path: Path) -> ArchiveReport:
             events += int(row["event_count"])
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ArchiveUnreadable(f"{path}: line {number} is not an archived operation") from None
-    return ArchiveReport(checkpoint, len(heads), events, tuple(broken), digest(heads))
+    computed = digest(heads, block)
+    if computed != checkpoint.digest and len(heads) > block:
+        # An export written before schema version 16 hashed its day in one block.
+        flat = digest(heads, len(heads))
+        if flat == checkpoint.digest:
+            computed = flat
+    return ArchiveReport(checkpoint, len(heads), events, tuple(broken), computed)

@@ -1295,6 +1295,10 @@ CROSS JOIN LATERAL (
 WHERE i.inhparent = to_regclass('history') AND c.relname ~ '^history_p[0-9]{8}$'
 ORDER BY c.relname
 
+-- name: history_day_flat_digest
+-- What one day of history holds, its digest as schema versions before 16 computed it (all its lines in one block): what an export of a day of more than 100,000 operations recorded then. `history verify --days` tries it when the day's digest disagrees with such a checkpoint.
+SELECT operations, events, digest FROM outbox_history_day_blocks(%(day)s, 2147483647)
+
 -- name: history_day_records
 -- What the checkpoints record of each day (one with %(day)s, every one without): days whose partition is attached, and days an archive recorded whose drop was not recorded. Per day: whether its partition is attached, the sums of its archived checkpoints, whether a drop was recorded, its newest checkpoint (an export states the whole day as it should be now), and the exports whose counts are not what had been archived before them. `outbox history verify --days` compares them with the day's rows (history_day_digest).
 WITH attached AS (

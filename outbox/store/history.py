@@ -138,10 +138,15 @@ def checkpoint_day(day: date, kind: str) -> Plan[DayCheckpoint]:
     return _checkpoint(rows[0], kind)
 
 
-def day_digest(day: date) -> Plan[DayDigest]:
+def day_digest(day: date, *, flat: bool = False) -> Plan[DayDigest]:
     """What ``day`` holds as the caller's transaction sees it: an export compares its
-    snapshot with the checkpoint it recorded just before."""
-    rows = yield Step("history_day_digest", {"day": day})
+    snapshot with the checkpoint it recorded just before. ``flat``: its digest as
+    schema versions before 16 computed it, every line in one block (a day of more than
+    ten million operations exceeds what Postgres can hold in one value, and fails)."""
+    if flat:
+        rows = yield Step("history_day_flat_digest", {"day": day})
+    else:
+        rows = yield Step("history_day_digest", {"day": day})
     row = rows[0]
     return DayDigest(int(row["operations"]), int(row["events"]), str(row["digest"]))
 

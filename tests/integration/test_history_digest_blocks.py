@@ -7,9 +7,11 @@ of one block keeps the digest it always had."""
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Iterable
 from datetime import date
+from pathlib import Path
 from uuid import UUID, uuid4
 
 import psycopg
@@ -17,7 +19,9 @@ import pytest
 
 from outbox import OperationState, Registry
 from outbox import schema as outbox_schema
-from outbox.history_file import DIGEST_BLOCK, digest
+from outbox.cli import run_command
+from outbox.history_file import DIGEST_BLOCK, digest, verify_archive
+from outbox.operator import history_days
 
 from support.db_helpers import execute_admin
 from support.history_helpers import archive_all, settled_days_ago
@@ -141,3 +145,68 @@ def test_a_version_15_database_is_told_to_migrate(database_url: str) -> None:
 
     assert told_to_migrate
     assert (migrated, current) == (outbox_schema.SCHEMA_VERSION, True)
+
+
+def exported_day(ops: Ops, database_url: str, out: Path, count: int) -> tuple[str, Path]:
+    """``count`` operations settled 40 days ago, moved, and their day exported."""
+    for _ in range(count):
+        settled_days_ago(database_url, ops.at(S.COMMITTED).id, 40)
+    archive_all(ops)
+    [(day,)] = execute_admin(database_url, "SELECT DISTINCT settled_on::text FROM history")
+    env = {"OUTBOX_DATABASE_URL": database_url}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        assert run_command(["history", "export", "--day", day, "--out", str(out)]) == 0
+    return day, out / f"history-{day}.jsonl"
+
+
+def test_an_export_from_before_blocks_still_verifies_and_a_changed_one_does_not(
+    ops: Ops, database_url: str, tmp_path: Path
+) -> None:
+    # Three operations hashed in one block, as every day was before version 16; read
+    # back with blocks of two, as a day past 100,000 operations is now.
+    _, path = exported_day(ops, database_url, tmp_path, 3)
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["last_hash"] = "a" * 64
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+
+    old_style = verify_archive(path, block=2)
+    tampered = verify_archive(changed, block=2)
+
+    assert old_style.digest_matches
+    assert old_style.computed_digest == old_style.checkpoint.digest
+    assert not tampered.digest_matches
+
+
+def test_a_day_exported_before_blocks_agrees_with_verify_days(
+    ops: Ops,
+    database_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    day, _ = exported_day(ops, database_url, tmp_path, 3)
+    # The day now hashed in blocks of two, as one past 100,000 operations is: its digest
+    # is no longer the one-block digest its export recorded.
+    execute_admin(
+        database_url,
+        "CREATE OR REPLACE FUNCTION outbox_history_digest_block() RETURNS integer "
+        "LANGUAGE sql IMMUTABLE PARALLEL SAFE RETURN 2",
+    )
+    monkeypatch.setattr(history_days, "DIGEST_BLOCK", 2)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", database_url)
+    [(now,)] = execute_admin(database_url, "SELECT digest FROM outbox_history_day(%s)", (day,))
+    [(recorded,)] = execute_admin(
+        database_url, "SELECT digest FROM history_checkpoints WHERE kind = 'exported'"
+    )
+
+    capsys.readouterr()
+    code = run_command(["history", "verify", "--days", "--json"])
+    report = json.loads(capsys.readouterr().out)
+
+    assert now != recorded
+    assert code == 0
+    assert [(d["settled_on"], d["verdict"]) for d in report["days"]] == [(day, "matches")]
