@@ -858,13 +858,16 @@ BEGIN
     -- probes; a key with no decision key is never looked up.
     IF p_decision_key IS NOT NULL THEN
         RETURN QUERY
-        SELECT (jsonb_populate_record(NULL::@schema@.operations, k.operation)).*
-        FROM (SELECT g.operation FROM @schema@.history_keys_0 g
+        SELECT r.*
+        FROM (SELECT @schema@.outbox_history_key_operation(g) AS operation
+              FROM @schema@.history_keys_0 g
               WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key
               UNION ALL
-              SELECT g.operation FROM @schema@.history_keys_1 g
+              SELECT @schema@.outbox_history_key_operation(g) AS operation
+              FROM @schema@.history_keys_1 g
               WHERE g.run_id = p_run_id AND g.decision_key = p_decision_key
-              LIMIT 1) AS k;
+              LIMIT 1) AS k
+        CROSS JOIN LATERAL jsonb_populate_record(NULL::@schema@.operations, k.operation) AS r;
         IF FOUND THEN
             RETURN;
         END IF;
@@ -1402,8 +1405,9 @@ ALTER TABLE history_checkpoints ALTER COLUMN hash SET NOT NULL;
 -- The decision keys of archived operations, in two plain generations (not a partitioned
 -- table: a look-up by key cannot be pruned to a day, design section 15), so that
 -- outbox_record_decision, with two index probes, returns the archived operation for a
--- retried decision instead of creating a second one. Each key row holds the operation
--- row without its input: the answer outlives the day's partition. The current
+-- retried decision instead of creating a second one. Each key row holds what that
+-- answer and the agent's await_outcome read of the operation, never its input (version
+-- 16, below): the answer outlives the day's partition. The current
 -- generation takes new keys; the other one is truncated, and becomes the current one,
 -- once every key in it is older than the retention (outbox_history_rotate_keys): keys
 -- are remembered at least as long as the retention, at most twice as long.
@@ -1430,6 +1434,76 @@ CREATE TABLE IF NOT EXISTS history_key_generations (
 );
 INSERT INTO history_key_generations (generation, current) VALUES (0, true), (1, false)
 ON CONFLICT (generation) DO NOTHING;
+
+-- Version 17: a key row holds the operation's columns, typed, instead of the whole row as
+-- jsonb (1,100.1 bytes a key row measured with it, docs/capacity.md): every column of
+-- the operation that the agent reads back (a retried decision's Operation, an archived
+-- outcome) and that a settled operation can hold a value of its own in, named as in
+-- operations, the fingerprint as its 32 bytes. Not kept: the input (never the agent's to
+-- read back), lease_owner and lease_expires_at (NULL on every settled operation,
+-- operations_lease_consistent), waiting_since (a commit clears it, and a retry answered
+-- from the hot tables does not return it either) and recorded_by (read only of hot
+-- operations). Rows written before version 17 keep their jsonb, stay readable
+-- (outbox_history_key_operation, below) and leave with their generation: nothing is
+-- rewritten, since a rewrite would hold the table, and every decision's probe of it,
+-- for as long as it takes to copy up to twice the retention's keys. The columns are
+-- added NULL without a default (no rewrite, no scan), so the constraint below says what
+-- a version 17 row holds; NOT VALID, as every older row holds its jsonb and satisfies it
+-- already, and a validation would read the whole table under its lock.
+DO $$
+DECLARE
+    generation text;
+BEGIN
+    FOREACH generation IN ARRAY ARRAY['history_keys_0', 'history_keys_1'] LOOP
+        EXECUTE format(
+            'ALTER TABLE %1$I ALTER COLUMN operation DROP NOT NULL, '
+            'ADD COLUMN IF NOT EXISTS created_at timestamptz, '
+            'ADD COLUMN IF NOT EXISTS updated_at timestamptz, '
+            'ADD COLUMN IF NOT EXISTS next_attempt_at timestamptz, '
+            'ADD COLUMN IF NOT EXISTS first_attempt_at timestamptz, '
+            'ADD COLUMN IF NOT EXISTS lease_token bigint, '
+            'ADD COLUMN IF NOT EXISTS tool_version integer, '
+            'ADD COLUMN IF NOT EXISTS attempts integer, '
+            'ADD COLUMN IF NOT EXISTS reconcile_attempts integer, '
+            'ADD COLUMN IF NOT EXISTS requires_approval boolean, '
+            'ADD COLUMN IF NOT EXISTS effect_possible boolean, '
+            'ADD COLUMN IF NOT EXISTS state text, '
+            'ADD COLUMN IF NOT EXISTS tool_name text, '
+            'ADD COLUMN IF NOT EXISTS side_effect text, '
+            'ADD COLUMN IF NOT EXISTS fingerprint bytea, '
+            'ADD COLUMN IF NOT EXISTS provider_reference text, '
+            'ADD COLUMN IF NOT EXISTS last_error_class text, '
+            'ADD COLUMN IF NOT EXISTS result jsonb', generation);
+        IF NOT EXISTS (SELECT 1 FROM pg_constraint c
+                       WHERE c.conrelid = to_regclass(generation)
+                         AND c.conname = generation || '_row') THEN
+            EXECUTE format(
+                'ALTER TABLE %1$I ADD CONSTRAINT %2$I CHECK (operation IS NOT NULL OR ('
+                'state IN (''committed'', ''rejected'') AND octet_length(fingerprint) = 32 '
+                'AND tool_name IS NOT NULL AND tool_version IS NOT NULL '
+                'AND side_effect IS NOT NULL AND requires_approval IS NOT NULL '
+                'AND attempts IS NOT NULL AND reconcile_attempts IS NOT NULL '
+                'AND lease_token IS NOT NULL AND next_attempt_at IS NOT NULL '
+                'AND effect_possible IS NOT NULL AND created_at IS NOT NULL '
+                'AND updated_at IS NOT NULL)) NOT VALID', generation, generation || '_row');
+        END IF;
+    END LOOP;
+END;
+$$;
+
+-- A key row as the operation it names, without the input, as jsonb (what
+-- jsonb_populate_record(NULL::operations, ...) reads, as outbox_record_decision and the
+-- agent's archived_outcomes do): a version 17 row from its columns, an older one as it
+-- was written. One per generation, whose row types differ. SQL-standard bodies: bound
+-- here; executable by anyone, as they read nothing but the row they are given.
+CREATE OR REPLACE FUNCTION outbox_history_key_operation(k history_keys_0) RETURNS jsonb
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN coalesce(k.operation, to_jsonb(k) || jsonb_build_object(
+    'id', k.operation_id, 'input_fingerprint', encode(k.fingerprint, 'hex')));
+CREATE OR REPLACE FUNCTION outbox_history_key_operation(k history_keys_1) RETURNS jsonb
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN coalesce(k.operation, to_jsonb(k) || jsonb_build_object(
+    'id', k.operation_id, 'input_fingerprint', encode(k.fingerprint, 'hex')));
 
 -- The checkpoint digest of a set of chain heads (see history_checkpoints). Python's
 -- outbox/history_file.py computes the same from an export.
@@ -1632,16 +1706,32 @@ BEGIN
     SELECT c.settled_on, c.operations, c.events, c.digest FROM checkpoint c;
 
     IF key_generation = 0 THEN
-        INSERT INTO @schema@.history_keys_0 (run_id, decision_key, operation_id, settled_on, operation)
+        INSERT INTO @schema@.history_keys_0
+            (run_id, decision_key, operation_id, settled_on, created_at, updated_at,
+             next_attempt_at, first_attempt_at, lease_token, tool_version, attempts,
+             reconcile_attempts, requires_approval, effect_possible, state, tool_name,
+             side_effect, fingerprint, provider_reference, last_error_class, result)
         SELECT o.run_id, o.decision_key, o.id, (o.updated_at AT TIME ZONE 'UTC')::date,
-               to_jsonb(o) - 'input'
+               o.created_at, o.updated_at, o.next_attempt_at, o.first_attempt_at,
+               o.lease_token, o.tool_version, o.attempts, o.reconcile_attempts,
+               o.requires_approval, o.effect_possible, o.state, o.tool_name, o.side_effect,
+               decode(o.input_fingerprint, 'hex'), o.provider_reference, o.last_error_class,
+               o.result
         FROM @schema@.operations o
         WHERE o.id = ANY (moving) AND o.decision_key IS NOT NULL
         ON CONFLICT DO NOTHING;
     ELSE
-        INSERT INTO @schema@.history_keys_1 (run_id, decision_key, operation_id, settled_on, operation)
+        INSERT INTO @schema@.history_keys_1
+            (run_id, decision_key, operation_id, settled_on, created_at, updated_at,
+             next_attempt_at, first_attempt_at, lease_token, tool_version, attempts,
+             reconcile_attempts, requires_approval, effect_possible, state, tool_name,
+             side_effect, fingerprint, provider_reference, last_error_class, result)
         SELECT o.run_id, o.decision_key, o.id, (o.updated_at AT TIME ZONE 'UTC')::date,
-               to_jsonb(o) - 'input'
+               o.created_at, o.updated_at, o.next_attempt_at, o.first_attempt_at,
+               o.lease_token, o.tool_version, o.attempts, o.reconcile_attempts,
+               o.requires_approval, o.effect_possible, o.state, o.tool_name, o.side_effect,
+               decode(o.input_fingerprint, 'hex'), o.provider_reference, o.last_error_class,
+               o.result
         FROM @schema@.operations o
         WHERE o.id = ANY (moving) AND o.decision_key IS NOT NULL
         ON CONFLICT DO NOTHING;
@@ -1952,3 +2042,4 @@ INSERT INTO outbox_schema_version (version) VALUES (13) ON CONFLICT (version) DO
 INSERT INTO outbox_schema_version (version) VALUES (14) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (15) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (16) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (17) ON CONFLICT (version) DO NOTHING;

@@ -311,7 +311,7 @@ WHERE known.row_version IS NULL
    OR (o.requires_approval AND o.state = 'prepared')
 
 -- name: archived_outcomes
--- operation_outcomes of operations the hot tables no longer hold (asked only for those): each one's row as the archive kept it with its decision key, without the input (history_keys_0 and _1, one primary-key probe each). The key is the caller's when it holds one; otherwise history gives it, by id (a primary-key probe per day). An archived operation whose key is not kept (recorded without one) comes back with no state; an id found nowhere is absent.
+-- operation_outcomes of operations the hot tables no longer hold (asked only for those): each one's row as the archive kept it with its decision key, without the input (history_keys_0 and _1, one primary-key probe each; outbox_history_key_operation reads a row of either version 17's columns or an older row's jsonb). The key is the caller's when it holds one; otherwise history gives it, by id (a primary-key probe per day). An archived operation whose key is not kept (recorded without one) comes back with no state; an id found nowhere is absent.
 SELECT w.id, o.run_id, o.decision_key, o.tool_name, o.tool_version, o.state,
        o.requires_approval, o.input_fingerprint, o.attempts, o.provider_reference, o.result,
        o.last_error_class, o.updated_at, now() AS checked_at,
@@ -325,11 +325,11 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) h ON true
 LEFT JOIN LATERAL (
-    SELECT g.operation FROM history_keys_0 g
+    SELECT outbox_history_key_operation(g) AS operation FROM history_keys_0 g
     WHERE g.run_id = coalesce(w.run_id, h.run_id)
       AND g.decision_key = coalesce(w.decision_key, h.decision_key) AND g.operation_id = w.id
     UNION ALL
-    SELECT g.operation FROM history_keys_1 g
+    SELECT outbox_history_key_operation(g) AS operation FROM history_keys_1 g
     WHERE g.run_id = coalesce(w.run_id, h.run_id)
       AND g.decision_key = coalesce(w.decision_key, h.decision_key) AND g.operation_id = w.id
     LIMIT 1
@@ -1578,7 +1578,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history, version 14's chained checkpoints, version 15's archive batch bounded by its locks, version 16's day digest in blocks) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history, version 14's chained checkpoints, version 15's archive batch bounded by its locks, version 16's day digest in blocks, version 17's key rows of typed columns) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1594,11 +1594,17 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_checkpoint') IS NOT NULL
        AND to_regproc('outbox_history_quiet') IS NOT NULL
        AND to_regproc('outbox_history_day_blocks') IS NOT NULL
+       -- Two of this name (one per key generation): to_regproc answers NULL for either.
+       AND EXISTS (SELECT 1 FROM pg_proc p
+                   WHERE p.proname = 'outbox_history_key_operation'
+                     AND p.pronamespace = current_schema()::regnamespace)
        AND (SELECT 'search_path=pg_catalog, pg_temp' = ANY(p.proconfig)
             FROM pg_proc p WHERE p.oid = to_regproc('outbox_record_decision'))
        AND (SELECT count(DISTINCT a.attname) = 2
             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
             WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r'
+              -- Version 17's key rows keep an operation's effect_possible of their own.
+              AND c.relname NOT IN ('history_keys_0', 'history_keys_1')
               AND a.attname IN ('effect_possible', 'waiting_since')
               AND NOT a.attisdropped) AS is_current
 

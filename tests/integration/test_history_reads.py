@@ -6,6 +6,7 @@ operator action on an archived operation refused, saying why, with nothing chang
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 from uuid import UUID
@@ -21,7 +22,6 @@ from outbox import (
     await_outcome,
     await_outcome_sync,
     get_outcome,
-    record_decision,
 )
 from outbox import store as outbox_store
 from outbox.broker import OperationMessage
@@ -33,6 +33,7 @@ from outbox.operator.dlq import DeadLetter
 from outbox.operator.dlq_discard import discard_fate
 from outbox.store import Store
 
+from support import history_helpers
 from support.db_helpers import execute_admin
 from support.history_helpers import approved, archive_all, settled_days_ago
 from support.ops_helpers import LEASE, Ops
@@ -47,16 +48,7 @@ def ops(database_url: str, registry: Registry, monkeypatch: pytest.MonkeyPatch) 
     return Ops(database_url, registry)
 
 
-def decided(database_url: str, registry: Registry, key: str | None, amount: int = 100) -> Any:
-    with psycopg.connect(database_url) as connection:
-        return record_decision(
-            connection,
-            registry,
-            "send_refund",
-            {"payment_id": f"pay_{key}", "amount_cents": amount, "reason": ""},
-            run_id=RUN,
-            decision_key=key,
-        )
+decided = functools.partial(history_helpers.decided, run_id=RUN)
 
 
 def settle(ops: Ops, operation: Operation, target: OperationState) -> Operation:

@@ -11,7 +11,7 @@ from uuid import UUID
 
 import psycopg
 
-from outbox import Operation
+from outbox import Operation, RecordedDecision, Registry, record_decision
 from outbox import store as outbox_store
 from outbox.models import ApprovalDecision
 
@@ -85,3 +85,24 @@ def approved(ops: Ops, approver: str = "lead@example.com") -> Operation:
         )
     )
     return operation
+
+
+def decided(
+    database_url: str,
+    registry: Registry,
+    key: str | None,
+    amount: int = 100,
+    *,
+    run_id: str,
+    reason: str = "",
+) -> RecordedDecision:
+    """A refund decided under ``key`` in ``run_id`` (its payment named after the key)."""
+    with psycopg.connect(database_url) as connection:
+        return record_decision(
+            connection,
+            registry,
+            "send_refund",
+            {"payment_id": f"pay_{key}", "amount_cents": amount, "reason": reason},
+            run_id=run_id,
+            decision_key=key,
+        )

@@ -20,6 +20,7 @@ from outbox.mcp.tools import (
 )
 
 from support.db_helpers import committed_counts
+from support.history_helpers import archive_all, settled_days_ago
 from support.mcp_cases import (
     PAYMENT,
     S,
@@ -31,6 +32,7 @@ from support.mcp_cases import (
     outcome_of,
     text_of,
 )
+from support.ops_helpers import Ops
 
 # --- recording -----------------------------------------------------------------------
 
@@ -90,6 +92,27 @@ async def test_the_same_key_twice_is_one_operation_and_a_status_check(
     assert again.meta[RECORDED_META] == "existing"
     counts = committed_counts(database_url)
     assert (counts.operations, counts.outbox) == (1, 1)
+
+
+async def test_the_same_key_after_its_operation_moved_to_history_answers_as_before(
+    registry: Registry, settings: Settings, database_url: str, ops: Ops
+) -> None:
+    async with connected(registry, settings) as client:
+        await client.call_tool("pay", PAYMENT, meta=key("call_1"))
+        operation = only_operation(database_url)
+        ops.move(ops.move(operation, S.IN_FLIGHT), S.COMMITTED)
+        settled_days_ago(database_url, operation.id, 3)
+        hot = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
+        archive_all(ops)
+        archived = await client.call_tool("pay", PAYMENT, meta=key("call_1"))
+
+    assert operation_count(database_url) == 0  # answered from its key row in history
+    assert outcome_of(hot).status == "committed"
+    assert outcome_of(archived) == outcome_of(hot)
+    assert text_of(archived) == text_of(hot)
+    assert archived.is_error is False
+    assert archived.meta is not None
+    assert archived.meta[RECORDED_META] == "existing"
 
 
 async def test_keys_are_per_run(registry: Registry, settings: Settings, database_url: str) -> None:

@@ -203,6 +203,13 @@ def test_the_agent_awaits_an_archived_outcome_and_reads_nothing_else_of_history(
     by_key = asyncio.run(await_outcome(agent, keyed, timeout=0))
     with pytest.raises(OperationNotFound, match="recorded without a decision key"):
         await_outcome_sync(agent, keyless.operation.id, timeout=0)
+    # The key rows it reads (version 17: the operation's columns, typed) hold its id and
+    # outcome, and nothing of the input.
+    with psycopg.connect(agent) as connection:
+        keys = connection.execute(
+            "SELECT to_jsonb(g)::text FROM history_keys_0 g UNION ALL "
+            "SELECT to_jsonb(g)::text FROM history_keys_1 g"
+        ).fetchall()
     refused = {}
     for column in ("operation", "events", "callbacks", "approvals", "state", "settled_at"):
         with psycopg.connect(agent, autocommit=True) as connection:
@@ -214,6 +221,10 @@ def test_the_agent_awaits_an_archived_outcome_and_reads_nothing_else_of_history(
     assert (by_id.status, by_key.status) == (OutcomeStatus.COMMITTED, OutcomeStatus.COMMITTED)
     assert by_id.provider_reference == by_key.provider_reference
     assert by_id.operation_id == keyed.operation.id
+    assert len(keys) == 1
+    assert str(keyed.operation.id) in keys[0][0]
+    assert "pay_1" not in keys[0][0]
+    assert '"input"' not in keys[0][0]
     assert refused == dict.fromkeys(refused, True)
     assert len(refused) == 6
     assert ran.by(urlsplit(agent).username) == {
