@@ -200,8 +200,10 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "history_day_digest",
         "history_checkpoint_of_export",
         "verify_checkpoint_chain",
-        # `history verify --days`: what the checkpoints record of each day.
+        # `history verify --days`: what the checkpoints record of each day, and a day's
+        # digest as versions before 16 computed it (an export of a day past 100,000).
         "history_day_records",
+        "history_day_flat_digest",
         # `ops show` and the console's page of an archived operation, `ops list --archived`.
         "history_operation_facts",
         "history_events_page",

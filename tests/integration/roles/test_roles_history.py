@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import date, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -158,6 +158,8 @@ def test_the_operator_moves_exports_and_reads_history_and_the_owner_drops_it(
     ]
     # What a dead letter's view reads of an operation that moved.
     archived_states = run(operator, outbox_store.archived_states([operation.id]))
+    # What `history verify --days` reads of a day exported before version 16.
+    flat = run(operator, outbox_store.day_digest(date.fromisoformat(day), flat=True))
     # An archived operation is the operator's to read, not to change: refused by name.
     refused = run_command(
         ["ops", "resolve", operation.display_id, "--rejected", "--evidence", "e", "--by", "a"]
@@ -173,6 +175,7 @@ def test_the_operator_moves_exports_and_reads_history_and_the_owner_drops_it(
     assert codes == [0] * len(codes), output.err
     assert refused == 1
     assert archived_states == {operation.id: S.COMMITTED}
+    assert flat.operations == 1
     assert f"{operation.display_id} is archived" in refusal
     assert operator_drop == 2
     assert "history drop runs as the owner of the outbox tables" in output.err
