@@ -17,7 +17,7 @@ from uuid import UUID
 
 from outbox.models import Approval, OperationEvent
 from outbox.states import OperationState
-from outbox.store.operator import OperationSummary
+from outbox.store.operator import OperationSummary, listing_limits
 from outbox.store.runner import Plan, Row, Step
 
 
@@ -63,6 +63,7 @@ def operations_page(
             "after_id": after.id if after else None,
             # One row more than shown says whether a next page exists, without a count.
             "limit": limit + 1,
+            **listing_limits(where.tool, where.states, limit + 1),
         },
     )
     summaries = [OperationSummary.from_row(row) for row in rows[:limit]]

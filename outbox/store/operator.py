@@ -4,6 +4,7 @@ resolve one with evidence."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import astuple, dataclass, fields
 from datetime import datetime, timedelta
 from uuid import UUID
@@ -15,6 +16,7 @@ from outbox.errors import IllegalTransition
 from outbox.models import Approval, ApprovalCheck, Operation
 from outbox.states import (
     FENCED_SOURCES,
+    TERMINAL_STATES,
     EventName,
     OperationState,
     Waiting,
@@ -105,9 +107,30 @@ def list_operation_summaries(
             "since": since,
             "ago": within,
             "limit": limit,
+            **listing_limits(tool, states, limit),
         },
     )
     return [OperationSummary.from_row(row) for row in rows]
+
+
+def listing_limits(
+    tool: str | None, states: Iterable[OperationState] | None, limit: int
+) -> dict[str, int]:
+    """The limit of each branch of a listing of operations (``list_operation_summaries``,
+    ``console_operations_page``): without a tool, the one over every state; with one,
+    one a state group the filter asks for (committed, rejected, the open states), each
+    read from an index that starts with the tool. A branch left out gets 0, and a LIMIT
+    0 never starts its plan, where a WHERE false would still start a parallel plan's
+    workers."""
+    if tool is None:
+        return {"any_limit": limit, "committed_limit": 0, "rejected_limit": 0, "open_limit": 0}
+    asked = set(states or OperationState)
+    return {
+        "any_limit": 0,
+        "committed_limit": limit if OperationState.COMMITTED in asked else 0,
+        "rejected_limit": limit if OperationState.REJECTED in asked else 0,
+        "open_limit": limit if asked - TERMINAL_STATES else 0,
+    }
 
 
 def last_escalations(
