@@ -6,13 +6,16 @@ recorded by ``record_decision`` (so 40 outbox rows wait for the dispatcher); of 
 claimed under a long lease (in flight, for the consumer's outcome), five claimed under
 a lease that has already run out and three moved to an unknown outcome, due (for the
 reconciler), two of which escalated (for the escalations page); the rest prepared (for
-the consumer's claim).
+the consumer's claim). Before them, three decisions of a rare tool (``RARE_TOOL``, which
+the fill never writes: in the full database three operations among millions), published
+and committed, for the lists filtered by a tool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import itertools
 import os
@@ -27,7 +30,14 @@ from pydantic import SecretStr
 from starlette.testclient import TestClient
 
 from bench.e2e_tools import REFUND_TOOL, refund_registry
-from outbox import OutcomeWatcher, Settings, await_outcome, record_decision, store
+from outbox import (
+    OutcomeWatcher,
+    Registry,
+    Settings,
+    await_outcome,
+    record_decision,
+    store,
+)
 from outbox.cli import run_command
 from outbox.console.app import Console, create_app
 from outbox.console.config import AuthConfig, ProxyIdentity, parse_proxies
@@ -35,7 +45,7 @@ from outbox.settings import ENV_PREFIX
 from outbox.sql import QUERIES
 from outbox.states import EventName, OperationState
 from outbox.store import Store
-from outbox.store.operator import SETTLED_SAMPLE_PAGES
+from outbox.store.operator import SETTLED_SAMPLE_PAGES, listing_limits
 
 RUNS = 5
 RUN_SIZE = 8
@@ -47,6 +57,17 @@ OPERATOR = "ada@example.com"
 STALE_AFTER = timedelta(minutes=5)
 BATCH = 100
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+# Not one of bench.history_fill.TOOLS: as rare in the full database as in the empty one.
+RARE_TOOL = "issue_voucher"
+RARE = 3
+
+
+def live_registry() -> Registry:
+    """``send_refund`` as the decision benchmarks record it, and the rare tool: the same
+    contract under another name."""
+    registry = refund_registry()
+    registry.register(dataclasses.replace(registry.get(REFUND_TOOL), name=RARE_TOOL))
+    return registry
 
 
 @dataclass
@@ -77,6 +98,12 @@ class LiveWorkload:
             "states": None, "tool": None, "run_id": None, "since": None, "until": None,
             "after_updated_at": None, "after_id": None, "limit": 51,
         }  # fmt: skip
+        listing = {"states": None, "tool": None, "since": None, "ago": None, "limit": 50}
+
+        def limited(params: dict[str, Any]) -> dict[str, Any]:
+            states = [OperationState(s) for s in params["states"] or ()]
+            return {**params, **listing_limits(params["tool"], states, params["limit"])}
+
         known: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "dispatcher: claim + mark published": [("claim_outbox_batch", {"batch_size": BATCH})],
             "dispatcher: gauges": [
@@ -112,16 +139,26 @@ class LiveWorkload:
                 ("operations_analyzed_rows", {}),
                 ("estimate_operations_by_tool_and_state", {"sample_pages": SETTLED_SAMPLE_PAGES}),
                 ("list_approval_candidates", {}),
-                ("console_operations_page", {**page, "states": ["escalated"], "limit": 11}),
+                (
+                    "console_operations_page",
+                    limited({**page, "states": ["escalated"], "limit": 11}),
+                ),
             ],
             "console: escalations": [
-                ("console_operations_page", {**page, "states": ["escalated"]})
+                ("console_operations_page", limited({**page, "states": ["escalated"]}))
             ],
-            "ops list": [
+            "console: a rare tool's operations": [
+                ("console_operations_page", limited({**page, "tool": RARE_TOOL}))
+            ],
+            "console: a rare tool's committed": [
                 (
-                    "list_operation_summaries",
-                    {"states": None, "tool": None, "since": None, "ago": None, "limit": 50},
+                    "console_operations_page",
+                    limited({**page, "tool": RARE_TOOL, "states": ["committed"]}),
                 )
+            ],
+            "ops list": [("list_operation_summaries", limited(listing))],
+            "ops list --tool (a rare tool)": [
+                ("list_operation_summaries", limited({**listing, "tool": RARE_TOOL}))
             ],
             "await_outcome": [("operation_outcomes", {"ids": [self.escalated[0]]})],
             "ops verify OP": [
@@ -140,10 +177,42 @@ class LiveWorkload:
         return known.get(name, [])
 
 
+def _rare_operations(connection: psycopg.Connection[Any]) -> None:
+    """The rare tool's few operations, committed, their outbox rows published (before the
+    refunds are recorded, so the dispatcher's claim still finds 40 rows)."""
+    registry = live_registry()
+    ids = [
+        record_decision(
+            connection,
+            registry,
+            RARE_TOOL,
+            {"payment_id": f"pay_rare_{n}", "amount_cents": 500},
+            run_id="live_rare",
+            decision_key=f"call_{n}",
+        ).operation.id
+        for n in range(RARE)
+    ]
+    connection.commit()
+    runner = Store(connection)
+    published = runner.run(store.claim_outbox_batch(BATCH))
+    runner.run(store.mark_outbox_published([row.id for row in published]))
+    claimed = runner.run(store.claim_many([(i, LONG) for i in ids], owner="bench"))
+    connection.commit()
+    effects = [
+        store.ConfirmedEffect(
+            operation=operation, provider_reference="re_rare", result={}, attributes={}
+        )
+        for operation in claimed.values()
+    ]
+    runner.run(store.commit_many(effects))
+    connection.commit()
+
+
 def start_live_workload(url: str) -> LiveWorkload:
-    registry = refund_registry()
+    registry = live_registry()
     ids: list[UUID] = []
     with psycopg.connect(url) as connection:
+        _rare_operations(connection)
         for run, call in itertools.product(range(RUNS), range(RUN_SIZE)):
             recorded = record_decision(
                 connection,
@@ -211,7 +280,7 @@ def measurements(
 ) -> Iterator[dict[str, Callable[[], object]]]:
     """Each named operation as a callable; whatever it writes is rolled back. The
     console's overview asks the broker at ``amqp_url`` for its dead-letter count."""
-    registry = refund_registry()
+    registry = live_registry()
     settings = Settings(database_url=SecretStr(url), amqp_url=SecretStr(amqp_url))
     console = Console(
         settings=settings,
@@ -348,7 +417,12 @@ def measurements(
             "console: overview": get("/"),
             "console: escalations": get("/escalations"),
             "console: operation page": get(f"/operations/{live.escalated[0]}"),
+            "console: a rare tool's operations": get(f"/operations?tool={RARE_TOOL}"),
+            "console: a rare tool's committed": get(
+                f"/operations?tool={RARE_TOOL}&state=committed"
+            ),
             "ops list": command("ops", "list"),
+            "ops list --tool (a rare tool)": command("ops", "list", "--tool", RARE_TOOL),
             "ops verify OP": command("ops", "verify", str(live.prepared[0])),
             "ops verify: a run": rolled_back(verify_run),
             "await_outcome": awaited,
