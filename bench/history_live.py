@@ -45,7 +45,7 @@ from outbox.settings import ENV_PREFIX
 from outbox.sql import QUERIES
 from outbox.states import EventName, OperationState
 from outbox.store import Store
-from outbox.store.operator import SETTLED_SAMPLE_PAGES, listing_limits
+from outbox.store.operator import SETTLED_SAMPLE_PAGES, tool_listing_limits
 
 RUNS = 5
 RUN_SIZE = 8
@@ -100,9 +100,9 @@ class LiveWorkload:
         }  # fmt: skip
         listing = {"states": None, "tool": None, "since": None, "ago": None, "limit": 50}
 
-        def limited(params: dict[str, Any]) -> dict[str, Any]:
+        def tool(params: dict[str, Any]) -> dict[str, Any]:
             states = [OperationState(s) for s in params["states"] or ()]
-            return {**params, **listing_limits(params["tool"], states, params["limit"])}
+            return {**params, "tool": RARE_TOOL, **tool_listing_limits(states, params["limit"])}
 
         known: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "dispatcher: claim + mark published": [("claim_outbox_batch", {"batch_size": BATCH})],
@@ -139,27 +139,17 @@ class LiveWorkload:
                 ("operations_analyzed_rows", {}),
                 ("estimate_operations_by_tool_and_state", {"sample_pages": SETTLED_SAMPLE_PAGES}),
                 ("list_approval_candidates", {}),
-                (
-                    "console_operations_page",
-                    limited({**page, "states": ["escalated"], "limit": 11}),
-                ),
+                ("console_operations_page", {**page, "states": ["escalated"], "limit": 11}),
             ],
             "console: escalations": [
-                ("console_operations_page", limited({**page, "states": ["escalated"]}))
+                ("console_operations_page", {**page, "states": ["escalated"]})
             ],
-            "console: a rare tool's operations": [
-                ("console_operations_page", limited({**page, "tool": RARE_TOOL}))
-            ],
+            "console: a rare tool's operations": [("console_tool_operations_page", tool(page))],
             "console: a rare tool's committed": [
-                (
-                    "console_operations_page",
-                    limited({**page, "tool": RARE_TOOL, "states": ["committed"]}),
-                )
+                ("console_tool_operations_page", tool({**page, "states": ["committed"]}))
             ],
-            "ops list": [("list_operation_summaries", limited(listing))],
-            "ops list --tool (a rare tool)": [
-                ("list_operation_summaries", limited({**listing, "tool": RARE_TOOL}))
-            ],
+            "ops list": [("list_operation_summaries", listing)],
+            "ops list --tool (a rare tool)": [("list_tool_operation_summaries", tool(listing))],
             "await_outcome": [("operation_outcomes", {"ids": [self.escalated[0]]})],
             "ops verify OP": [
                 (
@@ -251,11 +241,27 @@ def start_live_workload(url: str) -> LiveWorkload:
                 )
             )
         connection.commit()
-        first = runner.run(store.get_operation(ids[18]))
+    return read_live_workload(url)
+
+
+def read_live_workload(url: str) -> LiveWorkload:
+    """The live workload of a database ``start_live_workload`` wrote (``bench.history_scale
+    --keep`` leaves two), read back: its decisions by run and key, in the order written."""
+    with psycopg.connect(url) as connection:
+        keys = [(f"live_{run}", f"call_{call}") for run in range(RUNS) for call in range(RUN_SIZE)]
+        found = {
+            (run_id, key): operation_id
+            for run_id, key, operation_id in connection.execute(
+                "SELECT run_id, decision_key, id FROM operations WHERE run_id = ANY(%(runs)s)",
+                {"runs": sorted({run_id for run_id, _ in keys})},
+            )
+        }
+        ids = [found[key] for key in keys]
+        first = Store(connection).run(store.get_operation(ids[18]))
     return LiveWorkload(
         prepared=ids[18:],
-        in_flight=in_flight,
-        escalated=unknown[:2],
+        in_flight=ids[:10],
+        escalated=ids[15:17],
         run_id="live_4",
         fingerprint=first.input_fingerprint,
     )

@@ -1,7 +1,6 @@
 """The lists filtered by a tool, before and after ``operations_tool_settled``: the
-console's ``console_operations_page`` and ``outbox ops list``'s
-``list_operation_summaries`` for a tool with none, a rare tool and a common one, with
-and without a state, and a next page, each under EXPLAIN (ANALYZE, BUFFERS).
+console's page and ``outbox ops list`` for a tool with none, a rare tool and a common
+one, with and without a state, and a next page, each under EXPLAIN (ANALYZE, BUFFERS).
 
     git show 5600e17:outbox/sql/queries.sql > /tmp/queries-5600e17.sql
     .venv/bin/python -m bench.listing_plans --before /tmp/queries-5600e17.sql
@@ -12,11 +11,14 @@ A scratch database (``outbox_bench_listing_plans``, dropped at the end) with the
 ``--operations`` settled operations (``bench/history_fill.py``) and the live workload of
 ``bench/history_live.py`` (its rare tool's three committed operations, 40 open
 ``send_refund`` ones); or, with ``--use``, a database filled already (``bench.history_scale
---keep`` leaves one), left in place. After: this tree's queries, with the index. Before:
-the queries of commit ``--before`` (``git show``), the index dropped (the old queries
-would use it where they can), built again at the end. Each statement runs ``--repeat``
-times; the median of its execution times is printed with the plan's scans and the pages
-it read (shared hit + read) in the last run.
+--keep`` leaves one), left in place. After: this tree's ``console_tool_operations_page``
+and ``list_tool_operation_summaries`` (what the store runs when a tool is given), with
+the index. Before: ``console_operations_page`` and ``list_operation_summaries`` of the
+file ``--before`` (an earlier commit's ``outbox/sql/queries.sql``), the index dropped
+(the old queries would use it where they can), built again at the end. Each statement
+runs ``--repeat`` times; the median of its execution times (JIT's included, which a plan
+costed past ``jit_above_cost`` pays) is printed with the plan's scans and the pages it
+read (shared hit + read) in the last run; every list's rows are compared with before's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from outbox.cli import positive_int
 from outbox.sandbox.scratch import ScratchDatabase
 from outbox.sql import QUERIES, Query, parse_queries
 from outbox.states import OperationState
-from outbox.store.operator import listing_limits
+from outbox.store.operator import tool_listing_limits
 
 INDEX = "operations_tool_settled"
 TOOLS = {"none": "no_such_tool", "rare": RARE_TOOL, "common": "send_refund"}
@@ -49,6 +51,11 @@ PAGE: dict[str, Any] = {
     "run_id": None, "until": None, "after_updated_at": None, "after_id": None, "limit": 51,
 }  # fmt: skip
 LIST: dict[str, Any] = {"ago": None, "limit": 50}
+# Each list as it was, and as the store reads it now when a tool is given.
+TOOL_QUERY = {
+    "console_operations_page": "console_tool_operations_page",
+    "list_operation_summaries": "list_tool_operation_summaries",
+}
 # A scan node: its kind, and the index it reads (a bitmap's is named after "on").
 _SCAN = re.compile(
     r"((?:Parallel )?(?:Seq|Index Only|Index|Bitmap Index) Scan(?: Backward)?)"
@@ -78,7 +85,7 @@ def cases(connection: psycopg.Connection[Any]) -> list[tuple[str, str, dict[str,
             made.append((f"page: {tool_label}, next page", "console_operations_page", params))
     for _, _, params in made:
         asked = [OperationState(s) for s in params["states"] or ()]
-        params.update(listing_limits(params["tool"], asked, params["limit"]))
+        params.update(tool_listing_limits(asked, params["limit"]))
     return made
 
 
@@ -104,6 +111,8 @@ def explain(
             if "never executed" not in line and (found := _SCAN.search(line))
         }
     )
+    if any(line.startswith("JIT:") for line in plan):
+        scans.append("(compiled: JIT)")
     return {"ms": statistics.median(taken), "rows": rows, "pages": pages, "scans": scans}
 
 
@@ -115,7 +124,7 @@ def measure(url: str, before: Path, repeat: int) -> None:
         ).fetchone()
         assert definition is not None
         measured = cases(connection)
-        after = [explain(connection, QUERIES[q], p, repeat) for _, q, p in measured]
+        after = [explain(connection, QUERIES[TOOL_QUERY[q]], p, repeat) for _, q, p in measured]
         connection.execute(f"DROP INDEX {INDEX}")
         try:
             connection.execute("ANALYZE operations")

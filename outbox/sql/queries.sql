@@ -965,20 +965,31 @@ SELECT
 -- ==== outbox.store.operator: `outbox ops`, `outbox approvals`, `outbox stats`
 
 -- name: list_operation_summaries
--- Operations for `outbox ops list`, newest change first, filtered by state, tool and age; never the input. Read in branches, as console_operations_page is: with a tool, its settled states from operations_tool_settled and its open ones from operations_state_next_attempt, so a tool with few operations costs what one with many does.
+-- Operations for `outbox ops list`, newest change first, filtered by state, tool and age; never the input.
+SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
+       state, attempts, reconcile_attempts, provider_reference, last_error_class,
+       created_at, updated_at
+FROM operations
+WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
+  AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
+  AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
+  AND (%(ago)s::interval IS NULL OR updated_at >= now() - %(ago)s::interval)
+ORDER BY updated_at DESC, id
+LIMIT %(limit)s
+
+-- name: list_tool_operation_summaries
+-- list_operation_summaries filtered by a tool (`outbox ops list --tool T`), read in branches as console_tool_operations_page is, so a tool with few operations costs what one with many does. Never the input.
 WITH listed AS NOT MATERIALIZED (
     SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint,
            requires_approval, state, attempts, reconcile_attempts, provider_reference,
            last_error_class, created_at, updated_at
     FROM operations
-    WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
-      AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
+    WHERE tool_name = %(tool)s::text
+      AND (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
       AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
       AND (%(ago)s::interval IS NULL OR updated_at >= now() - %(ago)s::interval)
 )
 SELECT * FROM (
-    (SELECT * FROM listed ORDER BY updated_at DESC, id LIMIT %(any_limit)s)
-    UNION ALL
     (SELECT * FROM listed WHERE state = 'committed'
      ORDER BY updated_at DESC, id LIMIT %(committed_limit)s)
     UNION ALL
@@ -1109,14 +1120,30 @@ LIMIT %(limit)s
 -- ==== outbox.store.console: `outbox console`, the operator's web pages
 
 -- name: console_operations_page
--- One page of operations, newest change first, strictly after a (updated_at, id) keyset cursor; filtered by state, tool, run and change time; never the input. Four branches, each cut at its own limit (outbox.store.operator.listing_limits; 0 for a branch the filter leaves out, which then never starts): without a tool, every state newest first from operations_updated; with one, committed and rejected each newest first from operations_tool_settled and the open states from operations_state_next_attempt. A page for a tool then reads at most a page from each, however few of the operations it has and however large the history.
+-- One page of operations, newest change first, strictly after a (updated_at, id) keyset cursor; filtered by state, tool, run and change time; never the input.
+SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint, requires_approval,
+       state, attempts, reconcile_attempts, provider_reference, last_error_class,
+       created_at, updated_at
+FROM operations
+WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
+  AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
+  AND (%(run_id)s::text IS NULL OR run_id = %(run_id)s::text)
+  AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR updated_at < %(until)s::timestamptz)
+  AND (%(after_updated_at)s::timestamptz IS NULL
+       OR (updated_at, id) < (%(after_updated_at)s::timestamptz, %(after_id)s::uuid))
+ORDER BY updated_at DESC, id DESC
+LIMIT %(limit)s
+
+-- name: console_tool_operations_page
+-- console_operations_page filtered by a tool (the store picks it when a tool is given): committed and rejected each newest first from operations_tool_settled, the open states from operations_state_next_attempt, each branch cut at its own limit (outbox.store.operator.tool_listing_limits: 0 for a state group the filter leaves out, and a LIMIT 0 never starts its plan), merged. A page then reads at most a page of entries from each, however few of the history's operations are the tool's; operations_updated read newest first kept the tool's rows, a scan of the table for a tool with none in the state asked for. Never the input.
 WITH listed AS NOT MATERIALIZED (
     SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint,
            requires_approval, state, attempts, reconcile_attempts, provider_reference,
            last_error_class, created_at, updated_at
     FROM operations
-    WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
-      AND (%(tool)s::text IS NULL OR tool_name = %(tool)s::text)
+    WHERE tool_name = %(tool)s::text
+      AND (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
       AND (%(run_id)s::text IS NULL OR run_id = %(run_id)s::text)
       AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
       AND (%(until)s::timestamptz IS NULL OR updated_at < %(until)s::timestamptz)
@@ -1124,8 +1151,6 @@ WITH listed AS NOT MATERIALIZED (
            OR (updated_at, id) < (%(after_updated_at)s::timestamptz, %(after_id)s::uuid))
 )
 SELECT * FROM (
-    (SELECT * FROM listed ORDER BY updated_at DESC, id DESC LIMIT %(any_limit)s)
-    UNION ALL
     (SELECT * FROM listed WHERE state = 'committed'
      ORDER BY updated_at DESC, id DESC LIMIT %(committed_limit)s)
     UNION ALL

@@ -99,34 +99,28 @@ def list_operation_summaries(
 ) -> Plan[list[OperationSummary]]:
     """Operations by last change, newest first. ``within`` is measured on the database's
     clock, so a skewed operator machine cannot shift the window."""
-    rows = yield Step(
-        "list_operation_summaries",
-        {
-            "states": [str(s) for s in states] if states else None,
-            "tool": tool,
-            "since": since,
-            "ago": within,
-            "limit": limit,
-            **listing_limits(tool, states, limit),
-        },
-    )
+    params = {
+        "states": [str(s) for s in states] if states else None,
+        "tool": tool,
+        "since": since,
+        "ago": within,
+        "limit": limit,
+    }
+    if tool is None:
+        rows = yield Step("list_operation_summaries", params)
+    else:
+        limits = tool_listing_limits(states, limit)
+        rows = yield Step("list_tool_operation_summaries", params | limits)
     return [OperationSummary.from_row(row) for row in rows]
 
 
-def listing_limits(
-    tool: str | None, states: Iterable[OperationState] | None, limit: int
-) -> dict[str, int]:
-    """The limit of each branch of a listing of operations (``list_operation_summaries``,
-    ``console_operations_page``): without a tool, the one over every state; with one,
-    one a state group the filter asks for (committed, rejected, the open states), each
-    read from an index that starts with the tool. A branch left out gets 0, and a LIMIT
-    0 never starts its plan, where a WHERE false would still start a parallel plan's
-    workers."""
-    if tool is None:
-        return {"any_limit": limit, "committed_limit": 0, "rejected_limit": 0, "open_limit": 0}
+def tool_listing_limits(states: Iterable[OperationState] | None, limit: int) -> dict[str, int]:
+    """The limit of each branch of a list filtered by a tool (``list_tool_operation_summaries``,
+    ``console_tool_operations_page``): ``limit`` for each state group the filter asks for
+    (committed, rejected, the open states), each read from its own index, 0 for the
+    others, whose plans a LIMIT 0 never starts."""
     asked = set(states or OperationState)
     return {
-        "any_limit": 0,
         "committed_limit": limit if OperationState.COMMITTED in asked else 0,
         "rejected_limit": limit if OperationState.REJECTED in asked else 0,
         "open_limit": limit if asked - TERMINAL_STATES else 0,
