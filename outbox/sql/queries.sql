@@ -404,7 +404,7 @@ FROM operations
 GROUP BY state
 
 -- name: operations_by_state
--- How many operations are in each state on a large table, for the outbox_operations gauge; states with no rows are absent. The open states are counted exactly from the partial index that holds only them (operations_state_next_attempt), so a pass costs what is open, not the history; committed and rejected only grow, and are the planner's estimate: the table's rows times each state's frequency as the last ANALYZE saw them (autovacuum keeps both close). Counting them read every row of the table on every pass (608 ms at 2,000,000 operations, every 5 s in every dispatcher). Chosen by the caller from operations_analyzed_rows, not by a condition in the statement: a branch the statement skips still started its parallel workers on every pass (16.116 ms against 3.82 ms at 300,000 operations).
+-- How many operations are in each state on a large table, for the outbox_operations gauge; states with no rows are absent. The open states are counted exactly from the partial index that holds only them (operations_state_next_attempt), so a pass costs what is open, not the history; committed and rejected only grow, and are the planner's estimate: the table's rows times each state's frequency as the last ANALYZE saw them (autovacuum keeps both close). Counting them read every row of the table on every pass (608 ms at 2,000,000 operations, every 5 s in every dispatcher). Chosen by the caller from operations_analyzed_rows, not by a condition in the statement: a branch the statement skips still started its parallel workers on every pass (16.116 ms against 3.82 ms at 300,000 operations). The table's name is also given to pg_stats as a constant, not only through the join: the view then finds its row by the catalogs' indexes, where through the join it read the whole of pg_class or pg_attribute on every pass (docs/benchmarks.md, "Cost as the history grows", 2,000,000 operations).
 SELECT state, count(*)::bigint AS operations
 FROM operations
 WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated')
@@ -414,7 +414,7 @@ SELECT v.state, round(greatest(c.reltuples, 0) * v.frequency)::bigint AS operati
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_stats st ON st.schemaname = n.nspname AND st.tablename = c.relname
-                AND st.attname = 'state'
+                AND st.tablename = 'operations' AND st.attname = 'state'
 CROSS JOIN LATERAL unnest(st.most_common_vals::text::text[], st.most_common_freqs)
     AS v (state, frequency)
 WHERE c.oid = 'operations'::regclass AND v.state IN ('committed', 'rejected')
