@@ -133,7 +133,15 @@ class LiveWorkload:
             "reconciler: claim_reconciliation_batch": [
                 ("claim_reconciliation_batch", {"limit": BATCH})
             ],
+            "reconciler: reject_denied_operations": [
+                ("reject_denied_operations", {"grace": STALE_AFTER, "limit": BATCH})
+            ],
+            "reconciler: claim_callback_batch": [
+                ("claim_callback_batch", {"tools": [f"{REFUND_TOOL}.v1"], "limit": BATCH})
+            ],
+            "reconciler: chain_agent_reports": [("chain_agent_reports", {"limit": BATCH})],
             "reconciler: execution_gauges": [("execution_gauges", {})],
+            "reconciler: waiting_operations_by_tool": [("waiting_operations_by_tool", {})],
             "console: overview": [
                 # What it reads on a table past EXACT_SETTLED_COUNT_BELOW, as the full one.
                 ("operations_analyzed_rows", {}),
@@ -158,11 +166,16 @@ class LiveWorkload:
                 )
             ],
         }
+        # In the order Reconciler's pass runs them (measurements' reconciler_steps).
         known["reconciler: pass"] = [
             *known["reconciler: escalate_undeliverable"],
             *known["reconciler: requeue_stale_prepared"],
+            *known["reconciler: reject_denied_operations"],
+            *known["reconciler: claim_callback_batch"],
+            *known["reconciler: chain_agent_reports"],
             *known["reconciler: claim_reconciliation_batch"],
             *known["reconciler: execution_gauges"],
+            *known["reconciler: waiting_operations_by_tool"],
         ]
         return known.get(name, [])
 

@@ -131,6 +131,7 @@ def timed_steps() -> Iterator[dict[str, list[float]]]:
     client (the round trip, the server's planning and execution, fetching the rows)."""
     taken: dict[str, list[float]] = defaultdict(list)
     fetch = runner._PsycopgExecutor.fetch
+    fetch_async = runner._PsycopgAsyncExecutor.fetch
 
     def timed(self: Any, step: runner.Step) -> list[runner.Row]:
         began = time.perf_counter()
@@ -139,11 +140,20 @@ def timed_steps() -> Iterator[dict[str, list[float]]]:
         finally:
             taken[step.query].append((time.perf_counter() - began) * 1000)
 
+    async def timed_async(self: Any, step: runner.Step) -> list[runner.Row]:
+        began = time.perf_counter()
+        try:
+            return await fetch_async(self, step)
+        finally:
+            taken[step.query].append((time.perf_counter() - began) * 1000)
+
     runner._PsycopgExecutor.fetch = timed  # type: ignore[method-assign]
+    runner._PsycopgAsyncExecutor.fetch = timed_async  # type: ignore[method-assign]
     try:
         yield taken
     finally:
         runner._PsycopgExecutor.fetch = fetch  # type: ignore[method-assign]
+        runner._PsycopgAsyncExecutor.fetch = fetch_async  # type: ignore[method-assign]
 
 
 def steps(urls: dict[str, str], lives: dict[str, LiveWorkload], row: str, calls: int) -> None:
