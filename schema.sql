@@ -90,6 +90,16 @@ DROP INDEX IF EXISTS operations_run;
 -- after a (updated_at, id) cursor, read from this index instead of sorting the table
 -- for every page. Only an index: no version row, a database without it is as correct.
 CREATE INDEX IF NOT EXISTS operations_updated ON operations (updated_at, id);
+-- The same lists filtered by a tool (the console's /operations?tool=T, where each cell
+-- of the overview's table links, and `outbox ops list --tool T`): each settled state
+-- newest first, a page at most, however few of the history's operations are the tool's
+-- (without it, a tool with none in a state is a scan of the table). The open states are
+-- operations_state_next_attempt's. Settled states only: one entry an operation, written
+-- when it settles, where an index over every state takes one at its birth and at every
+-- move (no update of an operation is HOT: each sets updated_at). Only an index, as above.
+CREATE INDEX IF NOT EXISTS operations_tool_settled
+    ON operations (tool_name, state, updated_at, id)
+    WHERE state IN ('committed', 'rejected');
 
 -- One row per message to publish. Claimed by state (published_at IS NULL), never by
 -- a high-water mark on id: ids are assigned before commit, not in commit order.

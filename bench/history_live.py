@@ -6,13 +6,16 @@ recorded by ``record_decision`` (so 40 outbox rows wait for the dispatcher); of 
 claimed under a long lease (in flight, for the consumer's outcome), five claimed under
 a lease that has already run out and three moved to an unknown outcome, due (for the
 reconciler), two of which escalated (for the escalations page); the rest prepared (for
-the consumer's claim).
+the consumer's claim). Before them, three decisions of a rare tool (``RARE_TOOL``, which
+the fill never writes: in the full database three operations among millions), published
+and committed, for the lists filtered by a tool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import itertools
 import os
@@ -27,7 +30,14 @@ from pydantic import SecretStr
 from starlette.testclient import TestClient
 
 from bench.e2e_tools import REFUND_TOOL, refund_registry
-from outbox import OutcomeWatcher, Settings, await_outcome, record_decision, store
+from outbox import (
+    OutcomeWatcher,
+    Registry,
+    Settings,
+    await_outcome,
+    record_decision,
+    store,
+)
 from outbox.cli import run_command
 from outbox.console.app import Console, create_app
 from outbox.console.config import AuthConfig, ProxyIdentity, parse_proxies
@@ -35,7 +45,7 @@ from outbox.settings import ENV_PREFIX
 from outbox.sql import QUERIES
 from outbox.states import EventName, OperationState
 from outbox.store import Store
-from outbox.store.operator import SETTLED_SAMPLE_PAGES
+from outbox.store.operator import SETTLED_SAMPLE_PAGES, tool_listing_limits
 
 RUNS = 5
 RUN_SIZE = 8
@@ -47,6 +57,17 @@ OPERATOR = "ada@example.com"
 STALE_AFTER = timedelta(minutes=5)
 BATCH = 100
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+# Not one of bench.history_fill.TOOLS: as rare in the full database as in the empty one.
+RARE_TOOL = "issue_voucher"
+RARE = 3
+
+
+def live_registry() -> Registry:
+    """``send_refund`` as the decision benchmarks record it, and the rare tool: the same
+    contract under another name."""
+    registry = refund_registry()
+    registry.register(dataclasses.replace(registry.get(REFUND_TOOL), name=RARE_TOOL))
+    return registry
 
 
 @dataclass
@@ -77,6 +98,12 @@ class LiveWorkload:
             "states": None, "tool": None, "run_id": None, "since": None, "until": None,
             "after_updated_at": None, "after_id": None, "limit": 51,
         }  # fmt: skip
+        listing = {"states": None, "tool": None, "since": None, "ago": None, "limit": 50}
+
+        def tool(params: dict[str, Any]) -> dict[str, Any]:
+            states = [OperationState(s) for s in params["states"] or ()]
+            return {**params, "tool": RARE_TOOL, **tool_listing_limits(states, params["limit"])}
+
         known: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "dispatcher: claim + mark published": [("claim_outbox_batch", {"batch_size": BATCH})],
             "dispatcher: gauges": [
@@ -106,7 +133,15 @@ class LiveWorkload:
             "reconciler: claim_reconciliation_batch": [
                 ("claim_reconciliation_batch", {"limit": BATCH})
             ],
+            "reconciler: reject_denied_operations": [
+                ("reject_denied_operations", {"grace": STALE_AFTER, "limit": BATCH})
+            ],
+            "reconciler: claim_callback_batch": [
+                ("claim_callback_batch", {"tools": [f"{REFUND_TOOL}.v1"], "limit": BATCH})
+            ],
+            "reconciler: chain_agent_reports": [("chain_agent_reports", {"limit": BATCH})],
             "reconciler: execution_gauges": [("execution_gauges", {})],
+            "reconciler: waiting_operations_by_tool": [("waiting_operations_by_tool", {})],
             "console: overview": [
                 # What it reads on a table past EXACT_SETTLED_COUNT_BELOW, as the full one.
                 ("operations_analyzed_rows", {}),
@@ -117,12 +152,12 @@ class LiveWorkload:
             "console: escalations": [
                 ("console_operations_page", {**page, "states": ["escalated"]})
             ],
-            "ops list": [
-                (
-                    "list_operation_summaries",
-                    {"states": None, "tool": None, "since": None, "ago": None, "limit": 50},
-                )
+            "console: a rare tool's operations": [("console_tool_operations_page", tool(page))],
+            "console: a rare tool's committed": [
+                ("console_tool_operations_page", tool({**page, "states": ["committed"]}))
             ],
+            "ops list": [("list_operation_summaries", listing)],
+            "ops list --tool (a rare tool)": [("list_tool_operation_summaries", tool(listing))],
             "await_outcome": [("operation_outcomes", {"ids": [self.escalated[0]]})],
             "ops verify OP": [
                 (
@@ -131,19 +166,56 @@ class LiveWorkload:
                 )
             ],
         }
+        # In the order Reconciler's pass runs them (measurements' reconciler_steps).
         known["reconciler: pass"] = [
             *known["reconciler: escalate_undeliverable"],
             *known["reconciler: requeue_stale_prepared"],
+            *known["reconciler: reject_denied_operations"],
+            *known["reconciler: claim_callback_batch"],
+            *known["reconciler: chain_agent_reports"],
             *known["reconciler: claim_reconciliation_batch"],
             *known["reconciler: execution_gauges"],
+            *known["reconciler: waiting_operations_by_tool"],
         ]
         return known.get(name, [])
 
 
+def _rare_operations(connection: psycopg.Connection[Any]) -> None:
+    """The rare tool's few operations, committed, their outbox rows published (before the
+    refunds are recorded, so the dispatcher's claim still finds 40 rows)."""
+    registry = live_registry()
+    ids = [
+        record_decision(
+            connection,
+            registry,
+            RARE_TOOL,
+            {"payment_id": f"pay_rare_{n}", "amount_cents": 500},
+            run_id="live_rare",
+            decision_key=f"call_{n}",
+        ).operation.id
+        for n in range(RARE)
+    ]
+    connection.commit()
+    runner = Store(connection)
+    published = runner.run(store.claim_outbox_batch(BATCH))
+    runner.run(store.mark_outbox_published([row.id for row in published]))
+    claimed = runner.run(store.claim_many([(i, LONG) for i in ids], owner="bench"))
+    connection.commit()
+    effects = [
+        store.ConfirmedEffect(
+            operation=operation, provider_reference="re_rare", result={}, attributes={}
+        )
+        for operation in claimed.values()
+    ]
+    runner.run(store.commit_many(effects))
+    connection.commit()
+
+
 def start_live_workload(url: str) -> LiveWorkload:
-    registry = refund_registry()
+    registry = live_registry()
     ids: list[UUID] = []
     with psycopg.connect(url) as connection:
+        _rare_operations(connection)
         for run, call in itertools.product(range(RUNS), range(RUN_SIZE)):
             recorded = record_decision(
                 connection,
@@ -182,11 +254,27 @@ def start_live_workload(url: str) -> LiveWorkload:
                 )
             )
         connection.commit()
-        first = runner.run(store.get_operation(ids[18]))
+    return read_live_workload(url)
+
+
+def read_live_workload(url: str) -> LiveWorkload:
+    """The live workload of a database ``start_live_workload`` wrote (``bench.history_scale
+    --keep`` leaves two), read back: its decisions by run and key, in the order written."""
+    with psycopg.connect(url) as connection:
+        keys = [(f"live_{run}", f"call_{call}") for run in range(RUNS) for call in range(RUN_SIZE)]
+        found = {
+            (run_id, key): operation_id
+            for run_id, key, operation_id in connection.execute(
+                "SELECT run_id, decision_key, id FROM operations WHERE run_id = ANY(%(runs)s)",
+                {"runs": sorted({run_id for run_id, _ in keys})},
+            )
+        }
+        ids = [found[key] for key in keys]
+        first = Store(connection).run(store.get_operation(ids[18]))
     return LiveWorkload(
         prepared=ids[18:],
-        in_flight=in_flight,
-        escalated=unknown[:2],
+        in_flight=ids[:10],
+        escalated=ids[15:17],
         run_id="live_4",
         fingerprint=first.input_fingerprint,
     )
@@ -211,7 +299,7 @@ def measurements(
 ) -> Iterator[dict[str, Callable[[], object]]]:
     """Each named operation as a callable; whatever it writes is rolled back. The
     console's overview asks the broker at ``amqp_url`` for its dead-letter count."""
-    registry = refund_registry()
+    registry = live_registry()
     settings = Settings(database_url=SecretStr(url), amqp_url=SecretStr(amqp_url))
     console = Console(
         settings=settings,
@@ -348,7 +436,12 @@ def measurements(
             "console: overview": get("/"),
             "console: escalations": get("/escalations"),
             "console: operation page": get(f"/operations/{live.escalated[0]}"),
+            "console: a rare tool's operations": get(f"/operations?tool={RARE_TOOL}"),
+            "console: a rare tool's committed": get(
+                f"/operations?tool={RARE_TOOL}&state=committed"
+            ),
             "ops list": command("ops", "list"),
+            "ops list --tool (a rare tool)": command("ops", "list", "--tool", RARE_TOOL),
             "ops verify OP": command("ops", "verify", str(live.prepared[0])),
             "ops verify: a run": rolled_back(verify_run),
             "await_outcome": awaited,

@@ -22,9 +22,12 @@ alike, through the project's own code paths; the medians and p95s are compared:
   a ``get_operation`` of the operation it moves (what the call needs to be built);
 - the reconciler's pass: each statement of ``Reconciler.requeue_stale`` and
   ``reconcile_once`` that reads the tables, and all of them in one row;
-- the console's overview, escalations and operation pages, over HTTP (Starlette's test
-  client, behind a trusted proxy's identity header);
-- ``outbox ops list`` and ``outbox ops verify OP`` (``run_command``, output discarded),
+- the console's overview, escalations and operation pages, and the operations of a rare
+  tool (``/operations?tool=T``, and with ``&state=committed``: three operations the
+  history holds none of), over HTTP (Starlette's test client, behind a trusted proxy's
+  identity header);
+- ``outbox ops list``, ``outbox ops list --tool T`` of the rare tool and ``outbox ops
+  verify OP`` (``run_command``, output discarded),
   and verifying the chains of one run's operations (``verify_chain`` for each, as the
   console lists the run);
 - ``outbox.await_outcome`` of a settled decision, through one ``OutcomeWatcher``.

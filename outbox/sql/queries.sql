@@ -404,7 +404,7 @@ FROM operations
 GROUP BY state
 
 -- name: operations_by_state
--- How many operations are in each state on a large table, for the outbox_operations gauge; states with no rows are absent. The open states are counted exactly from the partial index that holds only them (operations_state_next_attempt), so a pass costs what is open, not the history; committed and rejected only grow, and are the planner's estimate: the table's rows times each state's frequency as the last ANALYZE saw them (autovacuum keeps both close). Counting them read every row of the table on every pass (608 ms at 2,000,000 operations, every 5 s in every dispatcher). Chosen by the caller from operations_analyzed_rows, not by a condition in the statement: a branch the statement skips still started its parallel workers on every pass (16.116 ms against 3.82 ms at 300,000 operations).
+-- How many operations are in each state on a large table, for the outbox_operations gauge; states with no rows are absent. The open states are counted exactly from the partial index that holds only them (operations_state_next_attempt), so a pass costs what is open, not the history; committed and rejected only grow, and are the planner's estimate: the table's rows times each state's frequency as the last ANALYZE saw them (autovacuum keeps both close). Counting them read every row of the table on every pass (608 ms at 2,000,000 operations, every 5 s in every dispatcher). Chosen by the caller from operations_analyzed_rows, not by a condition in the statement: a branch the statement skips still started its parallel workers on every pass (16.116 ms against 3.82 ms at 300,000 operations). The table's name is also given to pg_stats as a constant, not only through the join: the view then finds its row by the catalogs' indexes, where through the join it read the whole of pg_class or pg_attribute on every pass (docs/benchmarks.md, "Cost as the history grows", 2,000,000 operations).
 SELECT state, count(*)::bigint AS operations
 FROM operations
 WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated')
@@ -414,7 +414,7 @@ SELECT v.state, round(greatest(c.reltuples, 0) * v.frequency)::bigint AS operati
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_stats st ON st.schemaname = n.nspname AND st.tablename = c.relname
-                AND st.attname = 'state'
+                AND st.tablename = 'operations' AND st.attname = 'state'
 CROSS JOIN LATERAL unnest(st.most_common_vals::text::text[], st.most_common_freqs)
     AS v (state, frequency)
 WHERE c.oid = 'operations'::regclass AND v.state IN ('committed', 'rejected')
@@ -977,6 +977,31 @@ WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
 ORDER BY updated_at DESC, id
 LIMIT %(limit)s
 
+-- name: list_tool_operation_summaries
+-- list_operation_summaries filtered by a tool (`outbox ops list --tool T`), read in branches as console_tool_operations_page is, so a tool with few operations costs what one with many does. Never the input.
+WITH listed AS NOT MATERIALIZED (
+    SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint,
+           requires_approval, state, attempts, reconcile_attempts, provider_reference,
+           last_error_class, created_at, updated_at
+    FROM operations
+    WHERE tool_name = %(tool)s::text
+      AND (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
+      AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
+      AND (%(ago)s::interval IS NULL OR updated_at >= now() - %(ago)s::interval)
+)
+SELECT * FROM (
+    (SELECT * FROM listed WHERE state = 'committed'
+     ORDER BY updated_at DESC, id LIMIT %(committed_limit)s)
+    UNION ALL
+    (SELECT * FROM listed WHERE state = 'rejected'
+     ORDER BY updated_at DESC, id LIMIT %(rejected_limit)s)
+    UNION ALL
+    (SELECT * FROM listed WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated')
+     ORDER BY updated_at DESC, id LIMIT %(open_limit)s)
+) AS listing
+ORDER BY updated_at DESC, id
+LIMIT %(limit)s
+
 -- name: escalations_matching
 -- Escalated operations whose latest escalation matches a filter (tool, reason, run, escalated-at range), oldest escalation first, at most `limit`: what `outbox ops resolve` over a filter and the console's batch preview select, each with its reason and time; beside them, how many match in all and the database's clock at the selection (one row even when none match). Never the input.
 WITH matching AS (
@@ -1107,6 +1132,34 @@ WHERE (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
   AND (%(until)s::timestamptz IS NULL OR updated_at < %(until)s::timestamptz)
   AND (%(after_updated_at)s::timestamptz IS NULL
        OR (updated_at, id) < (%(after_updated_at)s::timestamptz, %(after_id)s::uuid))
+ORDER BY updated_at DESC, id DESC
+LIMIT %(limit)s
+
+-- name: console_tool_operations_page
+-- console_operations_page filtered by a tool (the store picks it when a tool is given): committed and rejected each newest first from operations_tool_settled, the open states from operations_state_next_attempt, each branch cut at its own limit (outbox.store.operator.tool_listing_limits: 0 for a state group the filter leaves out, and a LIMIT 0 never starts its plan), merged. A page then reads at most a page of entries from each, however few of the history's operations are the tool's; operations_updated read newest first kept the tool's rows, a scan of the table for a tool with none in the state asked for. Never the input.
+WITH listed AS NOT MATERIALIZED (
+    SELECT id, run_id, tool_name, tool_version, side_effect, input_fingerprint,
+           requires_approval, state, attempts, reconcile_attempts, provider_reference,
+           last_error_class, created_at, updated_at
+    FROM operations
+    WHERE tool_name = %(tool)s::text
+      AND (%(states)b::text[] IS NULL OR state = ANY(%(states)b::text[]))
+      AND (%(run_id)s::text IS NULL OR run_id = %(run_id)s::text)
+      AND (%(since)s::timestamptz IS NULL OR updated_at >= %(since)s::timestamptz)
+      AND (%(until)s::timestamptz IS NULL OR updated_at < %(until)s::timestamptz)
+      AND (%(after_updated_at)s::timestamptz IS NULL
+           OR (updated_at, id) < (%(after_updated_at)s::timestamptz, %(after_id)s::uuid))
+)
+SELECT * FROM (
+    (SELECT * FROM listed WHERE state = 'committed'
+     ORDER BY updated_at DESC, id DESC LIMIT %(committed_limit)s)
+    UNION ALL
+    (SELECT * FROM listed WHERE state = 'rejected'
+     ORDER BY updated_at DESC, id DESC LIMIT %(rejected_limit)s)
+    UNION ALL
+    (SELECT * FROM listed WHERE state IN ('prepared', 'in_flight', 'outcome_unknown', 'escalated')
+     ORDER BY updated_at DESC, id DESC LIMIT %(open_limit)s)
+) AS page
 ORDER BY updated_at DESC, id DESC
 LIMIT %(limit)s
 

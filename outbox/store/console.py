@@ -17,7 +17,7 @@ from uuid import UUID
 
 from outbox.models import Approval, OperationEvent
 from outbox.states import OperationState
-from outbox.store.operator import OperationSummary
+from outbox.store.operator import OperationSummary, tool_listing_limits
 from outbox.store.runner import Plan, Row, Step
 
 
@@ -51,20 +51,22 @@ def operations_page(
     """Up to ``limit`` operations after ``after``, newest change first; never the input."""
     if limit < 1:
         raise ValueError("a page holds at least one operation")
-    rows = yield Step(
-        "console_operations_page",
-        {
-            "states": [str(s) for s in where.states] or None,
-            "tool": where.tool,
-            "run_id": where.run_id,
-            "since": where.since,
-            "until": where.until,
-            "after_updated_at": after.updated_at if after else None,
-            "after_id": after.id if after else None,
-            # One row more than shown says whether a next page exists, without a count.
-            "limit": limit + 1,
-        },
-    )
+    params = {
+        "states": [str(s) for s in where.states] or None,
+        "tool": where.tool,
+        "run_id": where.run_id,
+        "since": where.since,
+        "until": where.until,
+        "after_updated_at": after.updated_at if after else None,
+        "after_id": after.id if after else None,
+        # One row more than shown says whether a next page exists, without a count.
+        "limit": limit + 1,
+    }
+    if where.tool is None:
+        rows = yield Step("console_operations_page", params)
+    else:
+        limits = tool_listing_limits(where.states, limit + 1)
+        rows = yield Step("console_tool_operations_page", params | limits)
     summaries = [OperationSummary.from_row(row) for row in rows[:limit]]
     more = len(rows) > limit
     last = summaries[-1] if summaries else None

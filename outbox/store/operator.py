@@ -4,6 +4,7 @@ resolve one with evidence."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import astuple, dataclass, fields
 from datetime import datetime, timedelta
 from uuid import UUID
@@ -15,6 +16,7 @@ from outbox.errors import IllegalTransition
 from outbox.models import Approval, ApprovalCheck, Operation
 from outbox.states import (
     FENCED_SOURCES,
+    TERMINAL_STATES,
     EventName,
     OperationState,
     Waiting,
@@ -97,17 +99,32 @@ def list_operation_summaries(
 ) -> Plan[list[OperationSummary]]:
     """Operations by last change, newest first. ``within`` is measured on the database's
     clock, so a skewed operator machine cannot shift the window."""
-    rows = yield Step(
-        "list_operation_summaries",
-        {
-            "states": [str(s) for s in states] if states else None,
-            "tool": tool,
-            "since": since,
-            "ago": within,
-            "limit": limit,
-        },
-    )
+    params = {
+        "states": [str(s) for s in states] if states else None,
+        "tool": tool,
+        "since": since,
+        "ago": within,
+        "limit": limit,
+    }
+    if tool is None:
+        rows = yield Step("list_operation_summaries", params)
+    else:
+        limits = tool_listing_limits(states, limit)
+        rows = yield Step("list_tool_operation_summaries", params | limits)
     return [OperationSummary.from_row(row) for row in rows]
+
+
+def tool_listing_limits(states: Iterable[OperationState] | None, limit: int) -> dict[str, int]:
+    """The limit of each branch of a list filtered by a tool (``list_tool_operation_summaries``,
+    ``console_tool_operations_page``): ``limit`` for each state group the filter asks for
+    (committed, rejected, the open states), each read from its own index, 0 for the
+    others, whose plans a LIMIT 0 never starts."""
+    asked = set(states or OperationState)
+    return {
+        "committed_limit": limit if OperationState.COMMITTED in asked else 0,
+        "rejected_limit": limit if OperationState.REJECTED in asked else 0,
+        "open_limit": limit if asked - TERMINAL_STATES else 0,
+    }
 
 
 def last_escalations(

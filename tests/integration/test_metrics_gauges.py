@@ -297,3 +297,23 @@ def test_the_gauge_counts_what_is_open_exactly_and_settled_from_the_statistics(
     assert before == {**open_counts, S.COMMITTED: 0, S.REJECTED: 0}
     assert after == {**open_counts, S.COMMITTED: 4, S.REJECTED: 2}
     assert "operations_state_next_attempt" in plan, plan
+
+
+def test_the_estimate_finds_its_statistics_by_the_catalogs_indexes(database_url: str) -> None:
+    # pg_stats is a view over pg_class, pg_attribute and pg_statistic: told which table
+    # only through a join, it read the whole of pg_class or pg_attribute (a hundred
+    # pages and more) on every pass of every dispatcher: the catalog's cost, not the
+    # history's. Given the name, it probes their indexes.
+    with psycopg.connect(database_url, autocommit=True) as connection:
+        connection.execute("ANALYZE operations")
+        plan = "\n".join(
+            row[0]
+            for row in connection.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) "
+                + QUERIES["operations_by_state"].sql
+            ).fetchall()
+        )
+
+    assert "pg_class_relname_nsp_index" in plan, plan
+    read = plan.split("Buffers: shared hit=", 1)[1].split()[0]
+    assert int(read) < 60, plan

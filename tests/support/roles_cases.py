@@ -148,6 +148,8 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     },
     OPERATOR: {
         "list_operation_summaries",
+        # `ops list --tool T`: the same list read a state group at a time (issue #48).
+        "list_tool_operation_summaries",
         # The reason and time of each escalated operation's latest escalation, and each
         # dead letter's operation's latest dead-lettering (`outbox dlq list`).
         "last_reasons",
@@ -237,6 +239,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
     CONSOLE: {
         "console_login",
         "console_operations_page",
+        "console_tool_operations_page",
         "console_operation_approvals",
         # The overview's count of what the prepared operations wait for.
         "console_prepared_waits",

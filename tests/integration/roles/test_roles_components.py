@@ -479,6 +479,8 @@ def test_the_operator_resolves_escalations_and_decides_approvals(
 
     codes = [
         run_command(["ops", "list"]),
+        # A tool's list is a statement of its own (list_tool_operation_summaries).
+        run_command(["ops", "list", "--tool", "send_refund"]),
         run_command(["ops", "show", stuck.display_id[:11]]),
         # What waits for approval shows its check and who decided (latest_approval,
         # console_operation_approvals); `approvals pending` reads both in one statement.
