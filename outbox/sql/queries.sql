@@ -1075,6 +1075,10 @@ FROM operations
 GROUP BY tool_name, state
 ORDER BY tool_name, state
 
+-- name: transaction_without_jit
+-- No JIT for the rest of this transaction (set_config's local form): for a statement the planner costs past jit_above_cost only because it cannot know how little of a large table it reads (estimate_operations_by_tool_and_state's TABLESAMPLE, whose percentage is a subquery), and which would then spend longer compiling than running (19.750 ms of JIT beside 31.2 ms of work at 10,000,000 operations).
+SELECT set_config('jit', 'off', true) AS jit
+
 -- name: estimate_operations_by_tool_and_state
 -- How many operations each tool has in each state, for `outbox stats` and the console's overview on a large table, at a cost that does not grow with the history: the open states exactly, from the partial index that holds only them (operations_state_next_attempt); committed and rejected, which only grow, estimated (estimated true) from a sample of about sample_pages of the table's pages (TABLESAMPLE SYSTEM, REPEATABLE: the same pages from one refresh to the next while the table keeps its size), as each tool's share of the rows sampled times the table's rows now, as the planner reckons them (the rows per page the last ANALYZE saw times the pages the table has now). A tool whose settled operations are too few to be met in the sample has no settled row here.
 WITH size AS (

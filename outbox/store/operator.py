@@ -309,6 +309,7 @@ def operation_stats(
         rows = yield Step("count_operations_by_tool_and_state", {})
         estimated: frozenset[OperationState] = frozenset()
     else:
+        yield Step("transaction_without_jit", {})
         rows = yield Step("estimate_operations_by_tool_and_state", {"sample_pages": sample_pages})
         estimated = frozenset((OperationState.COMMITTED, OperationState.REJECTED))
     by_tool: dict[str, dict[str, int]] = {}

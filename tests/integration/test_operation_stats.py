@@ -5,6 +5,8 @@ statement costs what is open plus a bounded sample, not the history (issue #48).
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 
 from bench.history_fill import fill
@@ -131,3 +133,26 @@ def test_the_estimate_reads_a_sample_of_a_large_table_and_the_open_rows_from_the
     # A ratio of the sample times the table's rows: close on the whole, not exact.
     assert abs(settled(stats.by_tool) - settled(exact)) <= settled(exact) // 10
     assert settled(stats.by_tool) != 0
+
+
+def test_the_estimate_is_never_compiled_by_jit(database_url: str, registry: Registry) -> None:
+    fill(database_url, 3_000, batch=3_000)
+    _analyze(database_url)
+    estimate = "EXPLAIN (ANALYZE) " + QUERIES["estimate_operations_by_tool_and_state"].sql
+
+    def plan(connection: psycopg.Connection[Any]) -> str:
+        rows = connection.execute(estimate, {"sample_pages": 20}).fetchall()
+        return "\n".join(str(row[0]) for row in rows)
+
+    with psycopg.connect(database_url) as connection:
+        # Every plan past no cost at all would be compiled, as a large table's is.
+        connection.execute("SET jit_above_cost = 0")
+        compiled = plan(connection)
+        connection.rollback()
+        connection.execute("SET jit_above_cost = 0")
+        stats = Store(connection).run(outbox_store.operation_stats(exact_below=0, sample_pages=20))
+        after_stats = plan(connection)
+
+    assert "JIT:" in compiled, compiled  # what the statement costs without the step
+    assert stats.estimated == SETTLED
+    assert "JIT:" not in after_stats, after_stats

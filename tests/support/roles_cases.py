@@ -172,6 +172,7 @@ COMPONENT_QUERIES: dict[str, set[str]] = {
         "operations_analyzed_rows",
         "count_operations_by_tool_and_state",
         "estimate_operations_by_tool_and_state",
+        "transaction_without_jit",
         "outbox_backlog",
         "verify_event_chains",
         # Short fingerprints are the keyed ones, and who decided an approval is shown.
