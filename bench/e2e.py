@@ -88,6 +88,7 @@ from bench.e2e_writers import write_on_schedule
 from bench.latency import DRAIN_SHARES, rates_from_drain
 from bench.reporting import json_safe
 from bench.systems import SYSTEM_NAMES, Context, OutboxSettings, System, systems
+from bench.systems.effect_outbox import STRIPPABLE
 from outbox.cli import positive_int, run_async
 from outbox.settings import libpq_url
 
@@ -210,6 +211,15 @@ def parse_arguments() -> argparse.Namespace:
         help="disable the NOTIFY that wakes await_outcome's watchers (to measure its cost)",
     )
     parser.add_argument(
+        "--outbox-strip",
+        nargs="+",
+        choices=STRIPPABLE,
+        default=[],
+        help="an ablation, never a product setting: switch off the evidence chain's "
+        "trigger (chain), the hot tables' other guard triggers (guards) or their CHECK "
+        "and FOREIGN KEY constraints (constraints), to measure what they cost",
+    )
+    parser.add_argument(
         "--scale-out",
         action="store_true",
         help="instead of the comparison: effect-outbox's drain only (--operations, --runs "
@@ -259,6 +269,7 @@ def main() -> None:
         log_level=args.outbox_log_level,
         change_notify=not args.outbox_without_change_notify,
         chunk_operations=args.outbox_chunk,
+        strip=tuple(args.outbox_strip),
     )
     chosen = ["outbox"] if args.scale_out else args.systems
     began = time.monotonic()

@@ -11,6 +11,7 @@ from typing import Any
 from uuid import uuid4
 
 import psycopg
+from psycopg import sql
 
 from bench.e2e_tools import TOOL, build_registry
 from bench.reporting import percentile
@@ -48,6 +49,9 @@ class OutboxSettings:
     # The most operations per broker message of the "outbox" system (None: the product's
     # default, OUTBOX_MESSAGE_OPERATIONS unset); "outbox-single" always sends one each.
     chunk_operations: int | None = None
+    # An ablation, never a product setting: what the database's guards cost, measured by
+    # switching them off (strip_guards: "chain", "guards", "constraints").
+    strip: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +67,7 @@ class OutboxSettings:
             "dispatch_gather_ms": Settings().dispatch_gather_ms,
             "log_level": self.log_level,
             "event_loop": "uvloop",
+            "stripped": list(self.strip),
         }
 
 
@@ -95,6 +100,60 @@ FROM operations
 """
 
 
+# The hot path's tables: a decision writes the first three, every transition the
+# operation, an event and its head, the dispatcher its outbox row.
+HOT_TABLES = ("operations", "operation_events", "operation_event_heads", "outbox")
+# The triggers that wake someone are behaviour, not guards: they always stay.
+WAKING_TRIGGERS = ("outbox_notify_pending", "operation_events_notify_changed")
+CHAIN_TRIGGER = "operation_events_chain"
+STRIPPABLE = ("chain", "guards", "constraints")
+HOT_TRIGGERS_SQL = """
+SELECT c.relname, t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+WHERE NOT t.tgisinternal AND c.relname = ANY(%(tables)s) AND t.tgname <> ALL(%(waking)s)
+  AND c.relnamespace = current_schema()::regnamespace
+"""
+HOT_CONSTRAINTS_SQL = """
+SELECT c.relname, k.conname FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+WHERE k.contype IN ('c', 'f') AND c.relname = ANY(%(tables)s)
+  AND c.relnamespace = current_schema()::regnamespace
+"""
+
+
+def strip_guards(connection: psycopg.Connection[Any], strip: tuple[str, ...]) -> None:
+    """Switch off what ``strip`` names on the hot tables of a bench database: "chain",
+    the evidence chain's trigger (an event's seq and hashes then go unfilled); "guards",
+    every other trigger but those that wake someone (the birth, transition, outbox-row,
+    append-only and by-role checks); "constraints", the CHECK and FOREIGN KEY
+    constraints. A bench ablation that leaves a database no product component should be
+    given."""
+    unknown = set(strip) - set(STRIPPABLE)
+    if unknown:
+        raise ValueError(f"nothing called {sorted(unknown)} to strip; {STRIPPABLE}")
+    names = {"tables": list(HOT_TABLES), "waking": list(WAKING_TRIGGERS)}
+    for table, trigger in connection.execute(HOT_TRIGGERS_SQL, names).fetchall():
+        if ("chain" if trigger == CHAIN_TRIGGER else "guards") not in strip:
+            continue
+        connection.execute(
+            sql.SQL("ALTER TABLE {} DISABLE TRIGGER {}").format(
+                sql.Identifier(table), sql.Identifier(trigger)
+            )
+        )
+    if "chain" in strip:
+        for column in ("seq", "hash"):
+            connection.execute(
+                sql.SQL("ALTER TABLE operation_events ALTER COLUMN {} DROP NOT NULL").format(
+                    sql.Identifier(column)
+                )
+            )
+    if "constraints" in strip:
+        for table, constraint in connection.execute(HOT_CONSTRAINTS_SQL, names).fetchall():
+            connection.execute(
+                sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
+                    sql.Identifier(table), sql.Identifier(constraint)
+                )
+            )
+
+
 @dataclass
 class Outbox:
     """effect-outbox as deployed: ``python -m dispatcher`` and ``python -m consumer
@@ -124,6 +183,9 @@ class Outbox:
                 connection.execute(
                     "ALTER TABLE operation_events DISABLE TRIGGER operation_events_notify_changed"
                 )
+        if self.settings.strip:
+            with psycopg.connect(url) as connection:
+                strip_guards(connection, self.settings.strip)
         with contextlib.suppress(Exception):
             run_async(delete_topology(self.context.amqp_url, self.topology()))
         return url
