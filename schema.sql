@@ -21,22 +21,23 @@ CREATE TABLE IF NOT EXISTS outbox_schema_applied (
     applied_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
--- One row per agent decision: the business operation whose effect we own.
+-- One row per agent decision: the business operation whose effect we own. The bounds of
+-- its values are checked by its two guards, not by CHECK constraints (version 18, at the
+-- end of the guards below): outbox_guard_birth bounds the recorded intent at the insert,
+-- and outbox_guard_transition, which also freezes that intent, bounds what moves.
 CREATE TABLE IF NOT EXISTS operations (
     id                  uuid PRIMARY KEY,
-    run_id              text NOT NULL CHECK (length(run_id) BETWEEN 1 AND 200),
-    decision_key        text CHECK (decision_key IS NULL OR length(decision_key) BETWEEN 1 AND 200),
-    tool_name           text NOT NULL CHECK (tool_name ~ '^[a-z][a-z0-9_.-]{0,63}$'),
-    tool_version        integer NOT NULL CHECK (tool_version >= 1),
-    side_effect         text NOT NULL CHECK (side_effect IN
-                            ('read_only', 'idempotent_write', 'deduplicated_write', 'non_repeatable_write')),
+    run_id              text NOT NULL,
+    decision_key        text,
+    tool_name           text NOT NULL,
+    tool_version        integer NOT NULL,
+    side_effect         text NOT NULL,
     input               jsonb NOT NULL,
-    input_fingerprint   text NOT NULL CHECK (input_fingerprint ~ '^[0-9a-f]{64}$'),
+    input_fingerprint   text NOT NULL,
     requires_approval   boolean NOT NULL DEFAULT false,
-    state               text NOT NULL DEFAULT 'prepared' CHECK (state IN
-                            ('prepared', 'in_flight', 'committed', 'rejected', 'outcome_unknown', 'escalated')),
-    attempts            integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
-    reconcile_attempts  integer NOT NULL DEFAULT 0 CHECK (reconcile_attempts >= 0),
+    state               text NOT NULL DEFAULT 'prepared',
+    attempts            integer NOT NULL DEFAULT 0,
+    reconcile_attempts  integer NOT NULL DEFAULT 0,
     -- Fencing token: bumped by every claim; every later write names the token it holds.
     lease_token         bigint NOT NULL DEFAULT 0,
     lease_owner         text,
@@ -48,14 +49,7 @@ CREATE TABLE IF NOT EXISTS operations (
     last_error_class    text,
     created_at          timestamptz NOT NULL DEFAULT now(),
     updated_at          timestamptz NOT NULL DEFAULT now(),
-    CONSTRAINT operations_run_decision_key UNIQUE (run_id, decision_key),
-    -- A worker talking to the provider always holds a lease; a reconciler may hold one
-    -- on an unknown outcome; settled and waiting operations hold none.
-    CONSTRAINT operations_lease_consistent CHECK (
-        (lease_owner IS NULL) = (lease_expires_at IS NULL)
-        AND (state <> 'in_flight' OR lease_expires_at IS NOT NULL)
-        AND (state IN ('in_flight', 'outcome_unknown') OR lease_expires_at IS NULL)
-    )
+    CONSTRAINT operations_run_decision_key UNIQUE (run_id, decision_key)
 );
 
 -- Version 4: whether the effect may have happened. Set by every move to outcome_unknown
@@ -201,10 +195,57 @@ RETURN p_value IS NULL OR (
     AND p_value <= clock_timestamp() + interval '30 days'
 );
 
+-- Version 18: an operation's bounds, which were CHECK constraints until version 17. Postgres
+-- reads a table's CHECK expressions back from the catalog and prepares them again for
+-- every statement that writes the table, however few rows it writes; the operations
+-- table had ten, and the claim and the outcome each paid for all ten (six of them on
+-- columns no update may change) in every statement: about 40 µs of a one-row UPDATE's
+-- 140 (docs/benchmarks.md, "what the database's guards cost"). The guards below run the
+-- same conditions from plans each session prepares once. Each answers the name of the
+-- constraint a row breaks, NULL if none (a NULL value passes, as it did a CHECK), and
+-- the guards raise it as Postgres raised a CHECK's: check_violation, the same name.
+CREATE OR REPLACE FUNCTION outbox_operation_intent_refused(
+    p_run_id text, p_decision_key text, p_tool_name text, p_tool_version integer,
+    p_side_effect text, p_input_fingerprint text
+) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE
+    WHEN NOT (length(p_run_id) BETWEEN 1 AND 200) THEN 'operations_run_id_check'
+    WHEN NOT (p_decision_key IS NULL OR length(p_decision_key) BETWEEN 1 AND 200)
+        THEN 'operations_decision_key_check'
+    WHEN NOT (p_tool_name ~ '^[a-z][a-z0-9_.-]{0,63}$') THEN 'operations_tool_name_check'
+    WHEN NOT (p_tool_version >= 1) THEN 'operations_tool_version_check'
+    WHEN NOT (p_side_effect IN ('read_only', 'idempotent_write', 'deduplicated_write',
+                                'non_repeatable_write'))
+        THEN 'operations_side_effect_check'
+    WHEN NOT (p_input_fingerprint ~ '^[0-9a-f]{64}$') THEN 'operations_input_fingerprint_check'
+END;
+
+-- A worker talking to the provider always holds a lease; a reconciler may hold one on an
+-- unknown outcome; settled and waiting operations hold none (operations_lease_consistent).
+CREATE OR REPLACE FUNCTION outbox_operation_state_refused(
+    p_state text, p_attempts integer, p_reconcile_attempts integer, p_lease_owner text,
+    p_lease_expires_at timestamptz
+) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE
+    WHEN NOT (p_state IN ('prepared', 'in_flight', 'committed', 'rejected',
+                          'outcome_unknown', 'escalated'))
+        THEN 'operations_state_check'
+    WHEN NOT (p_attempts >= 0) THEN 'operations_attempts_check'
+    WHEN NOT (p_reconcile_attempts >= 0) THEN 'operations_reconcile_attempts_check'
+    WHEN NOT ((p_lease_owner IS NULL) = (p_lease_expires_at IS NULL)
+              AND (p_state <> 'in_flight' OR p_lease_expires_at IS NOT NULL)
+              AND (p_state IN ('in_flight', 'outcome_unknown') OR p_lease_expires_at IS NULL))
+        THEN 'operations_lease_consistent'
+END;
+
 -- The state machine of docs/design.md section 5, enforced by the database itself so that
 -- no code path (a bug, a manual UPDATE) can move an operation along an illegal edge.
 CREATE OR REPLACE FUNCTION outbox_guard_transition() RETURNS trigger
 LANGUAGE plpgsql AS $$
+DECLARE
+    refused text;
 BEGIN
     IF NEW.state IS DISTINCT FROM OLD.state AND NOT (
         (OLD.state, NEW.state) IN (
@@ -237,6 +278,14 @@ BEGIN
         OLD.created_at, OLD.recorded_by) THEN
         RAISE EXCEPTION 'operation %: its recorded intent (input, fingerprint, tool, side effect, approval requirement) cannot change', OLD.id
             USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operations_intent_frozen';
+    END IF;
+    -- What may move stays within its bounds; the intent, frozen above, kept the bounds its
+    -- insert was held to.
+    refused := @schema@.outbox_operation_state_refused(
+        NEW.state, NEW.attempts, NEW.reconcile_attempts, NEW.lease_owner, NEW.lease_expires_at);
+    IF refused IS NOT NULL THEN
+        RAISE EXCEPTION 'new row for relation "operations" violates check constraint "%"', refused
+            USING ERRCODE = 'check_violation', CONSTRAINT = refused;
     END IF;
     IF OLD.state IN ('committed', 'rejected') THEN
         RAISE EXCEPTION 'operation % is terminal (%)', OLD.id, OLD.state
@@ -302,6 +351,8 @@ CREATE TRIGGER operations_guard_transition
 -- that may insert operations can therefore never insert one that looks executed.
 CREATE OR REPLACE FUNCTION outbox_guard_birth() RETURNS trigger
 LANGUAGE plpgsql AS $$
+DECLARE
+    refused text;
 BEGIN
     IF NEW.state <> 'prepared' OR NEW.attempts <> 0 OR NEW.reconcile_attempts <> 0
        OR NEW.lease_token <> 0 OR NEW.lease_owner IS NOT NULL
@@ -321,6 +372,15 @@ BEGIN
         RAISE EXCEPTION 'a tool input must be a JSON object of at most 1048576 bytes (jsonb text) nested at most 64 deep'
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_input_bounded';
     END IF;
+    -- Prepared, with no attempt or lease (above), the row is within the bounds of what
+    -- moves; the intent's own are checked here, once, since no update may change it.
+    refused := @schema@.outbox_operation_intent_refused(
+        NEW.run_id, NEW.decision_key, NEW.tool_name, NEW.tool_version, NEW.side_effect,
+        NEW.input_fingerprint);
+    IF refused IS NOT NULL THEN
+        RAISE EXCEPTION 'new row for relation "operations" violates check constraint "%"', refused
+            USING ERRCODE = 'check_violation', CONSTRAINT = refused;
+    END IF;
     -- The database's clock, never the writer's.
     NEW.created_at := now();
     NEW.updated_at := now();
@@ -333,6 +393,20 @@ DROP TRIGGER IF EXISTS operations_guard_birth ON operations;
 CREATE TRIGGER operations_guard_birth
     BEFORE INSERT ON operations
     FOR EACH ROW EXECUTE FUNCTION outbox_guard_birth();
+
+-- Version 18: the CHECK constraints a database created before it holds, now checked by
+-- the two guards above (which are in place by this point of the migration's transaction).
+ALTER TABLE operations
+    DROP CONSTRAINT IF EXISTS operations_run_id_check,
+    DROP CONSTRAINT IF EXISTS operations_decision_key_check,
+    DROP CONSTRAINT IF EXISTS operations_tool_name_check,
+    DROP CONSTRAINT IF EXISTS operations_tool_version_check,
+    DROP CONSTRAINT IF EXISTS operations_side_effect_check,
+    DROP CONSTRAINT IF EXISTS operations_input_fingerprint_check,
+    DROP CONSTRAINT IF EXISTS operations_state_check,
+    DROP CONSTRAINT IF EXISTS operations_attempts_check,
+    DROP CONSTRAINT IF EXISTS operations_reconcile_attempts_check,
+    DROP CONSTRAINT IF EXISTS operations_lease_consistent;
 
 -- Which events each component may append, once roles.sql has created the groups: the
 -- agent only agent.completed (operation.prepared comes from outbox_record_decision
@@ -2053,3 +2127,4 @@ INSERT INTO outbox_schema_version (version) VALUES (14) ON CONFLICT (version) DO
 INSERT INTO outbox_schema_version (version) VALUES (15) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (16) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (17) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (18) ON CONFLICT (version) DO NOTHING;

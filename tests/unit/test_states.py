@@ -27,10 +27,12 @@ def schema_transition_pairs() -> set[tuple[str, str]]:
 
 
 def schema_state_values() -> list[str]:
+    # Version 18: the bound the guards check, named as the CHECK it replaced.
     match = re.search(
-        r"\bstate\s+text\b[^\n]*CHECK \(state IN\s*\((?P<values>[^)]*)\)", schema_sql()
+        r"WHEN NOT \(p_state IN \((?P<values>[^)]*)\)\)\s+THEN 'operations_state_check'",
+        schema_sql(),
     )
-    assert match, "the CHECK on operations.state was not found in schema.sql"
+    assert match, "the bound on operations.state was not found in schema.sql"
     return re.findall(r"'([a-z_]+)'", match["values"])
 
 
