@@ -216,8 +216,9 @@ def parse_arguments() -> argparse.Namespace:
         choices=STRIPPABLE,
         default=[],
         help="an ablation, never a product setting: switch off the evidence chain's "
-        "trigger (chain), the hot tables' other guard triggers (guards) or their CHECK "
-        "and FOREIGN KEY constraints (constraints), to measure what they cost",
+        "trigger (chain), the hot tables' other guard triggers (guards), their CHECK "
+        "constraints (checks) or their FOREIGN KEYs (foreign-keys), to measure what they "
+        "cost",
     )
     parser.add_argument(
         "--scale-out",

@@ -50,7 +50,7 @@ class OutboxSettings:
     # default, OUTBOX_MESSAGE_OPERATIONS unset); "outbox-single" always sends one each.
     chunk_operations: int | None = None
     # An ablation, never a product setting: what the database's guards cost, measured by
-    # switching them off (strip_guards: "chain", "guards", "constraints").
+    # switching them off (strip_guards: "chain", "guards", "checks", "foreign-keys").
     strip: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
@@ -106,7 +106,7 @@ HOT_TABLES = ("operations", "operation_events", "operation_event_heads", "outbox
 # The triggers that wake someone are behaviour, not guards: they always stay.
 WAKING_TRIGGERS = ("outbox_notify_pending", "operation_events_notify_changed")
 CHAIN_TRIGGER = "operation_events_chain"
-STRIPPABLE = ("chain", "guards", "constraints")
+STRIPPABLE = ("chain", "guards", "checks", "foreign-keys")
 HOT_TRIGGERS_SQL = """
 SELECT c.relname, t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
 WHERE NOT t.tgisinternal AND c.relname = ANY(%(tables)s) AND t.tgname <> ALL(%(waking)s)
@@ -114,21 +114,25 @@ WHERE NOT t.tgisinternal AND c.relname = ANY(%(tables)s) AND t.tgname <> ALL(%(w
 """
 HOT_CONSTRAINTS_SQL = """
 SELECT c.relname, k.conname FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
-WHERE k.contype IN ('c', 'f') AND c.relname = ANY(%(tables)s)
+WHERE k.contype = ANY(%(types)s::"char"[]) AND c.relname = ANY(%(tables)s)
   AND c.relnamespace = current_schema()::regnamespace
 """
+
+
+def refuse_unknown_strip(strip: tuple[str, ...]) -> None:
+    unknown = set(strip) - set(STRIPPABLE)
+    if unknown:
+        raise ValueError(f"nothing called {sorted(unknown)} to strip; {STRIPPABLE}")
 
 
 def strip_guards(connection: psycopg.Connection[Any], strip: tuple[str, ...]) -> None:
     """Switch off what ``strip`` names on the hot tables of a bench database: "chain",
     the evidence chain's trigger (an event's seq and hashes then go unfilled); "guards",
     every other trigger but those that wake someone (the birth, transition, outbox-row,
-    append-only and by-role checks); "constraints", the CHECK and FOREIGN KEY
-    constraints. A bench ablation that leaves a database no product component should be
-    given."""
-    unknown = set(strip) - set(STRIPPABLE)
-    if unknown:
-        raise ValueError(f"nothing called {sorted(unknown)} to strip; {STRIPPABLE}")
+    append-only and by-role checks); "checks", their CHECK constraints; "foreign-keys",
+    their FOREIGN KEY constraints. A bench ablation that leaves a database no product
+    component should be given."""
+    refuse_unknown_strip(strip)
     names = {"tables": list(HOT_TABLES), "waking": list(WAKING_TRIGGERS)}
     for table, trigger in connection.execute(HOT_TRIGGERS_SQL, names).fetchall():
         if ("chain" if trigger == CHAIN_TRIGGER else "guards") not in strip:
@@ -145,8 +149,10 @@ def strip_guards(connection: psycopg.Connection[Any], strip: tuple[str, ...]) ->
                     sql.Identifier(column)
                 )
             )
-    if "constraints" in strip:
-        for table, constraint in connection.execute(HOT_CONSTRAINTS_SQL, names).fetchall():
+    types = [kind for name, kind in (("checks", "c"), ("foreign-keys", "f")) if name in strip]
+    if types:
+        found = connection.execute(HOT_CONSTRAINTS_SQL, {**names, "types": types}).fetchall()
+        for table, constraint in found:
             connection.execute(
                 sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(
                     sql.Identifier(table), sql.Identifier(constraint)
@@ -177,6 +183,7 @@ class Outbox:
         return topology_for(self.context.names(self.name))
 
     def set_up(self) -> str:
+        refuse_unknown_strip(self.settings.strip)
         url = self.database().recreate()
         if not self.settings.change_notify:
             with psycopg.connect(url) as connection:
