@@ -279,14 +279,6 @@ BEGIN
         RAISE EXCEPTION 'operation %: its recorded intent (input, fingerprint, tool, side effect, approval requirement) cannot change', OLD.id
             USING ERRCODE = 'insufficient_privilege', CONSTRAINT = 'operations_intent_frozen';
     END IF;
-    -- What may move stays within its bounds; the intent, frozen above, kept the bounds its
-    -- insert was held to.
-    refused := @schema@.outbox_operation_state_refused(
-        NEW.state, NEW.attempts, NEW.reconcile_attempts, NEW.lease_owner, NEW.lease_expires_at);
-    IF refused IS NOT NULL THEN
-        RAISE EXCEPTION 'new row for relation "operations" violates check constraint "%"', refused
-            USING ERRCODE = 'check_violation', CONSTRAINT = refused;
-    END IF;
     IF OLD.state IN ('committed', 'rejected') THEN
         RAISE EXCEPTION 'operation % is terminal (%)', OLD.id, OLD.state
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_terminal';
@@ -336,6 +328,15 @@ BEGIN
            AND NOT @schema@.outbox_plausible_time(NEW.waiting_since)) THEN
         RAISE EXCEPTION 'operation %: a reference, lease owner, error class or time outside its bounds', OLD.id
             USING ERRCODE = 'check_violation', CONSTRAINT = 'operations_values_bounded';
+    END IF;
+    -- Last, where the CHECK constraints were evaluated (after every BEFORE trigger), so a
+    -- row refused for a reason above still says that reason: what may move stays within
+    -- its bounds; the intent, frozen above, kept the bounds its insert was held to.
+    refused := @schema@.outbox_operation_state_refused(
+        NEW.state, NEW.attempts, NEW.reconcile_attempts, NEW.lease_owner, NEW.lease_expires_at);
+    IF refused IS NOT NULL THEN
+        RAISE EXCEPTION 'new row for relation "operations" violates check constraint "%"', refused
+            USING ERRCODE = 'check_violation', CONSTRAINT = refused;
     END IF;
     NEW.updated_at := now();
     RETURN NEW;

@@ -195,3 +195,19 @@ def test_a_version_17_database_loses_its_constraints_and_keeps_its_bounds(
         refused_as(database_url, INSERT, {**GOOD_ROW, "id": uuid4(), "tool_name": "Bad"})
         == "operations_tool_name_check"
     )
+
+
+def test_a_row_refused_for_a_guards_own_reason_still_says_that_reason(
+    ops: Ops, database_url: str
+) -> None:
+    # The bounds are checked last, where the constraints were (after every BEFORE
+    # trigger): an illegal move that also breaks a bound is named as the illegal move.
+    operation = ops.new()
+
+    refused = refused_as(
+        database_url,
+        "UPDATE operations SET state = 'committed', attempts = -1 WHERE id = %(id)s",
+        {"id": operation.id},
+    )
+
+    assert refused == "operations_legal_transition"
