@@ -112,10 +112,13 @@ def test_stripping_only_the_chain_leaves_every_guard(context: Context) -> None:
 
 def test_a_strip_of_nothing_known_is_refused_before_anything_changes(context: Context) -> None:
     system = stripped_outbox(context, "everything")
-    with pytest.raises(ValueError, match="nothing called \\['everything'\\] to strip"):
-        system.set_up()
-    with psycopg.connect(context.admin_url, autocommit=True) as check:
-        created = check.execute(
-            "SELECT count(*) FROM pg_database WHERE datname = %s", (system.database().name,)
-        ).fetchone()
+    try:
+        with pytest.raises(ValueError, match="nothing called \\['everything'\\] to strip"):
+            system.set_up()
+        with psycopg.connect(context.admin_url, autocommit=True) as check:
+            created = check.execute(
+                "SELECT count(*) FROM pg_database WHERE datname = %s", (system.database().name,)
+            ).fetchone()
+    finally:
+        system.tear_down()  # should it have been created after all, it does not stay
     assert created == (0,)
