@@ -9,11 +9,20 @@ import asyncio
 import psycopg
 import pytest
 
-from bench.systems import Context, OutboxSettings, systems
+from bench.systems import Context, OutboxSettings, System, systems
 from bench.systems.effect_outbox import Outbox
 from outbox.sandbox.scratch import new_tag
 
 from support.db_helpers import Counts, committed_counts
+
+
+async def write_three(system: System, url: str) -> list[str]:
+    """Three decisions through the system's own writer; their operations' ids."""
+    enqueue, close = await system.writer(url)
+    try:
+        return [await enqueue(n) for n in range(3)]
+    finally:
+        await close()
 
 
 @pytest.fixture
@@ -29,15 +38,8 @@ def test_each_outbox_writer_commits_every_decision(context: Context, name: str) 
     system = systems(context)[name]
     url = system.set_up()
 
-    async def write() -> list[str]:
-        enqueue, close = await system.writer(url)
-        try:
-            return [await enqueue(n) for n in range(3)]
-        finally:
-            await close()
-
     try:
-        ids = asyncio.run(write())
+        ids = asyncio.run(write_three(system, url))
         with psycopg.connect(url, autocommit=True) as check:
             stored = {
                 str(row[0])
@@ -71,15 +73,8 @@ def test_an_outbox_stripped_of_everything_keeps_its_waking_triggers_and_still_re
     system = stripped_outbox(context, "chain", "guards", "checks", "foreign-keys")
     url = system.set_up()
 
-    async def write() -> list[str]:
-        enqueue, close = await system.writer(url)
-        try:
-            return [await enqueue(n) for n in range(3)]
-        finally:
-            await close()
-
     try:
-        ids = asyncio.run(write())
+        ids = asyncio.run(write_three(system, url))
         with psycopg.connect(url, autocommit=True) as check:
             enabled = {row[0] for row in check.execute(ENABLED_TRIGGERS)}
             constraints = check.execute(GUARD_CONSTRAINTS).fetchone()

@@ -14,7 +14,6 @@ from datetime import date
 from pathlib import Path
 from uuid import UUID, uuid4
 
-import psycopg
 import pytest
 
 from outbox import OperationState, Registry
@@ -23,7 +22,7 @@ from outbox.cli import run_command
 from outbox.history_file import DIGEST_BLOCK, digest, verify_archive
 from outbox.operator import history_days
 
-from support.db_helpers import execute_admin
+from support.db_helpers import execute_admin, migrate_again
 from support.history_helpers import archive_all, settled_days_ago
 from support.ops_helpers import Ops
 
@@ -137,11 +136,7 @@ def test_a_version_15_database_is_told_to_migrate(database_url: str) -> None:
         # As another schema.sql applied it: the migration runs again.
         "UPDATE outbox_schema_applied SET digest = repeat('0', 64)",
     )
-    with psycopg.connect(database_url) as connection:
-        told_to_migrate = not outbox_schema.schema_is_current(connection)
-    with psycopg.connect(database_url) as connection:
-        migrated = outbox_schema.apply_schema(connection)
-        current = outbox_schema.schema_is_current(connection)
+    told_to_migrate, migrated, current = migrate_again(database_url)
 
     assert told_to_migrate
     assert (migrated, current) == (outbox_schema.SCHEMA_VERSION, True)

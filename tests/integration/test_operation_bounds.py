@@ -15,7 +15,7 @@ import pytest
 from outbox import Registry
 from outbox import schema as outbox_schema
 
-from support.db_helpers import execute_admin
+from support.db_helpers import execute_admin, migrate_again
 from support.ops_helpers import Ops
 
 FINGERPRINT = "ab" * 32
@@ -174,11 +174,7 @@ def test_a_version_17_database_loses_its_constraints_and_keeps_its_bounds(
         # As another schema.sql applied it: the migration runs again.
         "; UPDATE outbox_schema_applied SET digest = repeat('0', 64)",
     )
-    with psycopg.connect(database_url) as connection:
-        told_to_migrate = not outbox_schema.schema_is_current(connection)
-    with psycopg.connect(database_url) as connection:
-        migrated = outbox_schema.apply_schema(connection)
-        current = outbox_schema.schema_is_current(connection)
+    told_to_migrate, migrated, current = migrate_again(database_url)
 
     assert told_to_migrate
     assert (migrated, current) == (outbox_schema.SCHEMA_VERSION, True)

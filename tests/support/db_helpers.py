@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
+from outbox import schema as outbox_schema
 from outbox.store import AsyncConnection as AnyAsyncConnection
 from outbox.store import SyncConnection
 
@@ -131,3 +132,14 @@ async def async_transaction(
     else:
         async with await psycopg.AsyncConnection.connect(database_url) as raw:
             yield AsyncTransaction(raw)
+
+
+def migrate_again(database_url: str) -> tuple[bool, int, bool]:
+    """For a database made to look older: whether it was told to migrate, the version
+    ``apply_schema`` then reached, and whether the schema was current after."""
+    with psycopg.connect(database_url) as connection:
+        told_to_migrate = not outbox_schema.schema_is_current(connection)
+    with psycopg.connect(database_url) as connection:
+        migrated = outbox_schema.apply_schema(connection)
+        current = outbox_schema.schema_is_current(connection)
+    return told_to_migrate, migrated, current
