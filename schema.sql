@@ -120,9 +120,11 @@ CREATE INDEX IF NOT EXISTS outbox_operation ON outbox (operation_id);
 ALTER TABLE outbox SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000);
 
 -- Append-only lifecycle evidence. Attributes never hold tool inputs or user text.
+-- operation_id names an operation that exists: the chain trigger checks it (version 19,
+-- below), where a foreign key used to.
 CREATE TABLE IF NOT EXISTS operation_events (
     id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    operation_id  uuid NOT NULL REFERENCES operations (id),
+    operation_id  uuid NOT NULL,
     name          text NOT NULL CHECK (name ~ '^[a-z_]+\.[a-z_]+$'),
     attributes    jsonb NOT NULL DEFAULT '{}'::jsonb,
     created_at    timestamptz NOT NULL DEFAULT clock_timestamp()
@@ -533,8 +535,8 @@ ALTER TABLE operation_events ADD COLUMN IF NOT EXISTS hash bytea;
 -- other: the row is read and written in one statement, and no extra lock is taken on
 -- operations. Every row is rewritten a few times soon after its insert; room left on its
 -- page (fillfactor) keeps those updates HOT, with no new index entry. No foreign key to
--- operations: only the trigger writes a head, for an event that has just passed
--- operation_events' own, and the check would cost every operation's first event.
+-- operations: only the trigger writes a head, and only once it has found the event's
+-- operation (version 19, below).
 CREATE TABLE IF NOT EXISTS operation_event_heads (
     operation_id  uuid PRIMARY KEY,
     events        integer NOT NULL CHECK (events >= 1),
@@ -595,6 +597,18 @@ RETURN sha256(
 -- lock only the head. Two transactions appending to the same two operations in opposite
 -- orders can therefore deadlock where they used not to; Postgres ends one (SQLSTATE
 -- 40P01), which the store reports as transient and the daemons retry.
+--
+-- Version 19: the trigger, not a foreign key, refuses an event whose operation does not
+-- exist (SQLSTATE 23503, under the name the foreign key had). The foreign key looked the
+-- operation up again for every event and locked its row (FOR KEY SHARE), one more WAL
+-- record each time, mostly on a row the same statement had just updated: about 200 µs
+-- of the backend's 1,600 an operation (decision, claim and outcome; bench results of
+-- 2026-12-05 in docs/benchmarks.md). An event that finds its operation's head needs no
+-- look: a head is written only for an operation that was found, and goes only with it
+-- (outbox_history_archive locks the heads it deletes, so an append either commits
+-- first and moves with the operation, or waits and then finds no head). An event that
+-- finds none, its operation's first, looks the operation up and locks it as the foreign
+-- key did, so no operation is deleted from under an event that names it.
 DO $$
 BEGIN
     EXECUTE format($definition$
@@ -625,7 +639,15 @@ BEGIN
             END IF;
             -- The operation's first event (its operation.prepared, in the statement that
             -- records it), or one that raced another first event: ON CONFLICT waits for
-            -- that one and chains after it.
+            -- that one and chains after it. Either way, only an operation that exists.
+            PERFORM FROM %1$I.operations o
+            WHERE o.id OPERATOR(pg_catalog.=) NEW.operation_id
+            FOR KEY SHARE;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'an event names an operation that does not exist'
+                    USING ERRCODE = 'foreign_key_violation',
+                          CONSTRAINT = 'operation_events_operation_id_fkey';
+            END IF;
             INSERT INTO %1$I.operation_event_heads AS h
                 (operation_id, events, prev_hash, last_hash)
             VALUES (NEW.operation_id, 1, NULL,
@@ -654,6 +676,8 @@ DROP TRIGGER IF EXISTS operation_events_chain ON operation_events;
 CREATE TRIGGER operation_events_chain
     BEFORE INSERT ON operation_events
     FOR EACH ROW EXECUTE FUNCTION outbox_chain_event();
+
+ALTER TABLE operation_events DROP CONSTRAINT IF EXISTS operation_events_operation_id_fkey;
 
 -- Only the chain trigger moves a head. pg_trigger_depth() is 0 for a statement someone
 -- typed and 1 inside outbox_chain_event, and the WHEN clause is evaluated without calling
@@ -1667,6 +1691,7 @@ DECLARE
     locked uuid[] := '{}';
     window_locked uuid[];
     picked uuid[];
+    headed uuid[];
     candidate record;
     after_at timestamptz := '-infinity';
     after_id uuid := '00000000-0000-0000-0000-000000000000';
@@ -1732,6 +1757,23 @@ BEGIN
               AND @schema@.outbox_history_quiet(o.id)
             FOR UPDATE OF o SKIP LOCKED
         ) AS ready;
+        -- Version 19: and their heads (SKIP LOCKED again), which an append to an
+        -- operation holds until it commits and which no foreign key guards any more: an
+        -- append that took one first commits before this batch reads the events; one
+        -- that comes after waits, then finds the head gone and the operation with it,
+        -- and is refused (outbox_chain_event). An operation without a head (no event was
+        -- ever chained for it) has nothing to hold.
+        SELECT array_agg(h.operation_id) INTO headed FROM (
+            SELECT hd.operation_id
+            FROM @schema@.operation_event_heads hd
+            WHERE hd.operation_id = ANY (picked)
+            FOR UPDATE SKIP LOCKED
+        ) AS h;
+        SELECT array_agg(p.id) INTO picked
+        FROM unnest(picked) AS p (id)
+        WHERE p.id = ANY (coalesce(headed, '{}'))
+           OR NOT EXISTS (SELECT 1 FROM @schema@.operation_event_heads hd
+                          WHERE hd.operation_id = p.id);
         moving := moving || coalesce(picked, '{}');
         -- A short window: nothing older than the hot window is left to look at.
         EXIT WHEN seen < window_size;
@@ -2129,3 +2171,4 @@ INSERT INTO outbox_schema_version (version) VALUES (15) ON CONFLICT (version) DO
 INSERT INTO outbox_schema_version (version) VALUES (16) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (17) ON CONFLICT (version) DO NOTHING;
 INSERT INTO outbox_schema_version (version) VALUES (18) ON CONFLICT (version) DO NOTHING;
+INSERT INTO outbox_schema_version (version) VALUES (19) ON CONFLICT (version) DO NOTHING;

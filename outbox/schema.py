@@ -30,7 +30,7 @@ from outbox.store.runner import AsyncConnection, AsyncStore, Plan, Step, Store
 _MIGRATION_LOCK = 0x6F7574626F78
 
 # The version schema.sql brings a database to (its last outbox_schema_version row).
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 
 # What schema.sql writes where a function body names an object of the schema being
 # migrated; apply_schema puts that schema's quoted name in its place.

@@ -1635,7 +1635,7 @@ SELECT to_regclass('outbox_schema_version') IS NOT NULL AS present
 SELECT max(version) AS version FROM outbox_schema_version
 
 -- name: schema_is_current
--- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history, version 14's chained checkpoints, version 15's archive batch bounded by its locks, version 16's day digest in blocks, version 17's key rows of typed columns, version 18's operation bounds in its guards) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
+-- Whether this library's schema is applied: the newest tables and functions (version 5's evidence chain, version 6's bounds, version 7's callbacks inbox, version 9's provider breaker, version 10's search_path without the schema on it and agent reports, version 11's callbacks chained at application, version 12's record of discarded dead letters, version 13's history, version 14's chained checkpoints, version 15's archive batch bounded by its locks, version 16's day digest in blocks, version 17's key rows of typed columns, version 18's operation bounds in its guards, version 19's events checked for their operation by the chain) and columns (version 4's effect_possible, version 9's waiting_since) it needs exist. Catalog only, so any role may ask. The column is sought on any table of the schema, as the table and the function are: this asks whether the migrations ran, and an operations table gone missing since is a failure of its own (SchemaMissing, per statement).
 SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_chain_event') IS NOT NULL
        AND to_regproc('outbox_guard_approval') IS NOT NULL
@@ -1652,6 +1652,9 @@ SELECT to_regclass('operation_event_heads') IS NOT NULL
        AND to_regproc('outbox_history_quiet') IS NOT NULL
        AND to_regproc('outbox_history_day_blocks') IS NOT NULL
        AND to_regproc('outbox_operation_state_refused') IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM pg_constraint k
+                       WHERE k.conname = 'operation_events_operation_id_fkey'
+                         AND k.connamespace = current_schema()::regnamespace)
        -- Two of this name (one per key generation): to_regproc answers NULL for either.
        AND EXISTS (SELECT 1 FROM pg_proc p
                    WHERE p.proname = 'outbox_history_key_operation'

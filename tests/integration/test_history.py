@@ -6,7 +6,6 @@ operation still verifies, from the database and from an export."""
 from __future__ import annotations
 
 import json
-import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,13 @@ from outbox.errors import DatabaseError, TransientDatabaseError
 from outbox.history_file import broken_links, load_line
 from outbox.models import ApprovalDecision
 from outbox.states import EventName
-from outbox.store import Store
 
 from support.db_helpers import execute_admin
 from support.history_helpers import (
-    HOT,
     archive_all,
     archived_day,
+    race_an_open_batch,
     settled_days_ago,
-    wait_for_lock_waiters,
 )
 from support.ops_helpers import Ops
 
@@ -296,14 +293,10 @@ def test_a_decision_racing_the_move_of_its_key_is_refused_and_its_retry_gets_the
 
     # The move has deleted the hot row and written the key, and not committed: the retry
     # finds no key, and its insert waits for the move's transaction.
-    with psycopg.connect(database_url) as mover:
-        assert Store(mover).run(outbox_store.archive_batch(HOT, 10))
-        racer = threading.Thread(target=retry)
-        racer.start()
-        wait_for_lock_waiters(database_url, "the retried decision waiting for the move")
-    racer.join(10)
+    finished = race_an_open_batch(database_url, retry, "the retried decision waiting for the move")
     again = recorded(database_url, registry, "refund-race")
 
+    assert finished
     assert isinstance(outcome.get("error"), TransientDatabaseError), outcome
     assert again.created is False
     assert again.operation.id == operation.id

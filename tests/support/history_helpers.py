@@ -5,6 +5,8 @@ operation."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -14,6 +16,7 @@ import psycopg
 from outbox import Operation, RecordedDecision, Registry, record_decision
 from outbox import store as outbox_store
 from outbox.models import ApprovalDecision
+from outbox.store import Store
 
 from support.db_helpers import execute_admin
 from support.ops_helpers import LEASE, Ops
@@ -73,6 +76,19 @@ def wait_for_lock_waiters(database_url: str, what: str, *, running: str = "%") -
         within=10,
         what=what,
     )
+
+
+def race_an_open_batch(database_url: str, racer: Callable[[], None], what: str) -> bool:
+    """``racer`` in a thread of its own while a batch has moved what it moves and not
+    committed, until it waits for a lock (``what``); then the batch commits. Whether the
+    racer finished within 10 s of that."""
+    with psycopg.connect(database_url) as mover:
+        assert Store(mover).run(outbox_store.archive_batch(HOT, 10))
+        thread = threading.Thread(target=racer)
+        thread.start()
+        wait_for_lock_waiters(database_url, what)
+    thread.join(10)
+    return not thread.is_alive()
 
 
 def approved(ops: Ops, approver: str = "lead@example.com") -> Operation:
