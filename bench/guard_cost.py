@@ -190,8 +190,8 @@ def loop_on(admin_url: str, piece: str | None) -> Iterator[OperationLoop]:
     it; the database is dropped at the end."""
     prefix = "guard_defaults" if piece is None else f"guard_{piece.replace('-', '_')}"
     with ScratchDatabase(admin_url, f"{prefix}_{new_tag()}") as scratch:
-        with psycopg.connect(scratch.url, autocommit=True) as admin:
-            if piece is not None:
+        if piece is not None:
+            with psycopg.connect(scratch.url, autocommit=True) as admin:
                 strip_piece(admin, piece)
         with psycopg.connect(scratch.url, autocommit=True, row_factory=dict_row) as connection:
             yield OperationLoop(connection)
