@@ -103,7 +103,7 @@ class Claims:
         self.providers = providers or Providers(
             settings, registry, metrics, database, worker_id=worker_id
         )
-        self._batcher = Batcher(self._prepare_many, limit=lambda: database.pacing.limit)
+        self._batcher = Batcher(self._prepare_many, limit=database.burst_limit)
 
     async def claim(self, envelope: OperationMessage) -> Claimed | Skip:
         """Load, check and claim one delivery, in the transaction of its burst, once its

@@ -86,7 +86,7 @@ class Effects:
         self.metrics = metrics
         self.database = database
         self.providers = providers
-        self._commits = Batcher(self._record_many, limit=lambda: database.pacing.limit)
+        self._commits = Batcher(self._record_many, limit=database.burst_limit)
 
     async def attempt(self, claimed: Claimed, traceparent: str | None = None) -> Attempt:
         """Call the tool once for ``claimed``, in a span that continues the decision's

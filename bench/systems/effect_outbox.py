@@ -78,8 +78,9 @@ COMMITTED_EFFECTS = (
 COMMITTED_COUNT = "SELECT count(*) FROM operation_events WHERE name = 'operation.committed'"
 # Where effect-outbox's decision-to-effect time goes, from its own event log: the decision
 # commit (operation.prepared), the dispatcher's publish (outbox.published_at), the
-# consumer's claim (operation.attempted) and the committed outcome. Each timestamp is
-# its transaction's start on the database clock.
+# consumer's claim (operation.attempted) and the committed outcome. Each event's time is
+# its transaction's start on the database clock; published_at is the mark's clock, once
+# the batch's confirms are in.
 STAGES_SQL = """
 SELECT extract(epoch FROM x.published_at - p.created_at),
        extract(epoch FROM a.created_at - x.published_at),
@@ -317,8 +318,8 @@ class Outbox:
         return problems
 
     def stages(self, url: str) -> dict[str, dict[str, float]]:
-        """p50 and p99 of each stage in ms (published_at is the mark's transaction start,
-        so the broker hop shows in published_to_claimed)."""
+        """p50 and p99 of each stage in ms (published_at is the mark's clock, after the
+        batch's confirms: the publish shows in decision_to_published)."""
         with psycopg.connect(url, autocommit=True) as connection:
             rows = connection.execute(STAGES_SQL).fetchall()
         stages: dict[str, dict[str, float]] = {}
