@@ -137,14 +137,15 @@ class Settings(BaseSettings):
     )
     # 10 ms, measured (docs/benchmarks.md, "2026-12-04, afternoon"): at 460 decisions/s
     # it took 25% off the CPU per operation for a p50 within the run's noise. Only
-    # while decisions come closer together than this: a lone one is claimed at once.
+    # while three decisions come within it (dispatcher.daemon.GATHER_FROM_DECISIONS):
+    # slower ones are claimed at once.
     dispatch_gather_ms: int = Field(
         default=10,
         ge=0,
         le=100,
-        description="milliseconds the dispatcher waits, when woken less than this after "
-        "its previous wake, before it claims, so that a forming burst shares one batch "
-        "(0: never)",
+        description="milliseconds the dispatcher waits before it claims while the last "
+        "three decisions were notified within this long, so that a forming burst shares "
+        "one batch (0: never)",
     )
     poll_interval: float = Field(
         json_schema_extra=_in("duration"),

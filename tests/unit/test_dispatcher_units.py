@@ -16,7 +16,7 @@ from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 import dispatcher.cli
-from dispatcher.daemon import Dispatcher, DrainReport, _Tally
+from dispatcher.daemon import GATHER_FROM_DECISIONS, Dispatcher, DrainReport, _Tally
 from dispatcher.publisher import Publisher, PublishOutcome, classify, encode
 from outbox.broker import BrokerUnavailable, OperationMessage, Topology
 from outbox.settings import Settings
@@ -307,25 +307,29 @@ async def test_a_lane_that_fails_ends_the_drain_with_its_error(
 
 
 @pytest.mark.parametrize(
-    ("gather_ms", "notified", "stopping", "previous_wake_ago", "waited"),
+    ("gather_ms", "woken", "stopping", "notified_ago", "waited"),
     [
-        # Woken by a decision soon after the last wake: a burst is forming, it gathers.
-        (5, True, False, 0.001, [0.005]),
-        # A lone decision (the last wake long ago, or none yet) is claimed at once.
-        (5, True, False, 10.0, []),
-        (5, True, False, None, []),
-        # Never when off, after a poll that nothing notified, or while stopping.
-        (0, True, False, 0.001, []),
-        (5, False, False, 0.001, []),
-        (5, True, True, 0.001, []),
+        # The last three decisions came within the window: a burst is forming, it gathers.
+        (5, True, False, [0.004, 0.002, 0.0], [0.005]),
+        (10, True, False, [0.0099, 0.005, 0.001], [0.010]),
+        (10, True, False, [0.010, 0.005, 0.001], []),
+        # Decisions further apart, or too few yet, are claimed at once.
+        (5, True, False, [0.006, 0.003, 0.0], []),
+        (10, True, False, [0.020, 0.010, 0.0], []),
+        (5, True, False, [0.001, 0.0], []),
+        (5, True, False, [], []),
+        # Never when off, after a poll that nothing woke, or while stopping.
+        (0, True, False, [0.002, 0.001, 0.0], []),
+        (5, False, False, [0.002, 0.001, 0.0], []),
+        (5, True, True, [0.002, 0.001, 0.0], []),
     ],
 )
-async def test_a_dispatcher_woken_in_a_burst_gathers_it_before_it_claims(
+async def test_a_dispatcher_gathers_only_a_burst_that_is_forming(
     monkeypatch: pytest.MonkeyPatch,
     gather_ms: int,
-    notified: bool,
+    woken: bool,
     stopping: bool,
-    previous_wake_ago: float | None,
+    notified_ago: list[float],
     waited: list[float],
 ) -> None:
     dispatcher = Dispatcher(Settings(dispatch_gather_ms=gather_ms))
@@ -335,9 +339,12 @@ async def test_a_dispatcher_woken_in_a_burst_gathers_it_before_it_claims(
         slept.append(seconds)
 
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    if previous_wake_ago is not None:
-        dispatcher._last_wake = asyncio.get_running_loop().time() - previous_wake_ago
-    if notified:
+    # A clock that stands still: the ages are exact, however busy the machine.
+    loop = asyncio.get_running_loop()
+    now = loop.time()
+    monkeypatch.setattr(loop, "time", lambda: now)
+    dispatcher._notified.extend(now - ago for ago in notified_ago)
+    if woken:
         dispatcher._wake.set()
     if stopping:
         dispatcher.stop()
@@ -345,6 +352,21 @@ async def test_a_dispatcher_woken_in_a_burst_gathers_it_before_it_claims(
     await dispatcher._gather()
 
     assert slept == waited
+
+
+async def test_the_dispatcher_remembers_only_the_latest_notifications() -> None:
+    dispatcher = Dispatcher(Settings())
+
+    class Listener:
+        async def notifies(self) -> Any:
+            for _ in range(5):
+                yield object()
+
+    await dispatcher._forward_notifications(cast(Any, Listener()))
+
+    assert len(dispatcher._notified) == GATHER_FROM_DECISIONS == 3
+    assert list(dispatcher._notified) == sorted(dispatcher._notified)
+    assert dispatcher._wake.is_set()
 
 
 def test_the_dispatcher_gathers_10_ms_by_default() -> None:
