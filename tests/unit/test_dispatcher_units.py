@@ -312,8 +312,8 @@ async def test_a_lane_that_fails_ends_the_drain_with_its_error(
         # The last three decisions came within the window: a burst is forming, it gathers.
         (5, True, False, [0.004, 0.002, 0.0], [0.005]),
         (10, True, False, [0.0099, 0.005, 0.001], [0.010]),
-        (10, True, False, [0.010, 0.005, 0.001], []),
         # Decisions further apart, or too few yet, are claimed at once.
+        (10, True, False, [0.0101, 0.005, 0.001], []),
         (5, True, False, [0.006, 0.003, 0.0], []),
         (10, True, False, [0.020, 0.010, 0.0], []),
         (5, True, False, [0.001, 0.0], []),
