@@ -88,14 +88,17 @@ class Database:
         )
         self._limit_moved(self.pacing.limit)
 
+    def in_hand_limit(self) -> int:
+        """The most operations the consumer may hold in hand: its limit in messages,
+        each up to ``OUTBOX_MESSAGE_OPERATIONS`` operations."""
+        return self.pacing.limit * self.settings.message_operations
+
     def burst_limit(self) -> int:
         """The most deliveries a burst of claims or of outcomes takes into one
-        transaction: what the consumer may hold in hand (its limit in messages, each up
-        to ``OUTBOX_MESSAGE_OPERATIONS`` operations), up to :data:`MOST_BURST_OPERATIONS`
-        but never fewer than the limit itself. A narrowed limit narrows the bursts."""
-        limit = self.pacing.limit
-        in_hand = limit * self.settings.message_operations
-        return min(in_hand, max(limit, MOST_BURST_OPERATIONS))
+        transaction: what is in hand (:meth:`in_hand_limit`), up to
+        :data:`MOST_BURST_OPERATIONS` but never fewer than the limit itself. A narrowed
+        limit narrows the bursts."""
+        return min(self.in_hand_limit(), max(self.pacing.limit, MOST_BURST_OPERATIONS))
 
     def _slow(self, verdict: str) -> None:
         if self.metrics is not None:

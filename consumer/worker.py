@@ -146,7 +146,7 @@ class Consumer(Daemon):
         self._chunks = Chunks(
             self,
             self.metrics,
-            InHand(lambda: self.database.pacing.limit * self.settings.message_operations),
+            InHand(self.database.in_hand_limit),
         )
 
     def healthy(self) -> bool:
