@@ -34,10 +34,15 @@ class RefundInput(BaseModel):
     reason: str = ""
 
 
+# Built once: each client built without one loads the CA certificates again, tens of
+# milliseconds of CPU an effect.
+TLS = httpx.create_ssl_context()
+
+
 async def send_refund(refund: RefundInput, ctx: ExecutionContext) -> EffectResult:
     """Runs in the consumer, never here: one operation id = one idempotency key."""
     async with httpx.AsyncClient(
-        base_url="https://payments.example", timeout=ctx.remaining()
+        base_url="https://payments.example", timeout=ctx.remaining(), verify=TLS
     ) as http:
         try:
             response = await http.post(

@@ -3,7 +3,9 @@
 A tool that calls its provider with httpx wraps the request in :func:`http_outcomes`
 and passes the response to :func:`outcome_of_response`::
 
-    async with http_outcomes(), httpx.AsyncClient(base_url=...) as client:
+    TLS = httpx.create_ssl_context()  # once: each build loads the CA certificates
+
+    async with http_outcomes(), httpx.AsyncClient(base_url=..., verify=TLS) as client:
         response = await client.post("/refunds", json=..., headers=...)
     outcome_of_response(response)
 
