@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, TextIO
 
 from outbox.text import Scalar, logfmt_value
 
@@ -171,8 +171,27 @@ class ThirdPartyTracebacks(logging.Filter):
         return True
 
 
+class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a line is written, not to the one there
+    when logging was configured (as logging's own last-resort handler does). A host that
+    swaps stderr, a test runner capturing it or a wrapper that redirects it, would
+    otherwise leave every later line aimed at a closed file, each one a traceback."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: TextIO) -> None:
+        # StreamHandler.setStream assigns here; the stream is always sys.stderr.
+        pass
+
+
 def configure_logging(level: str = "INFO", fmt: Literal["logfmt", "json"] = "logfmt") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter())
     handler.addFilter(ThirdPartyTracebacks())
     # Neither format prints the caller's file and line, the thread or the process, and

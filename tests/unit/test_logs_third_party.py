@@ -1,10 +1,13 @@
 """Third-party libraries log at WARNING at the least, and without tracebacks: what they
 would print at INFO (httpx: every request URL) or in a traceback (exception messages,
-frames) may hold user data or credentials."""
+frames) may hold user data or credentials. And the lines go to stderr as it is when they
+are written, not as it was when logging was configured."""
 
 from __future__ import annotations
 
+import io
 import logging
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -68,3 +71,21 @@ def test_the_runtime_keeps_its_own_tracebacks(capsys: pytest.CaptureFixture[str]
         logging.getLogger("consumer.worker").exception("consumer.crashed")
 
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_lines_go_to_stderr_as_it_is_when_they_are_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    configured_on = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", configured_on)
+    configure_logging("INFO")
+    # What a test runner does between tests, or a wrapper that redirects stderr.
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    configured_on.close()
+
+    logging.getLogger("outbox.test").info("after the swap")
+
+    written = now.getvalue()
+    assert "after the swap" in written
+    assert "Logging error" not in written
