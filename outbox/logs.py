@@ -171,7 +171,7 @@ class ThirdPartyTracebacks(logging.Filter):
         return True
 
 
-class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _CurrentStderr(logging.StreamHandler[TextIO]):
     """Writes to whatever ``sys.stderr`` is when a line is written, not to the one there
     when logging was configured (as logging's own last-resort handler does). A host that
     swaps stderr, a test runner capturing it or a wrapper that redirects it, would
